@@ -1,0 +1,43 @@
+"""torch_on_tpu: train unmodified PyTorch models on TPU (and GPU/CPU) through JAX.
+
+Exact versions for a reproducible machine live in constraints.txt; the ranges
+here are what the code is written against.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+  name="torch_on_tpu",
+  version="0.1.0",
+  description="Train unmodified PyTorch models on TPU, GPU and CPU through JAX and torchax.",
+  long_description=open("README.md", encoding="utf-8").read(),
+  long_description_content_type="text/markdown",
+  python_requires=">=3.11",
+  packages=find_packages(include=["torch_on_tpu", "torch_on_tpu.*", "recipes", "recipes.*"]),
+  install_requires=[
+    "torch>=2.11",
+    "torchax==0.0.13",
+    "jax>=0.10",
+    "optax>=0.2.8",
+    "torchtitan==0.3.0",
+    "triton",  # torchtitan 0.3.0 imports it unconditionally
+    "fire",
+    "orbax-checkpoint",
+    "safetensors",
+    "tokenizers",
+    "transformers>=5",
+    "datasets",
+    "pyarrow",
+    "tensorboard",
+    "tqdm",
+    "matplotlib",
+    "psutil",
+    "numpy",
+  ],
+  extras_require={
+    "cpu": ["jax[cpu]"],
+    "tpu": ["jax[tpu]"],
+    "cuda": ["jax[cuda12]"],
+    "test": ["pytest", "pytest-timeout", "pytest-xdist"],
+  },
+)

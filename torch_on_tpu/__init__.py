@@ -1,0 +1,18 @@
+"""torch_on_tpu: train unmodified PyTorch models on TPU, GPU and CPU through JAX."""
+
+from torch_on_tpu import _compat
+
+_torchax = _compat.import_torchax()  # the torchax shim must run before anything imports torchax
+
+from torch_on_tpu import lowerings  # noqa: E402
+
+lowerings.register(_torchax.default_env())
+
+from torch_on_tpu.errors import TorchOnTpuError  # noqa: E402
+from torch_on_tpu.mesh import make_mesh  # noqa: E402
+from torch_on_tpu.module import JittableModule, to_cpu  # noqa: E402
+from torch_on_tpu.ops import override_op  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = ["JittableModule", "TorchOnTpuError", "make_mesh", "override_op", "to_cpu"]

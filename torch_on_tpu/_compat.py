@@ -1,0 +1,97 @@
+"""Version shims for torch / torchax / jax, each gated on the versions it fixes.
+
+Every shim here must be a no-op on a stack that does not need it, and must be
+applied before the library it patches is first imported. `import torch_on_tpu`
+applies them; nothing else in the package imports `torchax` before this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import re
+
+import torch
+
+# torchax releases up to and including this one name the named-tensor (Dimname)
+# ATen overloads at import time; torch 2.13 removed those overloads.
+_LAST_TORCHAX_NAMING_DIMNAME_OVERLOADS = (0, 0, 13)
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+  return tuple(int(x) for x in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def torch_has_dimname_overloads() -> bool:
+  """True where torch still registers the named-tensor ATen overloads."""
+  return hasattr(torch.ops.aten.prod, "dim_Dimname")
+
+
+def dimname_shim_needed() -> bool:
+  """The torchax import failure on torch>=2.13 applies to this stack."""
+  try:
+    torchax_version = _version_tuple(importlib.metadata.version("torchax"))
+  except importlib.metadata.PackageNotFoundError:
+    return False
+  return (
+    not torch_has_dimname_overloads()
+    and torchax_version <= _LAST_TORCHAX_NAMING_DIMNAME_OVERLOADS
+  )
+
+
+class _RemovedOverload:
+  """Stands in for an ATen overload torch no longer has.
+
+  torchax only uses these names as keys of its autocast table and as entries of
+  the list it hands to `torch._decomp.get_decompositions`; a stand-in that is
+  not a `torch._ops.OperatorBase` is never dispatched to and is ignored there.
+  """
+
+  def __init__(self, qualified_name: str):
+    self.qualified_name = qualified_name
+
+  def __repr__(self) -> str:
+    return f"<removed overload {self.qualified_name}>"
+
+
+def is_named_tensor_overload(overload_name: str) -> bool:
+  """ATen names its named-tensor overloads `*Dimname*` or `*names*`
+  (`prod.dim_Dimname`, `std.correction_names`, `norm.names_ScalarOpt_dim`)."""
+  return "dimname" in overload_name.lower() or "names" in overload_name.split("_")
+
+
+@contextlib.contextmanager
+def _tolerate_removed_dimname_overloads():
+  """While active, `torch.ops.aten.<op>.<...Dimname...>` of a removed overload
+  resolves to a `_RemovedOverload` instead of raising AttributeError."""
+  packet_cls = torch._ops.OpOverloadPacket
+  original_getattr = packet_cls.__getattr__
+
+  def getattr_with_fallback(self, key):
+    try:
+      return original_getattr(self, key)
+    except AttributeError:
+      if not is_named_tensor_overload(key):
+        raise
+      return _RemovedOverload(f"{self._qualified_op_name}.{key}")
+
+  packet_cls.__getattr__ = getattr_with_fallback
+  try:
+    yield
+  finally:
+    packet_cls.__getattr__ = original_getattr
+
+
+def import_torchax():
+  """Imports torchax, applying the shims this stack needs first."""
+  import sys
+
+  if "torchax" in sys.modules:
+    return sys.modules["torchax"]
+  shim = _tolerate_removed_dimname_overloads if dimname_shim_needed() else contextlib.nullcontext
+  with shim():
+    import torchax
+    # Loaded lazily by torchax's Environment; both name Dimname overloads.
+    import torchax.amp
+    import torchax.decompositions  # noqa: F401
+  return torchax

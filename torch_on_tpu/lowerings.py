@@ -1,0 +1,61 @@
+"""ATen lowerings torchax lacks, registered into its environment at import.
+
+torchax lowers most functional ATen ops but misses some in-place variants that
+model init code uses (`erfinv_`, reached from `nn.init.trunc_normal_`). Any
+in-place op `aten.X_` whose functional twin `aten.X` has a lowering gets one:
+compute `X`, write the result back into the mutated tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_on_tpu import _compat
+
+torchax = _compat.import_torchax()
+from torchax.ops import op_base, ops_registry  # noqa: E402
+
+
+# In-place ops that change the tensor's shape or strides: writing the functional
+# result back with copy_ would be wrong, so they are left to torchax.
+_SHAPE_CHANGING = {"as_strided_", "t_", "transpose_", "squeeze_", "unsqueeze_", "resize_", "set_", "swapdims_", "swapaxes_"}
+
+
+def _has_lowering(env, packet) -> bool:
+  return packet in env._ops or getattr(packet, "default", None) in env._ops
+
+
+def missing_inplace_variants(env) -> list[tuple[str, object, object]]:
+  """(name, in-place packet, functional packet) for each in-place op torchax cannot lower."""
+  out = []
+  for name in dir(torch.ops.aten):
+    if not name.endswith("_") or name.startswith("_") or name.endswith("__"):
+      continue
+    if name in _SHAPE_CHANGING:
+      continue
+    inplace = getattr(torch.ops.aten, name, None)
+    functional = getattr(torch.ops.aten, name[:-1], None)
+    if inplace is None or functional is None:
+      continue
+    if _has_lowering(env, inplace) or env._decomps.get(getattr(inplace, "default", None)):
+      continue
+    if _has_lowering(env, functional):
+      out.append((name, inplace, functional))
+  return out
+
+
+def register(env) -> list[str]:
+  """Registers the missing in-place variants into `env`; returns their names."""
+  added = []
+  for name, inplace, functional in missing_inplace_variants(env):
+    op = ops_registry.Operator(
+      inplace,
+      op_base.InplaceOp(functional),
+      is_jax_function=False,
+      is_user_defined=False,
+      needs_env=False,
+      is_view_op=True,
+    )
+    env._ops[inplace] = op
+    added.append(name)
+  return added

@@ -1,0 +1,70 @@
+"""Device meshes and device facts.
+
+`make_mesh(fsdp=-1)` / `make_mesh(fsdp=4, tp=2)` builds a `jax.sharding.Mesh`
+over all global devices (every host's), ordered by `jax.make_mesh` so that
+neighbouring mesh coordinates are neighbours in the physical topology.
+Axes are `Auto`: shardings propagate through torch code like GSPMD does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from torch_on_tpu.errors import TorchOnTpuError
+
+# Mesh axes that carry the batch, in the order a batch dim is split over them.
+DATA_AXIS_NAMES = ("data", "dp", "fsdp", "batch")
+
+
+def make_mesh(devices=None, **axes: int) -> Mesh:
+  """A named mesh over all global devices; one axis may be -1 (fill the rest).
+
+  `make_mesh(fsdp=-1)` puts every device on one `fsdp` axis;
+  `make_mesh(fsdp=4, tp=2)` needs exactly 8 devices.
+  """
+  if not axes:
+    axes = {"fsdp": -1}
+  devices = list(jax.devices() if devices is None else devices)
+  count = len(devices)
+  names = tuple(axes)
+  sizes = [int(s) for s in axes.values()]
+  fill = [n for n, s in zip(names, sizes) if s == -1]
+  if len(fill) > 1:
+    raise TorchOnTpuError(
+      f"make_mesh got -1 for axes {fill}; only one axis may fill the remaining devices."
+    )
+  bad = [n for n, s in zip(names, sizes) if s == 0 or s < -1]
+  if bad:
+    raise TorchOnTpuError(f"make_mesh axis sizes must be positive or -1; got {axes}.")
+  known = math.prod(s for s in sizes if s != -1)
+  if fill:
+    if count % known:
+      raise TorchOnTpuError(
+        f"make_mesh({_fmt(axes)}): the fixed axes multiply to {known}, which does not divide "
+        f"the {count} available devices; pick sizes whose product divides {count}."
+      )
+    sizes[names.index(fill[0])] = count // known
+  if math.prod(sizes) != count:
+    raise TorchOnTpuError(
+      f"make_mesh({_fmt(axes)}) needs {math.prod(sizes)} devices but {count} are available; "
+      f"make the axis sizes multiply to {count} or use -1 on one axis."
+    )
+  return jax.make_mesh(
+    tuple(sizes), names, axis_types=(AxisType.Auto,) * len(names), devices=devices
+  )
+
+
+def data_axes(mesh: Mesh) -> tuple[str, ...]:
+  """The mesh axes a batch dim is sharded over by default.
+
+  Those named like data axes (`data`, `dp`, `fsdp`, `batch`); a mesh with none of
+  them (say only `tp`) replicates the batch.
+  """
+  return tuple(a for a in mesh.axis_names if a in DATA_AXIS_NAMES)
+
+
+def _fmt(axes: dict) -> str:
+  return ", ".join(f"{k}={v}" for k, v in axes.items())

@@ -1,0 +1,51 @@
+"""HF transformers causal LMs: building from a local config, and the FSDP+TP map
+for the Llama family's parameter names (Llama, Mistral, Qwen2/3, Gemma, Phi-3...)."""
+
+from __future__ import annotations
+
+import torch
+
+from torch_on_tpu.models._maps import present_rules
+
+_FSDP_TP = {
+  "**.embed_tokens.weight": ("tp", "fsdp"),
+  "**.q_proj.weight": ("tp", "fsdp"),
+  "**.k_proj.weight": ("tp", "fsdp"),
+  "**.v_proj.weight": ("tp", "fsdp"),
+  "**.qkv_proj.weight": ("tp", "fsdp"),
+  "**.q_proj.bias": ("tp",),
+  "**.k_proj.bias": ("tp",),
+  "**.v_proj.bias": ("tp",),
+  "**.o_proj.weight": ("fsdp", "tp"),
+  "**.o_proj.bias": (None,),
+  "**.gate_proj.weight": ("tp", "fsdp"),
+  "**.up_proj.weight": ("tp", "fsdp"),
+  "**.gate_up_proj.weight": ("tp", "fsdp"),
+  "**.down_proj.weight": ("fsdp", "tp"),
+  "**.down_proj.bias": (None,),
+  "**norm.weight": (None,),
+  "**norm.bias": (None,),
+  "lm_head.weight": ("tp", "fsdp"),
+}
+
+
+def is_hf(module: torch.nn.Module) -> bool:
+  try:
+    from transformers import PreTrainedModel
+  except ImportError:
+    return False
+  return isinstance(module, PreTrainedModel)
+
+
+def fsdp_tp_map(module: torch.nn.Module) -> dict | None:
+  if not is_hf(module):
+    return None
+  return present_rules(module, _FSDP_TP)
+
+
+def build_causal_lm(config, *, device="meta") -> torch.nn.Module:
+  """`AutoModelForCausalLM.from_config` on `device` (meta: nothing allocated)."""
+  from transformers import AutoModelForCausalLM
+
+  with torch.device(device):
+    return AutoModelForCausalLM.from_config(config)

@@ -1,0 +1,391 @@
+"""`JittableModule`: the object the user holds.
+
+    model = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=-1), sharding="fsdp")
+    logits = model(tokens)                 # jitted; CPU inputs are placed on the mesh
+
+It takes a torch module nobody edited (built on `meta`, or initialised on CPU),
+resolves a sharding map against its parameter names, materialises every
+parameter directly in its sharding, and runs the module's own `forward` as a
+pure function of `(params, buffers, inputs)` under `jax.jit`.
+
+The boundary between the two worlds stays visible: `.params` / `.buffers` are
+dicts of `jax.Array` (the jax world, what the train step and checkpoints use);
+`functional_call` takes torch tensors that view those arrays (`torch_view`) and
+runs torch code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import math
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.utils._pytree as torch_pytree
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from torch_on_tpu import _compat, materialize, ops
+from torch_on_tpu import mesh as mesh_lib
+from torch_on_tpu import sharding as sharding_lib
+from torch_on_tpu.errors import TorchOnTpuError
+
+torchax = _compat.import_torchax()
+from torchax.interop import jax_view, torch_view  # noqa: E402
+from torchax.tensor import Tensor as TorchaxTensor  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+
+class JittableModule:
+  """A torch module whose parameters live on a device mesh as sharded jax arrays.
+
+  Args:
+    module: the torch model, built under `torch.device("meta")` (preferred: no
+      host copy is ever made) or initialised on CPU.
+    mesh: from `make_mesh`; defaults to all devices on one `fsdp` axis.
+    sharding: a map `{pattern: spec}`, or a preset: `"fsdp"`, `"replicated"`,
+      `"fsdp_tp"` (known model families, see `torch_on_tpu.models`).
+    strict: parameters no pattern covers are an error instead of replicated.
+    seed: the init seed (materialisation is reproducible for a given seed).
+    init_fn: `init_fn(module)` initialising in place; default is the model's own.
+    data_axes: mesh axes the batch dim is sharded over; default `mesh.data_axes`.
+    abstract: build shapes and shardings only (`jax.ShapeDtypeStruct`s), for
+      memory planning and ahead-of-time compiles; nothing is allocated.
+  """
+
+  def __init__(
+    self,
+    module: torch.nn.Module,
+    *,
+    mesh: Mesh | None = None,
+    sharding: str | Mapping = "fsdp",
+    strict: bool = False,
+    seed: int = 0,
+    init_fn: Callable[[torch.nn.Module], None] | None = None,
+    data_axes: tuple[str, ...] | None = None,
+    abstract: bool = False,
+  ):
+    if not isinstance(module, torch.nn.Module):
+      raise TorchOnTpuError(
+        f"JittableModule wraps a torch.nn.Module, got {type(module).__name__}."
+      )
+    self.module = module
+    self.mesh = mesh if mesh is not None else mesh_lib.make_mesh(fsdp=-1)
+    self.data_axes = tuple(data_axes) if data_axes is not None else mesh_lib.data_axes(self.mesh)
+    for axis in self.data_axes:
+      if axis not in self.mesh.shape:
+        raise TorchOnTpuError(
+          f"data_axes names '{axis}', which the mesh {dict(self.mesh.shape)} lacks."
+        )
+
+    entries = materialize.inventory(module)
+    self._entries = {e.name: e for e in entries}
+    self._state_dict_names = list(module.state_dict(keep_vars=True))
+    self._hooked_modules = _outermost_hooked_modules(module)
+    self._aliases = {alias: e.name for e in entries for alias in e.aliases}
+    sharding_map = _sharding_map_for(module, sharding)
+    self._resolved = sharding_lib.resolve(
+      sharding_map,
+      [sharding_lib.TensorInfo(e.name, e.shape, e.is_param) for e in entries],
+      [name for name, _ in module.named_modules() if name],
+      self.mesh,
+      strict=strict,
+    )
+    shardings = self._resolved.shardings(self.mesh)
+    if abstract:
+      arrays = materialize.materialize(
+        module, entries, shardings, seed=seed, init_fn=init_fn, abstract=True
+      )
+    elif materialize.is_meta(module):
+      arrays = materialize.materialize(module, entries, shardings, seed=seed, init_fn=init_fn)
+    else:
+      arrays = materialize.upload(module, entries, shardings)
+      _to_meta(module)
+    self.params: dict[str, jax.Array] = {e.name: arrays[e.name] for e in entries if e.is_param}
+    self.buffers: dict[str, jax.Array] = {
+      e.name: arrays[e.name] for e in entries if not e.is_param
+    }
+    self._rng = jax.random.key(seed + 1)
+    self._compiled: dict = {}
+
+  # ---- the jax world ---------------------------------------------------------------
+
+  @property
+  def param_shardings(self) -> dict[str, NamedSharding]:
+    return {k: NamedSharding(self.mesh, self._resolved.specs[k]) for k in self.params}
+
+  @property
+  def buffer_shardings(self) -> dict[str, NamedSharding]:
+    return {k: NamedSharding(self.mesh, self._resolved.specs[k]) for k in self.buffers}
+
+  def batch_sharding(self, ndim: int, batch_size: int | None = None) -> NamedSharding:
+    """Dim 0 over the data axes (replicated where they do not divide it)."""
+    axes = self.data_axes
+    ways = math.prod(self.mesh.shape[a] for a in axes)
+    if not axes or (batch_size is not None and batch_size % ways):
+      return NamedSharding(self.mesh, PartitionSpec(*([None] * ndim)))
+    lead = axes[0] if len(axes) == 1 else axes
+    return NamedSharding(self.mesh, PartitionSpec(lead, *([None] * (ndim - 1))))
+
+  def place(self, tensor: torch.Tensor) -> jax.Array:
+    """A host tensor → a global array, batch dim sharded over the data axes."""
+    if isinstance(tensor, TorchaxTensor):
+      return tensor.jax()
+    if tensor.ndim == 0:
+      return jnp.asarray(materialize.torch_to_numpy(tensor))
+    sharding = self.batch_sharding(tensor.ndim, tensor.shape[0])
+    return materialize.to_global_array(tensor, sharding)
+
+  # ---- the torch world ---------------------------------------------------------------
+
+  def functional_call(self, params: Mapping, buffers: Mapping, *args, **kwargs):
+    """Runs the module's own forward with the given params and buffers.
+
+    Values may be jax arrays or torch tensors viewing them; the call must be
+    traced or run where torchax may compute (we enter its environment).
+    """
+    env = torchax.default_env()
+    tensors = {**dict(buffers), **dict(params)}
+    tensors = {k: torch_view(v) if isinstance(v, jax.Array) else v for k, v in tensors.items()}
+    for alias, name in self._aliases.items():
+      if name in tensors:
+        tensors[alias] = tensors[name]
+    with env, self._activation_constraints():
+      with torch.nn.utils.stateless._reparametrize_module(self.module, tensors):
+        return self.module(*args, **kwargs)
+
+  def __call__(self, *args, **kwargs):
+    """Jitted forward. Tensors are traced (CPU ones placed on the mesh); every
+    other argument (flags like `use_cache=False`) is static."""
+    leaves, treedef = torch_pytree.tree_flatten((args, kwargs))
+    is_tensor = tuple(isinstance(x, torch.Tensor) for x in leaves)
+    statics = tuple(None if t else x for x, t in zip(leaves, is_tensor))
+    dynamic = [self.place(x) for x, t in zip(leaves, is_tensor) if t]
+    try:
+      key = (treedef, is_tensor, statics, ops.generation())
+      hash(key)
+    except TypeError as e:
+      raise TorchOnTpuError(
+        f"A non-tensor argument to the model is unhashable ({e}); pass tensors for data "
+        f"and hashable Python values (bools, ints, strings, tuples) for flags."
+      ) from None
+    entry = self._compiled.get(key)
+    if entry is None:
+      entry = self._compiled[key] = self._build_forward(treedef, is_tensor, statics)
+    jitted, out_spec = entry
+    self._rng, rng = jax.random.split(self._rng)
+    out_leaves = jitted(self.params, self.buffers, dynamic, rng)
+    return _unflatten_output(out_spec, out_leaves)
+
+  def _build_forward(self, treedef, is_tensor, statics):
+    out_spec = {}
+
+    def forward(params, buffers, dynamic, rng):
+      it = iter(dynamic)
+      leaves = [torch_view(next(it)) if t else s for t, s in zip(is_tensor, statics)]
+      args, kwargs = torch_pytree.tree_unflatten(leaves, treedef)
+      env = torchax.default_env()
+      with env.override_property(prng=rng):
+        out = self.functional_call(params, buffers, *args, **kwargs)
+      flat, out_tree = torch_pytree.tree_flatten(out)
+      out_spec["tree"] = out_tree
+      out_spec["is_tensor"] = [isinstance(x, torch.Tensor) for x in flat]
+      out_spec["statics"] = [None if isinstance(x, torch.Tensor) else x for x in flat]
+      return [jax_view(x) for x in flat if isinstance(x, torch.Tensor)]
+
+    return jax.jit(forward), out_spec
+
+  @contextlib.contextmanager
+  def _activation_constraints(self):
+    """Forward hooks pinning the outputs of modules the map names (activation rules)."""
+    rules = self._resolved.activations
+    if not rules:
+      yield
+      return
+    handles = []
+    compiled = [(sharding_lib.compile_pattern(p), p, s) for p, s in rules.items()]
+    for name, mod in self.module.named_modules():
+      hits = [(sharding_lib.specificity(p), p, s) for rx, p, s in compiled if rx.match(name)]
+      if hits:
+        _, pattern, spec = max(hits, key=lambda h: h[0])
+        handles.append(mod.register_forward_hook(_constrain_hook(name, pattern, spec, self.mesh)))
+    try:
+      yield
+    finally:
+      for h in handles:
+        h.remove()
+
+  # ---- inspection and export ---------------------------------------------------------
+
+  def array_for(self, name: str) -> jax.Array:
+    """The array behind one parameter or buffer name of the original module."""
+    canonical = self._aliases.get(name, name)
+    if canonical in self.params:
+      return self.params[canonical]
+    return self.buffers[canonical]
+
+  def state_dict(self) -> dict[str, torch.Tensor]:
+    """Original names → plain CPU torch tensors, each copied to host on access."""
+    return LazyStateDict(self)
+
+  def sharding_table(self) -> "ShardingTable":
+    rows = []
+    for name, arr in {**self.params, **self.buffers}.items():
+      spec = self._resolved.specs[name]
+      sharding = NamedSharding(self.mesh, spec)
+      shard = sharding.shard_shape(tuple(arr.shape))
+      rows.append(
+        dict(
+          name=name,
+          shape=tuple(arr.shape),
+          dtype=str(jnp.dtype(arr.dtype)),
+          spec=str(tuple(spec)),
+          shard_shape=shard,
+          bytes_per_device=math.prod(shard) * jnp.dtype(arr.dtype).itemsize,
+        )
+      )
+    return ShardingTable(rows)
+
+
+class LazyStateDict(Mapping):
+  """The model's `state_dict()` (same names, same tensors) as plain CPU tensors,
+  each copied to the host when accessed, never all at once.
+
+  Names come from the torch module's own `state_dict()`, so modules that rename
+  on save through state_dict hooks (torchtitan's fused `wqkv` saves as
+  `wq`/`wk`/`wv`) keep their names: such a module's hook runs on device arrays
+  when one of its entries is read.
+  """
+
+  def __init__(self, jm: JittableModule):
+    self._jm = jm
+    self._names = jm._state_dict_names
+    self._hooked = jm._hooked_modules
+
+  def __getitem__(self, name):
+    if name not in self._names:
+      raise KeyError(name)
+    for prefix, mod in self._hooked:
+      if name.startswith(prefix + "."):
+        return to_cpu(self._from_hooked_module(prefix, mod)[name])
+    return to_cpu(self._jm.array_for(name))
+
+  def _from_hooked_module(self, prefix, mod):
+    own = {n: torch_view(self._jm.array_for(f"{prefix}.{n}")) for n, _ in _named_state(mod)}
+    with torchax.default_env(), torch.nn.utils.stateless._reparametrize_module(mod, own):
+      return mod.state_dict(prefix=prefix + ".", keep_vars=True)
+
+  def __iter__(self):
+    return iter(self._names)
+
+  def __len__(self):
+    return len(self._names)
+
+
+def _named_state(mod):
+  yield from mod.named_parameters(remove_duplicate=False)
+  for name, buf in mod.named_buffers(remove_duplicate=False):
+    yield name, buf
+
+
+@dataclasses.dataclass
+class ShardingTable:
+  rows: list[dict]
+
+  def __str__(self) -> str:
+    headers = ["name", "shape", "dtype", "spec", "per-device shape", "bytes/device"]
+    body = [
+      [
+        r["name"],
+        "x".join(map(str, r["shape"])) or "()",
+        r["dtype"],
+        r["spec"],
+        "x".join(map(str, r["shard_shape"])) or "()",
+        _human_bytes(r["bytes_per_device"]),
+      ]
+      for r in self.rows
+    ]
+    total = sum(r["bytes_per_device"] for r in self.rows)
+    body.append(["total", "", "", "", "", _human_bytes(total)])
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *body)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def to_cpu(tree):
+  """Torch tensors backed by jax arrays (or jax arrays) → plain CPU torch tensors."""
+
+  def convert(x):
+    if isinstance(x, TorchaxTensor):
+      x = x.jax()
+    if isinstance(x, jax.Array):
+      host = np.asarray(jax.device_get(x))
+      if host.dtype.name == "bfloat16":
+        return torch.from_numpy(host.view(np.uint16)).view(torch.bfloat16)
+      return torch.from_numpy(np.array(host))
+    return x
+
+  return torch_pytree.tree_map(convert, tree, is_leaf=lambda x: isinstance(x, jax.Array))
+
+
+def _unflatten_output(out_spec, out_leaves):
+  it = iter(out_leaves)
+  flat = [
+    torch_view(next(it)) if t else s for t, s in zip(out_spec["is_tensor"], out_spec["statics"])
+  ]
+  return torch_pytree.tree_unflatten(flat, out_spec["tree"])
+
+
+def _constrain_hook(name, pattern, spec, mesh):
+  sharding = NamedSharding(mesh, spec)
+
+  def hook(module, args, output):
+    first = output[0] if isinstance(output, tuple) else output
+    if not isinstance(first, torch.Tensor):
+      return output
+    if first.ndim != len(spec):
+      raise TorchOnTpuError(
+        f"Activation rule '{pattern}' gives spec {tuple(spec)} ({len(spec)} dims) but module "
+        f"'{name}' outputs shape {tuple(first.shape)}; give one entry per output dim."
+      )
+    pinned = torch_view(jax.lax.with_sharding_constraint(jax_view(first), sharding))
+    return (pinned, *output[1:]) if isinstance(output, tuple) else pinned
+
+  return hook
+
+
+def _outermost_hooked_modules(module) -> list[tuple[str, torch.nn.Module]]:
+  """Submodules whose state_dict hooks may rename or reshape their entries."""
+  found = []
+  for prefix, mod in module.named_modules():
+    if not prefix or not (mod._state_dict_hooks or mod._state_dict_pre_hooks):
+      continue
+    if not any(prefix.startswith(outer + ".") for outer, _ in found):
+      found.append((prefix, mod))
+  return found
+
+
+def _sharding_map_for(module, sharding):
+  if isinstance(sharding, str) and sharding not in ("fsdp", "replicated"):
+    from torch_on_tpu import models
+
+    return models.sharding_map(module, sharding)
+  return sharding
+
+
+def _to_meta(module: torch.nn.Module) -> None:
+  """Frees the host copy of an uploaded model; its values now live on the mesh."""
+  module.to_empty(device="meta")
+
+
+def _human_bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(n) < 1024 or unit == "TiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024

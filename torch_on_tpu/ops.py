@@ -1,0 +1,120 @@
+"""Runtime op overrides from user scripts, applied when torch code is traced.
+
+    @tot.override_op(torch.nn.functional.gelu)
+    def gelu_tanh(x, approximate="none"):
+        return torch.nn.functional.gelu(x, approximate="tanh")  # sees the original
+
+    with tot.override_op(torch.ops.aten.silu.default, my_silu):
+        logits = model(tokens)
+
+The target is a torch function (`torch.nn.functional.gelu`) or an ATen op
+(`torch.ops.aten.gelu.default`); the implementation is plain torch code that
+receives torch tensors. As a decorator the override stays until `.remove()`;
+as a context manager the previous definition returns on exit. Inside the
+implementation the target resolves to what it was before the override, so an
+override can wrap the original. Compiled functions are keyed on
+`generation()`, so a changed override retraces instead of reusing a stale
+program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from torch_on_tpu import _compat
+
+torchax = _compat.import_torchax()
+from torchax.ops import ops_registry  # noqa: E402
+
+_generation = 0
+_lock = threading.Lock()
+
+
+def generation() -> int:
+  """Changes whenever an override is installed or removed."""
+  return _generation
+
+
+def _bump():
+  global _generation
+  with _lock:
+    _generation += 1
+
+
+class override_op(contextlib.ContextDecorator):
+  """Replaces the lowering of `target` with the torch function `impl`."""
+
+  def __init__(self, target, impl=None, *, env=None):
+    self.target = target
+    self.impl = impl
+    self.env = env or torchax.default_env()
+    self._previous = None
+    self._active = False
+    if impl is not None:
+      self._install()
+
+  # Decorator form: @override_op(target) def impl(...)
+  def __call__(self, impl):
+    if self.impl is not None:
+      return super().__call__(impl)
+    self.impl = impl
+    self._install()
+    impl.remove = self.remove
+    return impl
+
+  def _install(self):
+    if self._active:
+      return
+    ops = self.env._ops
+    self._previous = ops.get(self.target)
+    previous = self._previous
+    impl = self.impl
+    env = self.env
+    target = self.target
+
+    def run_with_previous(*args, **kwargs):
+      # While the override runs, the target means what it meant before.
+      mine = env._ops.get(target)
+      _set(env, target, previous)
+      try:
+        return impl(*args, **kwargs)
+      finally:
+        _set(env, target, mine)
+
+    _set(
+      env,
+      target,
+      ops_registry.Operator(
+        target,
+        run_with_previous,
+        is_jax_function=False,
+        is_user_defined=True,
+        needs_env=False,
+        is_view_op=False,
+      ),
+    )
+    self._active = True
+    _bump()
+
+  def remove(self):
+    if not self._active:
+      return
+    _set(self.env, self.target, self._previous)
+    self._active = False
+    _bump()
+
+  def __enter__(self):
+    self._install()
+    return self
+
+  def __exit__(self, *exc):
+    self.remove()
+    return False
+
+
+def _set(env, target, operator):
+  if operator is None:
+    env._ops.pop(target, None)
+  else:
+    env._ops[target] = operator

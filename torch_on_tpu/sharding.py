@@ -1,0 +1,234 @@
+"""Sharding maps: glob patterns over parameter names → partition specs.
+
+A map is a dict `{pattern: spec}`:
+
+* a *spec* is a tuple with one entry per tensor dim: a mesh axis name, `None`
+  (replicated), or a tuple of axis names (`("fsdp", "tp")`);
+* a *pattern* is matched against the full dotted name. `*` matches one name
+  component (a layer index: `layers.*.attention.wo.weight`), `**` matches any
+  number of components (`**.bias`). Patterns match the names `named_parameters()`
+  and `named_buffers()` report (the state_dict keys, for almost every model).
+* **Precedence:** when several patterns match a name, the most specific wins:
+  the one with the most literal (non-wildcard) characters; a tie goes to the
+  entry written first.
+* An entry whose pattern matches no parameter or buffer but matches a module
+  name is an *activation rule*: that module's output (the first element when it
+  returns a tuple) is constrained to the spec with `with_sharding_constraint`,
+  e.g. `{"layers.*": ("fsdp", None, None)}` pins the hidden state between blocks.
+
+Parameters no pattern covers are replicated and listed once (a `strict=True`
+resolution makes that an error). Presets: `"fsdp"`, `"replicated"`, and the
+FSDP+TP maps for known model families (`"fsdp_tp"`, see `torch_on_tpu.models`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import math
+import re
+from collections.abc import Mapping, Sequence
+
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from torch_on_tpu.errors import TorchOnTpuError
+
+logger = logging.getLogger(__name__)
+
+# "fsdp" preset: tensors with fewer elements than this are replicated; sharding
+# them saves less memory than the all-gather costs in latency.
+FSDP_MIN_ELEMENTS = 2**14
+
+Spec = tuple  # entries: str | None | tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+  """What resolution needs to know about one parameter or buffer."""
+
+  name: str
+  shape: tuple[int, ...]
+  is_param: bool = True
+
+
+@dataclasses.dataclass
+class Resolved:
+  """The outcome of resolving a map against a model and a mesh."""
+
+  specs: dict[str, PartitionSpec]  # every parameter and buffer name
+  activations: dict[str, PartitionSpec]  # activation rules: module pattern → spec
+  uncovered: list[str]  # parameter names no pattern covered (replicated)
+
+  def shardings(self, mesh: Mesh) -> dict[str, NamedSharding]:
+    return {name: NamedSharding(mesh, spec) for name, spec in self.specs.items()}
+
+
+def compile_pattern(pattern: str) -> re.Pattern:
+  """`*` → one dotted component, `**` → any number of components."""
+  out = []
+  i = 0
+  while i < len(pattern):
+    if pattern.startswith("**", i):
+      out.append(".*")
+      i += 2
+    elif pattern[i] == "*":
+      out.append("[^.]*")
+      i += 1
+    elif pattern[i] == "?":
+      out.append("[^.]")
+      i += 1
+    else:
+      out.append(re.escape(pattern[i]))
+      i += 1
+  return re.compile("".join(out) + r"\Z")
+
+
+def specificity(pattern: str) -> int:
+  return len(pattern.replace("*", "").replace("?", ""))
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  if isinstance(entry, str):
+    return (entry,)
+  return tuple(entry)
+
+
+def _fmt_spec(spec) -> str:
+  return "(" + ", ".join(repr(e) for e in spec) + ("," if len(spec) == 1 else "") + ")"
+
+
+def _fmt_mesh(mesh: Mesh) -> str:
+  return "mesh(" + ", ".join(f"{a}={n}" for a, n in mesh.shape.items()) + ")"
+
+
+def check_spec(name: str, shape: Sequence[int], spec, mesh: Mesh) -> PartitionSpec:
+  """Validates one spec for one tensor; raises a one-sentence error naming both."""
+  spec = tuple(spec)
+  where = f"parameter '{name}' of shape {tuple(shape)} with spec {_fmt_spec(spec)} on {_fmt_mesh(mesh)}"
+  if len(spec) != len(shape):
+    raise TorchOnTpuError(
+      f"Sharding {where}: the spec has {len(spec)} entries but the tensor has {len(shape)} dims; "
+      f"give one entry (axis name, tuple of axes, or None) per dim."
+    )
+  used = []
+  for dim, (size, entry) in enumerate(zip(shape, spec)):
+    axes = _axes_of(entry)
+    for axis in axes:
+      if axis not in mesh.shape:
+        raise TorchOnTpuError(
+          f"Sharding {where}: the mesh has no axis '{axis}' (it has {list(mesh.axis_names)}); "
+          f"rename the axis in the map or add it to make_mesh."
+        )
+      if axis in used:
+        raise TorchOnTpuError(
+          f"Sharding {where}: axis '{axis}' is used on two dims; each mesh axis may shard one dim."
+        )
+      used.append(axis)
+    ways = math.prod(mesh.shape[a] for a in axes)
+    if ways > 1 and size % ways:
+      raise TorchOnTpuError(
+        f"Sharding {where}: dim {dim} has size {size}, which {'×'.join(axes)}={ways} does not divide; "
+        f"shard another dim, replicate it (None), or change the mesh."
+      )
+  return PartitionSpec(*spec)
+
+
+def fsdp_spec(shape: Sequence[int], mesh: Mesh, axis: str = "fsdp") -> tuple:
+  """The "fsdp" preset for one tensor: its largest dim the axis divides, else replicated."""
+  ways = mesh.shape[axis]
+  spec = [None] * len(shape)
+  if ways == 1 or math.prod(shape) < FSDP_MIN_ELEMENTS:
+    return tuple(spec)
+  candidates = [d for d, n in enumerate(shape) if n % ways == 0]
+  if candidates:
+    best = max(candidates, key=lambda d: (shape[d], -d))
+    spec[best] = axis
+  return tuple(spec)
+
+
+def resolve(
+  sharding_map: Mapping[str, Spec] | str,
+  tensors: Sequence[TensorInfo],
+  module_names: Sequence[str],
+  mesh: Mesh,
+  *,
+  strict: bool = False,
+) -> Resolved:
+  """Resolves a map (or preset name) for every tensor; one clear error on any mistake."""
+  if isinstance(sharding_map, str):
+    return _resolve_preset(sharding_map, tensors, mesh)
+  tensors = list(tensors)
+  rules = [(p, compile_pattern(p), tuple(s)) for p, s in sharding_map.items()]
+  tensor_names = [t.name for t in tensors]
+
+  matched_tensor = {p: False for p, _, _ in rules}
+  specs: dict[str, PartitionSpec] = {}
+  uncovered = []
+  for t in tensors:
+    hits = [(p, s) for p, rx, s in rules if rx.match(t.name)]
+    for p, _ in hits:
+      matched_tensor[p] = True
+    if not hits:
+      specs[t.name] = PartitionSpec(*([None] * len(t.shape)))
+      if t.is_param:
+        uncovered.append(t.name)
+      continue
+    best = max(hits, key=lambda h: specificity(h[0]))  # max keeps the first of equals
+    specs[t.name] = check_spec(t.name, t.shape, best[1], mesh)
+
+  activations = {}
+  for p, rx, s in rules:
+    if matched_tensor[p]:
+      continue
+    modules = [m for m in module_names if rx.match(m)]
+    if not modules:
+      near = difflib.get_close_matches(p, tensor_names + list(module_names), n=3, cutoff=0.5)
+      hint = f" Near misses: {near}." if near else ""
+      raise TorchOnTpuError(
+        f"Sharding pattern '{p}' (spec {_fmt_spec(s)}) matches no parameter, buffer or module "
+        f"of the model on {_fmt_mesh(mesh)}; fix the name ('*' stands for one name component).{hint}"
+      )
+    for axis in (a for e in s for a in _axes_of(e)):
+      if axis not in mesh.shape:
+        raise TorchOnTpuError(
+          f"Activation rule '{p}' with spec {_fmt_spec(s)}: the mesh has no axis '{axis}' "
+          f"(it has {list(mesh.axis_names)}); rename the axis or add it to make_mesh."
+        )
+    activations[p] = PartitionSpec(*s)
+
+  if uncovered:
+    if strict:
+      raise TorchOnTpuError(
+        f"Sharding map (strict) covers no pattern for {len(uncovered)} parameters, first "
+        f"'{uncovered[0]}'; add patterns for them or drop strict=True to replicate them."
+      )
+    logger.warning(
+      "Sharding map covers no pattern for %d parameters; they are replicated: %s",
+      len(uncovered),
+      ", ".join(uncovered),
+    )
+  return Resolved(specs=specs, activations=activations, uncovered=uncovered)
+
+
+def _resolve_preset(name: str, tensors: Sequence[TensorInfo], mesh: Mesh) -> Resolved:
+  if name == "replicated":
+    specs = {t.name: PartitionSpec(*([None] * len(t.shape))) for t in tensors}
+  elif name == "fsdp":
+    if "fsdp" not in mesh.shape:
+      raise TorchOnTpuError(
+        f"The 'fsdp' sharding preset needs an 'fsdp' mesh axis but the mesh is {_fmt_mesh(mesh)}; "
+        f"build it with make_mesh(fsdp=-1) or pass a sharding map."
+      )
+    specs = {
+      t.name: PartitionSpec(*(fsdp_spec(t.shape, mesh) if t.is_param else [None] * len(t.shape)))
+      for t in tensors
+    }
+  else:
+    raise TorchOnTpuError(
+      f"Unknown sharding preset '{name}'; use 'fsdp', 'replicated', 'fsdp_tp' (known model "
+      f"families) or a dict {{pattern: spec}}."
+    )
+  return Resolved(specs=specs, activations={}, uncovered=[])
