@@ -55,6 +55,10 @@ class JittableModule:
     seed: the init seed (materialisation is reproducible for a given seed).
     init_fn: `init_fn(module)` initialising in place; default is the model's own.
     data_axes: mesh axes the batch dim is sharded over; default `mesh.data_axes`.
+    attention: which kernel runs `scaled_dot_product_attention` (and
+      torchtitan's flex attention): `"auto"` (by platform), `"splash"`,
+      `"cudnn"`, `"xla"`, or `None` (torchax's default lowering).
+    attention_block_sizes: splash kernel block sizes (see `attention`).
     abstract: build shapes and shardings only (`jax.ShapeDtypeStruct`s), for
       memory planning and ahead-of-time compiles; nothing is allocated.
   """
@@ -69,6 +73,8 @@ class JittableModule:
     seed: int = 0,
     init_fn: Callable[[torch.nn.Module], None] | None = None,
     data_axes: tuple[str, ...] | None = None,
+    attention: str | None = "auto",
+    attention_block_sizes: Mapping | None = None,
     abstract: bool = False,
   ):
     if not isinstance(module, torch.nn.Module):
@@ -77,6 +83,8 @@ class JittableModule:
       )
     self.module = module
     self.mesh = mesh if mesh is not None else mesh_lib.make_mesh(fsdp=-1)
+    self.attention = attention
+    self.attention_block_sizes = dict(attention_block_sizes or {})
     self.data_axes = tuple(data_axes) if data_axes is not None else mesh_lib.data_axes(self.mesh)
     for axis in self.data_axes:
       if axis not in self.mesh.shape:
@@ -156,9 +164,19 @@ class JittableModule:
     for alias, name in self._aliases.items():
       if name in tensors:
         tensors[alias] = tensors[name]
-    with env, self._activation_constraints():
+    with env, self._activation_constraints(), self._attention_kernels():
       with torch.nn.utils.stateless._reparametrize_module(self.module, tensors):
         return self.module(*args, **kwargs)
+
+  def _attention_kernels(self):
+    from torch_on_tpu import attention as attention_lib
+
+    return attention_lib.kernels(
+      self.attention,
+      mesh=self.mesh,
+      data_axes=self.data_axes,
+      block_sizes=self.attention_block_sizes,
+    )
 
   def __call__(self, *args, **kwargs):
     """Jitted forward. Tensors are traced (CPU ones placed on the mesh); every

@@ -113,6 +113,36 @@ class override_op(contextlib.ContextDecorator):
     return False
 
 
+@contextlib.contextmanager
+def bridge_overrides(overrides: dict, *, env=None, is_jax_function: bool = False):
+  """Installs the bridge's own lowerings (attention kernels) for one trace.
+
+  Unlike `override_op` this does not change `generation()`: the bridge installs
+  the same overrides on every trace, so they are part of what a compiled
+  program is keyed on already (the module's settings), not a user change.
+  """
+  env = env or torchax.default_env()
+  previous = {t: env._ops.get(t) for t in overrides}
+  for target, impl in overrides.items():
+    _set(
+      env,
+      target,
+      ops_registry.Operator(
+        target,
+        impl,
+        is_jax_function=is_jax_function,
+        is_user_defined=True,
+        needs_env=False,
+        is_view_op=False,
+      ),
+    )
+  try:
+    yield
+  finally:
+    for target, op in previous.items():
+      _set(env, target, op)
+
+
 def _set(env, target, operator):
   if operator is None:
     env._ops.pop(target, None)
