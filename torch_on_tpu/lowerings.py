@@ -4,6 +4,10 @@ torchax lowers most functional ATen ops but misses some in-place variants that
 model init code uses (`erfinv_`, reached from `nn.init.trunc_normal_`). Any
 in-place op `aten.X_` whose functional twin `aten.X` has a lowering gets one:
 compute `X`, write the result back into the mutated tensor.
+
+`normal_` is written out: torchax routes it through `aten.normal`, whose
+overloads in torch 2.13 no longer accept `(self, mean, std)`, so every
+`nn.init.normal_` (HF's default init) fails.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import torch
 from torch_on_tpu import _compat
 
 torchax = _compat.import_torchax()
+import jax  # noqa: E402
 from torchax.ops import op_base, ops_registry  # noqa: E402
+from torchax.view import View  # noqa: E402
 
 
 # In-place ops that change the tensor's shape or strides: writing the functional
@@ -44,8 +50,38 @@ def missing_inplace_variants(env) -> list[tuple[str, object, object]]:
   return out
 
 
+def _normal_(self, mean=0.0, std=1.0, *, generator=None, env=None):
+  target = self.torch() if isinstance(self, View) else self
+  key = env.get_and_rotate_prng_key(generator)
+  dtype = target.jax().dtype
+  sample = jax.random.normal(key, tuple(target.shape)) * std + mean
+  if isinstance(self, View):
+    self.update(env.j2t_iso(sample.astype(dtype)))
+  else:
+    self._elem = sample.astype(dtype)
+  return self
+
+
 def register(env) -> list[str]:
-  """Registers the missing in-place variants into `env`; returns their names."""
+  """Registers the missing lowerings into `env`; returns the in-place ops added."""
+  env._ops[torch.ops.aten.normal_] = ops_registry.Operator(
+    torch.ops.aten.normal_,
+    _normal_,
+    is_jax_function=False,
+    is_user_defined=False,
+    needs_env=True,
+    is_view_op=True,
+  )
+  # torch's device-side assert (torchtitan's RoPE bounds check on `positions`):
+  # jax has no asynchronous device assert, so the check is skipped.
+  env._ops[torch.ops.aten._assert_async] = ops_registry.Operator(
+    torch.ops.aten._assert_async,
+    lambda *args, **kwargs: None,
+    is_jax_function=True,
+    is_user_defined=False,
+    needs_env=False,
+    is_view_op=False,
+  )
   added = []
   for name, inplace, functional in missing_inplace_variants(env):
     op = ops_registry.Operator(

@@ -98,12 +98,25 @@ def default_init_fn(module: torch.nn.Module) -> Callable[[torch.nn.Module], None
   if callable(getattr(module, "init_states", None)):  # torchtitan
     return lambda m: m.init_states(buffer_device=torch.device("jax"))
   if callable(getattr(module, "initialize_weights", None)):  # HF transformers
+    return _hf_init
 
-    def hf_init(m):
-      m.initialize_weights()
-
-    return hf_init
   return reset_parameters_everywhere
+
+
+def _hf_init(module: torch.nn.Module) -> None:
+  """HF's `initialize_weights`, run as if for the first time.
+
+  HF marks modules `_is_hf_initialized` and then skips them; the marks would
+  make a second materialisation of the same meta model leave zeros.
+  """
+  saved = {m: m.__dict__.pop("_is_hf_initialized") for m in module.modules() if "_is_hf_initialized" in m.__dict__}
+  try:
+    module.initialize_weights()
+  finally:
+    for m in module.modules():
+      m.__dict__.pop("_is_hf_initialized", None)
+    for m, flag in saved.items():
+      m._is_hf_initialized = flag
 
 
 def reset_parameters_everywhere(module: torch.nn.Module) -> None:

@@ -31,6 +31,7 @@ import torch.utils._pytree as torch_pytree
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from torch_on_tpu import _compat, materialize, ops
+from torch_on_tpu import scan as scan_lib
 from torch_on_tpu import mesh as mesh_lib
 from torch_on_tpu import sharding as sharding_lib
 from torch_on_tpu.errors import TorchOnTpuError
@@ -59,6 +60,11 @@ class JittableModule:
       torchtitan's flex attention): `"auto"` (by platform), `"splash"`,
       `"cudnn"`, `"xla"`, or `None` (torchax's default lowering).
     attention_block_sizes: splash kernel block sizes (see `attention`).
+    scan: run the model's stack of identical blocks as one `lax.scan`
+      (compile time flat in depth); names stay the original per-layer ones.
+    remat: per-layer rematerialisation policy (`torch_on_tpu.remat.NAMES`).
+      With `scan=False` the stack runs as a Python loop with the same policy.
+    unroll: layers per scan iteration.
     abstract: build shapes and shardings only (`jax.ShapeDtypeStruct`s), for
       memory planning and ahead-of-time compiles; nothing is allocated.
   """
@@ -75,6 +81,9 @@ class JittableModule:
     data_axes: tuple[str, ...] | None = None,
     attention: str | None = "auto",
     attention_block_sizes: Mapping | None = None,
+    scan: bool = False,
+    remat: str | None = None,
+    unroll: int = 1,
     abstract: bool = False,
   ):
     if not isinstance(module, torch.nn.Module):
@@ -94,31 +103,45 @@ class JittableModule:
 
     entries = materialize.inventory(module)
     self._entries = {e.name: e for e in entries}
+    self._aliases = {alias: e.name for e in entries for alias in e.aliases}
     self._state_dict_names = list(module.state_dict(keep_vars=True))
     self._hooked_modules = _outermost_hooked_modules(module)
-    self._aliases = {alias: e.name for e in entries for alias in e.aliases}
-    sharding_map = _sharding_map_for(module, sharding)
     self._resolved = sharding_lib.resolve(
-      sharding_map,
+      _sharding_map_for(module, sharding),
       [sharding_lib.TensorInfo(e.name, e.shape, e.is_param) for e in entries],
       [name for name, _ in module.named_modules() if name],
       self.mesh,
       strict=strict,
     )
-    shardings = self._resolved.shardings(self.mesh)
-    if abstract:
-      arrays = materialize.materialize(
-        module, entries, shardings, seed=seed, init_fn=init_fn, abstract=True
-      )
-    elif materialize.is_meta(module):
-      arrays = materialize.materialize(module, entries, shardings, seed=seed, init_fn=init_fn)
+    self._layout = None
+    if scan or remat not in (None, "none"):
+      self._layout = scan_lib.plan(module, entries)
+    if self._layout:
+      self._specs = self._layout.internal_specs(self._resolved.specs)
+      restructure = self._layout.stack_arrays
     else:
-      arrays = materialize.upload(module, entries, shardings)
+      self._specs = dict(self._resolved.specs)
+      restructure = None
+    stored = {n: NamedSharding(self.mesh, s) for n, s in self._specs.items()}
+
+    if abstract or materialize.is_meta(module):
+      arrays = materialize.materialize(
+        module, entries, stored, seed=seed, init_fn=init_fn, restructure=restructure, abstract=abstract
+      )
+    else:
+      arrays = materialize.upload(module, entries, self._resolved.shardings(self.mesh))
+      if restructure:
+        arrays = jax.jit(restructure, out_shardings=stored, donate_argnums=0)(arrays)
       _to_meta(module)
-    self.params: dict[str, jax.Array] = {e.name: arrays[e.name] for e in entries if e.is_param}
-    self.buffers: dict[str, jax.Array] = {
-      e.name: arrays[e.name] for e in entries if not e.is_param
-    }
+
+    if self._layout:
+      self._layout.apply(module, remat=remat, unroll=unroll, loop=not scan)
+      is_param = {n: self._entries[group[0]].is_param for n, group in self._layout.groups.items()}
+    else:
+      is_param = {}
+    is_param.update({e.name: e.is_param for e in entries})
+    self.params: dict[str, jax.Array] = {n: a for n, a in arrays.items() if is_param[n]}
+    self.buffers: dict[str, jax.Array] = {n: a for n, a in arrays.items() if not is_param[n]}
     self._rng = jax.random.key(seed + 1)
     self._compiled: dict = {}
 
@@ -126,11 +149,11 @@ class JittableModule:
 
   @property
   def param_shardings(self) -> dict[str, NamedSharding]:
-    return {k: NamedSharding(self.mesh, self._resolved.specs[k]) for k in self.params}
+    return {k: NamedSharding(self.mesh, self._specs[k]) for k in self.params}
 
   @property
   def buffer_shardings(self) -> dict[str, NamedSharding]:
-    return {k: NamedSharding(self.mesh, self._resolved.specs[k]) for k in self.buffers}
+    return {k: NamedSharding(self.mesh, self._specs[k]) for k in self.buffers}
 
   def batch_sharding(self, ndim: int, batch_size: int | None = None) -> NamedSharding:
     """Dim 0 over the data axes (replicated where they do not divide it)."""
@@ -164,9 +187,13 @@ class JittableModule:
     for alias, name in self._aliases.items():
       if name in tensors:
         tensors[alias] = tensors[name]
-    with env, self._activation_constraints(), self._attention_kernels():
-      with torch.nn.utils.stateless._reparametrize_module(self.module, tensors):
-        return self.module(*args, **kwargs)
+    # Random ops rotate the env's key; scoping the key keeps a traced key from
+    # leaking into torchax's global state (pass a fresh key with
+    # `env.override_property(prng=key)` around the call for per-step randomness).
+    with env, env.override_property(prng=env.param.prng):
+      with self._activation_constraints(), self._attention_kernels():
+        with torch.nn.utils.stateless._reparametrize_module(self.module, tensors):
+          return self.module(*args, **kwargs)
 
   def _attention_kernels(self):
     from torch_on_tpu import attention as attention_lib
@@ -212,6 +239,7 @@ class JittableModule:
       with env.override_property(prng=rng):
         out = self.functional_call(params, buffers, *args, **kwargs)
       flat, out_tree = torch_pytree.tree_flatten(out)
+      _check_output_leaves(flat)
       out_spec["tree"] = out_tree
       out_spec["is_tensor"] = [isinstance(x, torch.Tensor) for x in flat]
       out_spec["statics"] = [None if isinstance(x, torch.Tensor) else x for x in flat]
@@ -229,6 +257,8 @@ class JittableModule:
     handles = []
     compiled = [(sharding_lib.compile_pattern(p), p, s) for p, s in rules.items()]
     for name, mod in self.module.named_modules():
+      if self._layout:
+        name = self._layout.original_module_name(name)
       hits = [(sharding_lib.specificity(p), p, s) for rx, p, s in compiled if rx.match(name)]
       if hits:
         _, pattern, spec = max(hits, key=lambda h: h[0])
@@ -244,9 +274,9 @@ class JittableModule:
   def array_for(self, name: str) -> jax.Array:
     """The array behind one parameter or buffer name of the original module."""
     canonical = self._aliases.get(name, name)
-    if canonical in self.params:
-      return self.params[canonical]
-    return self.buffers[canonical]
+    stored, index = self._layout.lookup(canonical) if self._layout else (canonical, None)
+    arr = self.params[stored] if stored in self.params else self.buffers[stored]
+    return arr if index is None else arr[index]
 
   def state_dict(self) -> dict[str, torch.Tensor]:
     """Original names → plain CPU torch tensors, each copied to host on access."""
@@ -255,7 +285,7 @@ class JittableModule:
   def sharding_table(self) -> "ShardingTable":
     rows = []
     for name, arr in {**self.params, **self.buffers}.items():
-      spec = self._resolved.specs[name]
+      spec = self._specs[name]
       sharding = NamedSharding(self.mesh, spec)
       shard = sharding.shard_shape(tuple(arr.shape))
       rows.append(
@@ -350,6 +380,15 @@ def to_cpu(tree):
     return x
 
   return torch_pytree.tree_map(convert, tree, is_leaf=lambda x: isinstance(x, jax.Array))
+
+
+def _check_output_leaves(flat):
+  for x in flat:
+    if not isinstance(x, (torch.Tensor, type(None), bool, int, float, str)):
+      raise TorchOnTpuError(
+        f"The model's output contains a {type(x).__name__}, which cannot leave a compiled "
+        f"function; return tensors (for HF models pass use_cache=False)."
+      )
 
 
 def _unflatten_output(out_spec, out_leaves):

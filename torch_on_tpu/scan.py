@@ -1,0 +1,355 @@
+"""Scan over layers: a model's stack of identical blocks runs as one `lax.scan`.
+
+Compile time of an unrolled layer loop grows with depth; a scan compiles the
+block once. `ScannedModule` stacks N homogeneous layers' parameters and buffers
+along a new leading dim and runs them with `jax.lax.scan`, with a remat policy
+per layer. `find_layer_stack` + `ScanLayout` swap a model's own layer container
+(torchtitan's `layers` ModuleDict iterated with `.values()`, HF's
+`model.layers` ModuleList sliced with `[:n]`) for a container whose iteration
+yields one module that runs the whole scan, so the model's forward runs
+unchanged.
+
+Names stay the model's: sharding maps written for `layers.*.attention.wo.weight`
+resolve on the per-layer names and the stacked parameter gets `None` on its
+layer dim; `state_dict()` and checkpoints read `layers.3.attention.wo.weight`
+as slice 3 of the stacked array.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import torch
+from jax.sharding import PartitionSpec
+
+from torch_on_tpu import _compat, remat as remat_lib
+from torch_on_tpu.errors import TorchOnTpuError
+
+torchax = _compat.import_torchax()
+from torchax.interop import jax_view, torch_view  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+# The stacked copy of layer 0's tensors lives at `<stack path>.<SCAN>.<LAYER>.<name in layer>`.
+SCAN = "scan"
+LAYER = "layer"
+
+
+def _stack_params(layers: list[torch.nn.Module], name: str, is_param: bool) -> torch.Tensor:
+  """A meta tensor with a leading layer dim for one per-layer tensor name."""
+  first = layers[0].get_parameter(name) if is_param else layers[0].get_buffer(name)
+  stacked = torch.empty((len(layers), *first.shape), dtype=first.dtype, device="meta")
+  return torch.nn.Parameter(stacked, requires_grad=first.requires_grad) if is_param else stacked
+
+
+class ScannedModule(torch.nn.Module):
+  """N homogeneous layers run as one `jax.lax.scan` over their stacked tensors.
+
+  Call it like one layer: `h = scanned(h, *extra, **kw)`. The extra positional
+  and keyword arguments are the same for every layer (RoPE tables, masks,
+  position ids, HF's `position_embeddings` tuple). A layer returns the hidden
+  state, or a tuple whose first element is the hidden state and whose other
+  elements are None.
+
+  Args:
+    layers: the layers, all of one class with the same tensor names, shapes
+      and dtypes. Layer 0 becomes the template; its tensors are replaced by
+      stacked ones (leading dim N).
+    remat: per-layer rematerialisation policy name (see `torch_on_tpu.remat`).
+    unroll: how many layers one scan iteration runs (`lax.scan(unroll=)`).
+    loop: run a Python loop over the layers instead of a scan (same remat),
+      for comparison; compile time then grows with depth.
+  """
+
+  def __init__(
+    self,
+    layers,
+    *,
+    remat: str | None = None,
+    unroll: int = 1,
+    loop: bool = False,
+  ):
+    super().__init__()
+    layers = list(layers)
+    if not layers:
+      raise TorchOnTpuError("ScannedModule needs at least one layer.")
+    problem = homogeneity_problem(layers)
+    if problem:
+      raise TorchOnTpuError(f"ScannedModule needs identical layers: {problem}.")
+    self.num_layers = len(layers)
+    self.remat = remat
+    self.unroll = unroll
+    self.loop = loop
+    template = layers[0]
+    stacked_params = {n: _stack_params(layers, n, True) for n, _ in template.named_parameters()}
+    stacked_buffers = {n: _stack_params(layers, n, False) for n, _ in template.named_buffers()}
+    for name, t in {**stacked_params, **stacked_buffers}.items():
+      owner_path, _, leaf = name.rpartition(".")
+      owner = template.get_submodule(owner_path) if owner_path else template
+      if name in stacked_params:
+        owner._parameters[leaf] = t
+      else:
+        owner._buffers[leaf] = t
+    self.add_module(LAYER, template)
+
+  def __getattr__(self, name):
+    # Attributes a model's loop reads off its layers (HF `attention_type`) come
+    # from the template layer.
+    try:
+      return super().__getattr__(name)
+    except AttributeError:
+      if LAYER not in self.__dict__.get("_modules", {}):
+        raise
+      return getattr(self._modules[LAYER], name)
+
+  def forward(self, hidden, *args, **kwargs):
+    _refuse_caches(kwargs)
+    template = self._modules[LAYER]
+    stacked = {
+      **{n: jax_view(t) for n, t in template.named_parameters()},
+      **{n: jax_view(t) for n, t in template.named_buffers()},
+    }
+    env = torchax.default_env()
+    keys = jax.random.split(env.get_and_rotate_prng_key(), self.num_layers)
+    extras = {}
+
+    def one_layer(h, layer_tensors, key):
+      with env.override_property(prng=key), _swapped(template, layer_tensors):
+        out = template(torch_view(h), *args, **kwargs)
+      return jax_view(_hidden_of(out, extras))
+
+    one_layer = remat_lib.checkpoint(one_layer, self.remat)
+    h = jax_view(hidden)
+    if self.loop:
+      for i in range(self.num_layers):
+        h = one_layer(h, jax.tree.map(lambda a, i=i: a[i], stacked), keys[i])
+    else:
+
+      def body(h, xs):
+        layer_tensors, key = xs
+        return one_layer(h, layer_tensors, key), None
+
+      h, _ = jax.lax.scan(body, h, (stacked, keys), unroll=self.unroll)
+    out = torch_view(h)
+    if extras.get("tuple_len"):
+      return (out, *([None] * (extras["tuple_len"] - 1)))
+    return out
+
+
+class ScanContainer(torch.nn.Module):
+  """Stands where the model's layer container stood; iterating it (directly,
+  `.values()`, or a slice covering every layer) yields the one `ScannedModule`."""
+
+  def __init__(self, scanned: ScannedModule, original: torch.nn.Module):
+    super().__init__()
+    self.add_module(SCAN, scanned)
+    self._original_type = type(original).__name__
+
+  def _only(self):
+    return [self._modules[SCAN]]
+
+  def __iter__(self):
+    return iter(self._only())
+
+  def values(self):
+    return self._only()
+
+  def __len__(self):
+    return self._modules[SCAN].num_layers
+
+  def __getitem__(self, index):
+    n = self._modules[SCAN].num_layers
+    if isinstance(index, slice) and range(n)[index] == range(n):
+      return self._only()
+    raise TorchOnTpuError(
+      f"The model indexes its scanned {self._original_type} with [{index!r}]; scan runs all "
+      f"{n} layers as one module, so only iteration over every layer works: use scan=False."
+    )
+
+
+@dataclasses.dataclass
+class LayerStack:
+  """Where a model keeps its blocks: `path` of the container and its child keys in order."""
+
+  path: str
+  keys: list[str]
+  container: torch.nn.Module
+
+  @property
+  def layers(self) -> list[torch.nn.Module]:
+    return [self.container._modules[k] for k in self.keys]
+
+
+def find_layer_stack(module: torch.nn.Module) -> LayerStack | None:
+  """The ModuleList/ModuleDict holding the most parameters in ≥2 same-class blocks."""
+  best, best_count = None, 0
+  for path, mod in module.named_modules():
+    if not isinstance(mod, (torch.nn.ModuleList, torch.nn.ModuleDict)) or len(mod) < 2:
+      continue
+    keys = list(mod._modules)
+    kinds = {type(mod._modules[k]) for k in keys}
+    if len(kinds) != 1:
+      continue
+    count = sum(p.numel() for p in mod.parameters())
+    if count > best_count:
+      best, best_count = LayerStack(path, keys, mod), count
+  return best
+
+
+def homogeneity_problem(layers: list[torch.nn.Module]) -> str | None:
+  """Why these layers cannot be stacked (first differing layer and tensor), or None."""
+  first = layers[0]
+  ref = _signature(first)
+  seen = {id(t) for _, t in _tensors(first)}
+  for i, layer in enumerate(layers[1:], start=1):
+    if type(layer) is not type(first):
+      return f"layer {i} is a {type(layer).__name__}, layer 0 a {type(first).__name__}"
+    sig = _signature(layer)
+    for name in ref:
+      if name not in sig:
+        return f"layer {i} has no tensor '{name}' that layer 0 has"
+      if sig[name] != ref[name]:
+        return f"layer {i}'s '{name}' is {sig[name]}, layer 0's is {ref[name]}"
+    extra = [n for n in sig if n not in ref]
+    if extra:
+      return f"layer {i} has a tensor '{extra[0]}' that layer 0 lacks"
+    shared = [n for n, t in _tensors(layer) if id(t) in seen]
+    if shared:
+      return f"layer {i} shares its tensor '{shared[0]}' with another layer"
+    seen.update(id(t) for _, t in _tensors(layer))
+  types = getattr(getattr(first, "config", None), "layer_types", None)
+  if types and len(set(types[: len(layers)])) > 1:
+    return f"the config's layer_types differ across layers ({sorted(set(types))})"
+  return None
+
+
+class ScanLayout:
+  """How a model's per-layer tensors map to stacked ones, and back.
+
+  Built before materialisation from the model's original structure; `stack`
+  runs inside the materialising jit; `apply` swaps the container afterwards.
+  """
+
+  def __init__(self, stack: LayerStack, entries):
+    self.stack = stack
+    self.prefix = f"{stack.path}." if stack.path else ""
+    self.internal_prefix = f"{self.prefix}{SCAN}.{LAYER}."
+    per_layer = [f"{self.prefix}{k}." for k in stack.keys]
+    template = stack.layers[0]
+    self.names_in_layer = [n for n, _ in _tensors(template)]
+    self.groups: dict[str, list[str]] = {
+      self.internal_prefix + n: [p + n for p in per_layer] for n in self.names_in_layer
+    }
+    self._where = {orig: (internal, i) for internal, group in self.groups.items() for i, orig in enumerate(group)}
+    names = {e.name for e in entries}
+    aliased = [a for e in entries for a in e.aliases if a in self._where or e.name in self._where]
+    if aliased:
+      raise TorchOnTpuError(
+        f"Cannot scan '{stack.path}': its tensor '{aliased[0]}' is tied to another tensor; use scan=False."
+      )
+    missing = [o for o in self._where if o not in names]
+    if missing:
+      raise TorchOnTpuError(f"Cannot scan '{stack.path}': tensor '{missing[0]}' is not a distinct tensor.")
+
+  def original_module_name(self, name: str) -> str:
+    """A module name in the swapped model → its name in layer 0 of the original."""
+    inside = self.internal_prefix[:-1]
+    if name == inside or name.startswith(self.internal_prefix):
+      return f"{self.prefix}{self.stack.keys[0]}{name[len(inside):]}"
+    return name
+
+  def lookup(self, name: str) -> tuple[str, int | None]:
+    """Original name → (stored name, layer index or None when not stacked)."""
+    return self._where.get(name, (name, None))
+
+  def internal_specs(self, specs: Mapping[str, PartitionSpec]) -> dict[str, PartitionSpec]:
+    out = {k: v for k, v in specs.items() if k not in self._where}
+    for internal, group in self.groups.items():
+      first = specs[group[0]]
+      for orig in group[1:]:
+        if specs[orig] != first:
+          raise TorchOnTpuError(
+            f"Scanned layers need one sharding per stacked tensor, but '{orig}' resolves to "
+            f"{tuple(specs[orig])} and '{group[0]}' to {tuple(first)}; write the map with '*' for "
+            f"the layer index or use scan=False."
+          )
+      out[internal] = PartitionSpec(None, *first)
+    return out
+
+  def stack_arrays(self, arrays: dict) -> dict:
+    """Canonical per-layer dict → stored dict (stacked groups); traceable."""
+    out = {k: v for k, v in arrays.items() if k not in self._where}
+    for internal, group in self.groups.items():
+      out[internal] = jnp.stack([arrays[o] for o in group])
+    return out
+
+  def apply(
+    self,
+    module: torch.nn.Module,
+    *,
+    remat: str | None,
+    unroll: int,
+    loop: bool,
+  ) -> ScannedModule:
+    """Swaps the model's layer container for the scan (in place)."""
+    scanned = ScannedModule(self.stack.layers, remat=remat, unroll=unroll, loop=loop)
+    container = ScanContainer(scanned, self.stack.container)
+    owner_path, _, leaf = self.stack.path.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    setattr(owner, leaf, container)
+    return scanned
+
+
+def plan(module: torch.nn.Module, entries) -> ScanLayout | None:
+  """The scan layout for a model's layer stack, or None (with the reason logged)."""
+  stack = find_layer_stack(module)
+  if stack is None:
+    logger.warning("scan=True: found no stack of two or more identical blocks; running unscanned.")
+    return None
+  problem = homogeneity_problem(stack.layers)
+  if problem:
+    logger.warning("scan=True: cannot scan '%s' because %s; running unscanned.", stack.path, problem)
+    return None
+  return ScanLayout(stack, entries)
+
+
+def _tensors(module):
+  yield from module.named_parameters(remove_duplicate=False)
+  yield from module.named_buffers(remove_duplicate=False)
+
+
+def _signature(module) -> dict[str, tuple]:
+  return {n: (tuple(t.shape), t.dtype) for n, t in _tensors(module)}
+
+
+@contextlib.contextmanager
+def _swapped(layer: torch.nn.Module, tensors: Mapping[str, jax.Array]):
+  views = {n: torch_view(a) for n, a in tensors.items()}
+  with torch.nn.utils.stateless._reparametrize_module(layer, views):
+    yield
+
+
+def _hidden_of(out, extras: dict):
+  if isinstance(out, tuple):
+    rest = [i for i, x in enumerate(out[1:], start=1) if x is not None]
+    if rest:
+      raise TorchOnTpuError(
+        f"A scanned layer returned a tuple with a non-None element at index {rest[0]}; scan carries "
+        f"only the hidden state, so return values other than it must be None: use scan=False."
+      )
+    extras["tuple_len"] = len(out)
+    return out[0]
+  return out
+
+
+def _refuse_caches(kwargs):
+  if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None or kwargs.get("past_key_value") is not None:
+    raise TorchOnTpuError(
+      "A scanned layer stack got a KV cache (use_cache=True or past_key_values); scan runs every "
+      "layer as one, so call the model with use_cache=False."
+    )
