@@ -5,6 +5,10 @@ model init code uses (`erfinv_`, reached from `nn.init.trunc_normal_`). Any
 in-place op `aten.X_` whose functional twin `aten.X` has a lowering gets one:
 compute `X`, write the result back into the mutated tensor.
 
+`.cpu()` on a jax-backed tensor returns a plain CPU tensor even outside the
+torchax environment (torchax only allows it inside), so model outputs come
+back the way torch users expect.
+
 `normal_` is written out: torchax routes it through `aten.normal`, whose
 overloads in torch 2.13 no longer accept `(self, mean, std)`, so every
 `nn.init.normal_` (HF's default init) fails.
@@ -19,6 +23,7 @@ from torch_on_tpu import _compat
 torchax = _compat.import_torchax()
 import jax  # noqa: E402
 from torchax.ops import op_base, ops_registry  # noqa: E402
+from torchax.tensor import Tensor as TorchaxTensor  # noqa: E402
 from torchax.view import View  # noqa: E402
 
 
@@ -82,6 +87,7 @@ def register(env) -> list[str]:
     needs_env=False,
     is_view_op=False,
   )
+  TorchaxTensor.cpu = _to_host
   added = []
   for name, inplace, functional in missing_inplace_variants(env):
     op = ops_registry.Operator(
@@ -95,3 +101,10 @@ def register(env) -> list[str]:
     env._ops[inplace] = op
     added.append(name)
   return added
+
+
+def _to_host(self, *args, **kwargs):
+  """`.cpu()` on a jax-backed tensor outside torchax's environment: a plain CPU copy."""
+  from torch_on_tpu.module import to_cpu
+
+  return to_cpu(self)

@@ -1,0 +1,125 @@
+"""Shared pieces of the parity tests: tiny models, an eager CPU reference, ‖Δ‖/‖ref‖."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import torch
+import torch.nn.functional as F
+import transformers
+
+import torch_on_tpu as tot  # noqa: F401
+from torch_on_tpu import _compat
+from torch_on_tpu.models.hf import build_causal_lm
+from torch_on_tpu.models.torchtitan import build_llama3
+
+torchax = _compat.import_torchax()
+from torchax.interop import jax_view, torch_view  # noqa: E402
+
+SEQ = 16
+BATCH = 8
+
+
+def rel(a, b) -> float:
+  a = np.asarray(a, dtype=np.float64)
+  b = np.asarray(b, dtype=np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def titan(device="meta", **kw):
+  """torchtitan's own Llama 3 debugmodel (6 layers, dim 256, vocab 2048), SDPA attention."""
+  return build_llama3("debugmodel", attention="sdpa", max_seq_len=SEQ, device=device, **kw)
+
+
+def hf_config(arch: str = "llama"):
+  common = dict(vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False)
+  configs = {
+    "llama": lambda: transformers.LlamaConfig(
+      hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **common
+    ),
+    "qwen2": lambda: transformers.Qwen2Config(
+      hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **common
+    ),
+    "gemma": lambda: transformers.GemmaConfig(
+      hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      head_dim=16, **common
+    ),
+    "phi3": lambda: transformers.Phi3Config(
+      hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      pad_token_id=0, **common
+    ),
+    "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=256),
+  }
+  config = configs[arch]()
+  config._attn_implementation = "sdpa"
+  return config
+
+
+def hf(arch="llama", device="meta"):
+  model = build_causal_lm(hf_config(arch), device=device)
+  model.eval()  # dropout off: parity against eager needs the same function
+  return model
+
+
+def vocab_of(model) -> int:
+  config = getattr(model, "config", None)
+  return getattr(config, "vocab_size", 2048)
+
+
+def call_kwargs(model) -> dict:
+  return {"use_cache": False} if hasattr(model, "config") and hasattr(model.config, "use_cache") else {}
+
+
+def logits_of(out):
+  return out.logits if hasattr(out, "logits") else out
+
+
+def reference(jm, builder):
+  """The same weights in a plain eager CPU torch model."""
+  ref = builder(device="cpu")
+  ref.load_state_dict(dict(jm.state_dict()), strict=True)
+  ref.eval()
+  return ref
+
+
+def torch_loss_and_grads(ref, tokens, labels, kwargs):
+  ref.zero_grad()
+  logits = logits_of(ref(tokens, **kwargs))
+  loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+  loss.backward()
+  grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+  return logits.detach(), loss.detach(), grads
+
+
+def jax_loss_and_grads(jm, tokens, labels, kwargs):
+  """Cross-entropy grads through the JittableModule, keyed like `named_parameters()`."""
+
+  def loss_fn(params, tokens, labels):
+    out = jm.functional_call(params, jm.buffers, torch_view(tokens), **kwargs)
+    logits = logits_of(out)
+    with torchax.default_env():
+      loss = F.cross_entropy(logits.flatten(0, 1).float(), torch_view(labels).flatten())
+    return jax_view(loss)
+
+  loss, grads = jax.jit(jax.value_and_grad(loss_fn))(jm.params, jm.place(tokens), jm.place(labels))
+  return loss, grads
+
+
+def per_layer(jm, stored: dict) -> dict:
+  """A dict keyed like `jm.params` (maybe stacked) → original per-layer names."""
+  out = {}
+  groups = jm._layout.groups if jm._layout else {}
+  for name, value in stored.items():
+    if name in groups:
+      for i, original in enumerate(groups[name]):
+        out[original] = np.asarray(value[i])
+    else:
+      out[name] = np.asarray(value)
+  return out
+
+
+def random_batch(vocab, batch=BATCH, seq=SEQ, seed=0):
+  g = torch.Generator().manual_seed(seed)
+  tokens = torch.randint(0, vocab, (batch, seq), generator=g)
+  labels = torch.randint(0, vocab, (batch, seq), generator=g)
+  return tokens, labels
