@@ -2,17 +2,33 @@
 
 from torch_on_tpu import _compat
 
-_torchax = _compat.import_torchax()  # the torchax shim must run before anything imports torchax
+if not _compat.started_as_doctor():  # the doctor must start even where torchax cannot import
+  # The torchax shim must run before anything imports torchax.
+  _torchax = _compat.import_torchax()
 
-from torch_on_tpu import lowerings  # noqa: E402
+  from torch_on_tpu import lowerings  # noqa: E402
 
-lowerings.register(_torchax.default_env())
+  lowerings.register(_torchax.default_env())
 
-from torch_on_tpu.errors import TorchOnTpuError  # noqa: E402
-from torch_on_tpu.mesh import make_mesh  # noqa: E402
-from torch_on_tpu.module import JittableModule, to_cpu  # noqa: E402
-from torch_on_tpu.ops import override_op  # noqa: E402
+  from torch_on_tpu.errors import TorchOnTpuError  # noqa: E402
+  from torch_on_tpu.mesh import make_mesh  # noqa: E402
+  from torch_on_tpu.module import JittableModule, to_cpu  # noqa: E402
+  from torch_on_tpu.ops import override_op  # noqa: E402
+  from torch_on_tpu.scan import ScannedModule  # noqa: E402
+  from torch_on_tpu.train import TrainState, TrainStep, make_train_step  # noqa: E402
+  from torch_on_tpu.trainer import Trainer  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["JittableModule", "TorchOnTpuError", "make_mesh", "override_op", "to_cpu"]
+__all__ = [
+  "JittableModule",
+  "ScannedModule",
+  "TorchOnTpuError",
+  "TrainState",
+  "TrainStep",
+  "Trainer",
+  "make_mesh",
+  "make_train_step",
+  "override_op",
+  "to_cpu",
+]

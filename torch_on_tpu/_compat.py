@@ -82,6 +82,13 @@ def _tolerate_removed_dimname_overloads():
     packet_cls.__getattr__ = original_getattr
 
 
+def started_as_doctor() -> bool:
+  """True when this process is `python -m torch_on_tpu.doctor`."""
+  import sys
+
+  return getattr(sys, "orig_argv", [])[1:3] == ["-m", "torch_on_tpu.doctor"]
+
+
 def import_torchax():
   """Imports torchax, applying the shims this stack needs first."""
   import sys

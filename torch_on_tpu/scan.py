@@ -41,9 +41,13 @@ LAYER = "layer"
 
 
 def _stack_params(layers: list[torch.nn.Module], name: str, is_param: bool) -> torch.Tensor:
-  """A meta tensor with a leading layer dim for one per-layer tensor name."""
-  first = layers[0].get_parameter(name) if is_param else layers[0].get_buffer(name)
-  stacked = torch.empty((len(layers), *first.shape), dtype=first.dtype, device="meta")
+  """One per-layer tensor name stacked along a new leading layer dim (meta stays meta)."""
+  get = (lambda m: m.get_parameter(name)) if is_param else (lambda m: m.get_buffer(name))
+  first = get(layers[0])
+  if first.device.type == "meta":
+    stacked = torch.empty((len(layers), *first.shape), dtype=first.dtype, device="meta")
+  else:
+    stacked = torch.stack([get(layer).detach() for layer in layers])
   return torch.nn.Parameter(stacked, requires_grad=first.requires_grad) if is_param else stacked
 
 

@@ -38,9 +38,13 @@ def is_hf(module: torch.nn.Module) -> bool:
 
 
 def fsdp_tp_map(module: torch.nn.Module) -> dict | None:
+  """The Llama-family map, or None for an HF model without those projection names."""
   if not is_hf(module):
     return None
-  return present_rules(module, _FSDP_TP)
+  rules = present_rules(module, _FSDP_TP)
+  if not any("tp" in spec for spec in rules.values()):
+    return None
+  return rules
 
 
 def build_causal_lm(config, *, device="meta") -> torch.nn.Module:

@@ -1,0 +1,167 @@
+"""Scan over layers: same numbers as the layer loop, original names, clear refusals."""
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import torch_on_tpu as tot
+from torch_on_tpu import scan as scan_lib
+from tests import helpers as h
+
+CASES = [
+  ("titan", h.titan, dict(fsdp=8), "fsdp"),
+  ("titan", h.titan, dict(fsdp=4, tp=2), "fsdp_tp"),
+  ("hf-llama", h.hf, dict(fsdp=8), "fsdp"),
+  ("hf-llama", h.hf, dict(fsdp=4, tp=2), "fsdp_tp"),
+]
+
+
+@pytest.mark.parametrize("name,builder,mesh_axes,sharding", CASES, ids=[f"{c[0]}-{c[3]}" for c in CASES])
+def test_scanned_equals_unscanned_within_1e_6(name, builder, mesh_axes, sharding):
+  mesh = tot.make_mesh(**mesh_axes)
+  loop = tot.JittableModule(builder(), mesh=mesh, sharding=sharding)
+  scanned = tot.JittableModule(builder(), mesh=mesh, sharding=sharding, scan=True)
+  kwargs = h.call_kwargs(loop.module)
+  tokens, labels = h.random_batch(h.vocab_of(loop.module))
+  a = tot.to_cpu(h.logits_of(loop(tokens, **kwargs)))
+  b = tot.to_cpu(h.logits_of(scanned(tokens, **kwargs)))
+  assert h.rel(b, a) < 1e-6
+  _, ga = h.jax_loss_and_grads(loop, tokens, labels, kwargs)
+  _, gb = h.jax_loss_and_grads(scanned, tokens, labels, kwargs)
+  gb = h.per_layer(scanned, gb)
+  assert set(gb) == set(ga)
+  worst = max((h.rel(gb[n], ga[n]), n) for n in ga)
+  assert worst[0] < 1e-6, worst
+
+
+def test_stacked_params_keep_the_maps_sharding_with_none_on_the_layer_dim():
+  jm = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp", scan=True)
+  stacked = jm.params["layers.scan.layer.attention.wo.weight"]
+  assert stacked.shape == (6, 256, 256)
+  assert stacked.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tp")
+  assert jm.buffers["layers.scan.layer.attention.rope.cache"].shape == (6, h.SEQ, 8)  # buffers stay buffers
+  assert "layers.scan.layer.attention.rope.cache" not in jm.params
+
+
+def test_state_dict_uses_the_original_per_layer_names():
+  plain = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=5)
+  scanned = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=5, scan=True)
+  a, b = plain.state_dict(), scanned.state_dict()
+  assert list(a) == list(b)
+  assert "layers.3.attention.qkv_linear.wq.weight" in b  # torchtitan's own save hooks still run
+  for name in ("layers.3.attention.wo.weight", "layers.0.attention.qkv_linear.wk.weight", "norm.weight"):
+    assert torch.equal(a[name], b[name])
+  ref = h.titan(device="cpu")
+  ref.load_state_dict(dict(b), strict=True)
+
+
+def _loss_grads_and_temp_bytes(jm, tokens, labels):
+  def loss_fn(params, t, y):
+    out = jm.functional_call(params, jm.buffers, h.torch_view(t), use_cache=False)
+    with h.torchax.default_env():
+      loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), h.torch_view(y).flatten())
+    return h.jax_view(loss)
+
+  args = (jm.params, jm.place(tokens), jm.place(labels))
+  compiled = jax.jit(jax.value_and_grad(loss_fn)).lower(*args).compile()
+  loss, grads = compiled(*args)
+  return float(loss), h.per_layer(jm, grads), compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_remat_policies_change_memory_not_results():
+  tokens, labels = h.random_batch(256)
+  runs = {
+    policy: _loss_grads_and_temp_bytes(
+      tot.JittableModule(h.hf(), mesh=tot.make_mesh(fsdp=8), scan=True, remat=policy), tokens, labels
+    )
+    for policy in ("none", "full", "dots_saveable")
+  }
+  base_loss, base_grads, base_temp = runs["none"]
+  for policy in ("full", "dots_saveable"):
+    loss, grads, _ = runs[policy]
+    assert loss == pytest.approx(base_loss, rel=1e-6)
+    assert max(h.rel(grads[n], base_grads[n]) for n in base_grads) < 1e-6
+  assert runs["full"][2] < base_temp
+
+
+def test_loop_mode_runs_the_same_stack_unscanned_with_the_same_remat():
+  tokens, labels = h.random_batch(256)
+  mesh = tot.make_mesh(fsdp=8)
+  looped = tot.JittableModule(h.hf(), mesh=mesh, scan=False, remat="full")
+  assert looped._layout is not None and looped.module.model.layers.scan.loop
+  scanned = _loss_grads_and_temp_bytes(tot.JittableModule(h.hf(), mesh=mesh, scan=True, remat="full"), tokens, labels)
+  loop = _loss_grads_and_temp_bytes(looped, tokens, labels)
+  unrolled = _loss_grads_and_temp_bytes(tot.JittableModule(h.hf(), mesh=mesh, scan=True, unroll=2), tokens, labels)
+  for other in (loop, unrolled):
+    assert other[0] == pytest.approx(scanned[0], rel=1e-6)
+    assert max(h.rel(other[1][n], scanned[1][n]) for n in scanned[1]) < 1e-6
+
+
+def test_non_homogeneous_stack_names_the_first_differing_layer_and_param(caplog):
+  layers = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)]
+  problem = scan_lib.homogeneity_problem(layers)
+  assert problem == "layer 2's 'weight' is ((4, 8), torch.float32), layer 0's is ((8, 8), torch.float32)"
+  with pytest.raises(tot.TorchOnTpuError, match="layer 2's 'weight'"):
+    tot.ScannedModule(layers)
+  mixed = [torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)]
+  assert "layer 1 is a LayerNorm" in scan_lib.homogeneity_problem(mixed)
+
+
+class Uneven(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64), torch.nn.Linear(64, 64, bias=False)])
+
+  def forward(self, x):
+    for b in self.blocks:
+      x = b(x)
+    return x
+
+
+def test_model_with_uneven_layers_runs_unscanned_with_a_notice(caplog):
+  with torch.device("meta"):
+    model = Uneven()
+  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=8), scan=True)
+  assert jm._layout is None
+  assert any("cannot scan 'blocks'" in m and "layer 1 has no tensor 'bias'" in m for m in caplog.messages)
+  assert tot.to_cpu(jm(torch.randn(8, 64))).shape == (8, 64)
+
+
+def test_scanned_module_can_be_used_directly_with_extra_arguments():
+  torch.manual_seed(0)
+
+  class Block(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x, scale, *, shift=None):
+      return (torch.tanh(self.proj(x)) * scale + shift, None)
+
+  layers = [Block() for _ in range(3)]
+  x, scale, shift = torch.randn(4, 16), torch.randn(16), torch.randn(16)
+  expected = x
+  for layer in layers:
+    expected = layer(expected, scale, shift=shift)[0]
+  expected = expected.detach()
+
+  class Holder(torch.nn.Module):
+    def __init__(self, layers):
+      super().__init__()
+      self.stack = tot.ScannedModule(layers)
+
+    def forward(self, x, scale, shift):
+      return self.stack(x, scale, shift=shift)
+
+  jm = tot.JittableModule(Holder(layers), mesh=tot.make_mesh(fsdp=8), sharding="replicated")
+  out, none = jm(x, scale, shift)
+  assert none is None
+  assert torch.allclose(tot.to_cpu(out), expected, atol=1e-6)
+
+
+def test_kv_caches_are_refused_under_scan():
+  jm = tot.JittableModule(h.hf(), mesh=tot.make_mesh(fsdp=8), scan=True)
+  tokens, _ = h.random_batch(256)
+  with pytest.raises(tot.TorchOnTpuError, match="use_cache=False"):
+    jm(tokens, use_cache=True)
