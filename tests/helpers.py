@@ -10,7 +10,7 @@ import transformers
 
 import torch_on_tpu as tot  # noqa: F401
 from torch_on_tpu import _compat
-from torch_on_tpu.models.hf import build_causal_lm
+from torch_on_tpu.models.hf import build_causal_lm  # noqa: F401 (tests use h.build_causal_lm)
 from torch_on_tpu.models.torchtitan import build_llama3
 
 torchax = _compat.import_torchax()

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable, Mapping
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -28,11 +29,18 @@ from jax.sharding import NamedSharding
 from torch_on_tpu import _compat
 from torch_on_tpu.errors import TorchOnTpuError
 
+# jax has no public dead-code elimination for jaxprs; this one is stable across
+# the 0.x releases we support (pinned in constraints.txt).
+from jax._src.interpreters import partial_eval as _partial_eval  # noqa: E402
+
 torchax = _compat.import_torchax()
 from torchax.ops import mappings  # noqa: E402
 from torchax.tensor import Tensor as TorchaxTensor  # noqa: E402
 
 logger = logging.getLogger(__name__)
+
+# Global bytes of outputs one materialisation jit produces (see `_run_in_chunks`).
+INIT_CHUNK_BYTES = 256 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,9 +163,11 @@ def materialize(
         init_fn(module)
     return restructure(arrays) if restructure else arrays
 
-  jitted = jax.jit(program, out_shardings=dict(out_shardings))
   key = jax.random.key(seed)
-  out = jax.eval_shape(jitted, key) if abstract else jitted(key)
+  if abstract:
+    out = jax.eval_shape(jax.jit(program, out_shardings=dict(out_shardings)), key)
+  else:
+    out = _run_in_chunks(program, key, out_shardings)
   if untouched:
     logger.warning(
       "The model's init left %d tensors unwritten (they are zeros): %s. Pass init_fn= "
@@ -168,6 +178,49 @@ def materialize(
   if abstract:
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=out_shardings[k]) for k, v in out.items()}
   return out
+
+
+def _run_in_chunks(program, key, out_shardings, budget: int | None = None) -> dict[str, jax.Array]:
+  """Runs the traced init as several jits, largest outputs first, each compiling
+  only the part of the program its outputs need.
+
+  One jit for a whole model would hold every random-number temporary at once
+  (about 3x the largest tensor per device, on every device); in chunks the
+  temporaries of one chunk exist at a time, so peak memory stays near the model
+  itself. The program is traced once; each chunk replays the same jaxpr, so
+  values are identical to a single jit.
+  """
+  budget = budget or INIT_CHUNK_BYTES
+  closed, shapes = jax.make_jaxpr(program, return_shape=True)(key)
+  leaves, treedef = jax.tree_util.tree_flatten(shapes)
+  names = jax.tree_util.tree_unflatten(treedef, list(range(len(leaves))))
+  index = {name: i for name, i in names.items()}
+  size = {name: leaves[i].size * leaves[i].dtype.itemsize for name, i in index.items()}
+  out = {}
+  for chunk in _chunks(sorted(index, key=lambda n: -size[n]), size, budget):
+    wanted = {index[n] for n in chunk}
+    used = [i in wanted for i in range(len(leaves))]
+    # Dead-code-eliminate before lowering, so each jit compiles only its slice.
+    pruned, used_inputs = _partial_eval.dce_jaxpr(closed.jaxpr, used, instantiate=True)
+    run = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(pruned, closed.consts))
+    jitted = jax.jit(
+      lambda k: run(*([k] if used_inputs[0] else [])),
+      out_shardings=[out_shardings[n] for n in sorted(chunk, key=index.get)],
+    )
+    out.update(zip(sorted(chunk, key=index.get), jitted(key)))
+  return out
+
+
+def _chunks(names, size, budget):
+  chunk, total = [], 0
+  for name in names:
+    if chunk and total + size[name] > budget:
+      yield chunk
+      chunk, total = [], 0
+    chunk.append(name)
+    total += size[name]
+  if chunk:
+    yield chunk
 
 
 @contextlib.contextmanager
