@@ -7,13 +7,27 @@ torchtitan 0.3.0 uses FlexAttention for language models. `attention="sdpa"`
 swaps each layer's inner attention for torchtitan's own
 `ScaledDotProductAttention` (plain causal attention, no document masking):
 the config change torchtitan itself makes for models that use SDPA.
+
+The default flex config runs as configured: pass `flex_masks(positions)` where
+torchtitan's trainer passes `model.get_attention_masks(positions)` (a BlockMask
+built by a compiled function, which cannot run under jax):
+
+    logits = jm(tokens, positions=positions, attention_masks=flex_masks(positions))
+
+While JittableModule's attention kernels are active, FlexAttention's compiled
+call is routed to them (document-causal from the positions, or plain causal
+for `flex_masks()`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
+import jax
 import torch
+import torch.utils._pytree as torch_pytree
+from torch.nn.attention.flex_attention import BlockMask
 
 from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.models._maps import present_rules
@@ -83,3 +97,80 @@ def build_llama3(flavor: str = "debugmodel", *, attention: str = "flex", max_seq
   config = llama3_config(flavor, attention=attention, max_seq_len=max_seq_len)
   with torch.device(device):
     return config.build()
+
+
+class FlexMasks(BlockMask):
+  """Stands in for torchtitan's BlockMask: causal attention, within documents when
+  `segment_ids` (B, L) are given (equal ids = same document).
+
+  A BlockMask subclass so FlexAttention's type check passes; it carries only the
+  document ids, a leaf of both torch and jax pytrees, so it travels through
+  `JittableModule` calls and train steps into `jax.jit` like any input.
+  """
+
+  def __init__(self, segment_ids: torch.Tensor | None = None):  # BlockMask.__init__ not called: no block state
+    self.segment_ids = segment_ids
+
+  def __repr__(self) -> str:
+    if self.segment_ids is None:
+      return "FlexMasks(causal)"
+    return f"FlexMasks(document-causal, segment_ids {tuple(self.segment_ids.shape)})"
+
+
+torch_pytree.register_pytree_node(
+  FlexMasks,
+  lambda m: ([m.segment_ids], None),
+  lambda children, _: FlexMasks(children[0]),
+  serialized_type_name="torch_on_tpu.models.torchtitan.FlexMasks",
+)
+jax.tree_util.register_pytree_node(
+  FlexMasks, lambda m: ([m.segment_ids], None), lambda _, children: FlexMasks(children[0])
+)
+
+
+def flex_masks(positions: torch.Tensor | None = None) -> FlexMasks:
+  """The `attention_masks` argument for a flex-attention torchtitan model.
+
+  Like torchtitan's `get_attention_masks(positions)`: causal within documents,
+  a document starting wherever `positions` (B, L) is 0 (each row must start a
+  document, as torchtitan's loader guarantees). No positions: plain causal.
+  """
+  if positions is None:
+    return FlexMasks()
+  starts = (positions == 0).to(torch.int32)
+  return FlexMasks(torch.cumsum(starts, dim=1, dtype=torch.int32))
+
+
+@contextlib.contextmanager
+def flex_routed_to(attend):
+  """While active, torchtitan's FlexAttention calls `attend(q, k, v, segment_ids=,
+  scale=, enable_gqa=)` instead of its `torch.compile`d flex_attention."""
+  from torchtitan.models.common.attention import FlexAttention
+
+  original = FlexAttention.__dict__["_compiled_flex_attn"]
+
+  def routed(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+             return_aux=None, kernel_options=None):
+    if score_mod is not None:
+      raise TorchOnTpuError(
+        "torchtitan FlexAttention got a score_mod, which the bridge's attention kernels do "
+        "not express; use a model config without score_mod or attention=None."
+      )
+    if not isinstance(block_mask, FlexMasks):
+      raise TorchOnTpuError(
+        f"torchtitan FlexAttention got attention_masks of type {type(block_mask).__name__}; "
+        f"pass attention_masks=torch_on_tpu.models.torchtitan.flex_masks(positions) instead."
+      )
+    if return_aux is not None and (return_aux.lse or return_aux.max_scores):
+      raise TorchOnTpuError(
+        "torchtitan FlexAttention asked for the log-sum-exp (an out_transform), which the "
+        "bridge's attention kernels do not return; use a config without out_transform."
+      )
+    out = attend(q, k, v, segment_ids=block_mask.segment_ids, scale=scale, enable_gqa=enable_gqa)
+    return out, None
+
+  FlexAttention._compiled_flex_attn = routed
+  try:
+    yield
+  finally:
+    FlexAttention._compiled_flex_attn = original

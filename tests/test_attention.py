@@ -1,0 +1,522 @@
+"""Attention kernels: torch SDPA semantics, forward and backward, on CPU (fp32).
+
+Parity is ‖Δ‖/‖ref‖ against PyTorch eager CPU (or our XLA kernel for splash
+and cuDNN plumbing) with tolerance TOL. Splash runs in Pallas interpret mode.
+"""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as torch_pytree
+from torch.nn.attention.flex_attention import BlockMask
+
+import torch_on_tpu as tot
+from torch_on_tpu import _compat, attention
+from torch_on_tpu.mesh import data_axes
+from torch_on_tpu.models import torchtitan as titan
+
+torchax = _compat.import_torchax()
+from torchax.interop import jax_view, torch_view  # noqa: E402
+
+TOL = 1e-5
+
+
+def rel(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def randn(*shape, seed=0):
+  return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return tot.make_mesh(fsdp=4, tp=2)
+
+
+@pytest.fixture
+def fresh_notices(monkeypatch):
+  """Each notice is logged once per process; tests that look for one start afresh."""
+  monkeypatch.setattr(attention, "_said", set())
+
+
+def torch_sdpa(tensors, cotangent, **kwargs):
+  """Eager torch: output and gradients of sum(out * cotangent) for the float tensors."""
+  leaves = {k: t.clone().requires_grad_(t.is_floating_point()) for k, t in tensors.items()}
+  q, k, v = leaves.pop("q"), leaves.pop("k"), leaves.pop("v")
+  out = F.scaled_dot_product_attention(q, k, v, attn_mask=leaves.get("mask"), **kwargs)
+  (out * cotangent).sum().backward()
+  grads = {"q": q.grad, "k": k.grad, "v": v.grad}
+  if "mask" in leaves and leaves["mask"].is_floating_point():
+    grads["mask"] = leaves["mask"].grad
+  return out.detach(), grads
+
+
+def bridge_sdpa(mode, mesh, tensors, cotangent, *, block_sizes=None, key=None, **kwargs):
+  """Our override: F.scaled_dot_product_attention traced under jit inside `kernels`."""
+  env = torchax.default_env()
+  arrays = {k: jnp.asarray(t.numpy()) for k, t in tensors.items()}
+  floats = [k for k, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.floating)]
+
+  def loss(diff, fixed):
+    t = {k: torch_view(a) for k, a in {**diff, **fixed}.items()}
+    axes = data_axes(mesh) if mesh is not None else ()
+    with env, env.override_property(prng=key if key is not None else jax.random.key(0)):
+      with attention.kernels(mode, mesh=mesh, data_axes=axes, block_sizes=block_sizes):
+        out = F.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=t.get("mask"), **kwargs)
+    out = jax_view(out)
+    return jnp.sum(out * jnp.asarray(cotangent.numpy())), out
+
+  diff = {k: arrays[k] for k in floats}
+  fixed = {k: a for k, a in arrays.items() if k not in floats}
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(diff, fixed)
+  return np.asarray(out), {k: np.asarray(g) for k, g in grads.items()}
+
+
+def assert_close(ours, theirs, tol=TOL):
+  out, grads = ours
+  ref_out, ref_grads = theirs
+  assert rel(out, ref_out) < tol, rel(out, ref_out)
+  assert set(grads) >= set(ref_grads)
+  for name, g in ref_grads.items():
+    assert rel(grads[name], g) < tol, (name, rel(grads[name], g))
+
+
+def qkv(b=2, hq=4, hkv=4, length=32, kv_length=None, dim=16, dv=None):
+  kv_length = kv_length or length
+  return {
+    "q": randn(b, hq, length, dim, seed=1),
+    "k": randn(b, hkv, kv_length, dim, seed=2),
+    "v": randn(b, hkv, kv_length, dv or dim, seed=3),
+  }
+
+
+# ---- the XLA kernel: semantics vs torch eager -----------------------------------------------
+
+XLA_CASES = {
+  # name: (qkv kwargs, sdpa kwargs, block sizes)
+  "causal-tiled-padded": (dict(length=37), dict(is_causal=True), dict(block_q=8, block_kv=16)),
+  "causal-L<S-top-left": (dict(length=20, kv_length=45), dict(is_causal=True), dict(block_q=8, block_kv=16)),
+  "causal-L>S-top-left": (dict(length=45, kv_length=20), dict(is_causal=True), dict(block_q=16, block_kv=8)),
+  "gqa": (dict(hq=8, hkv=2), dict(enable_gqa=True, is_causal=True), dict(block_q=16, block_kv=16)),
+  "mqa-scale": (dict(hq=4, hkv=1), dict(enable_gqa=True, scale=0.3), None),
+  "head-dim-64-value-32": (dict(b=1, hq=2, hkv=2, dim=64, dv=32), dict(is_causal=True), None),
+  "head-dim-128": (dict(b=1, hq=2, hkv=2, dim=128, length=24), dict(scale=0.05), dict(block_q=16, block_kv=8)),
+}
+
+
+@pytest.mark.parametrize("case", list(XLA_CASES))
+def test_xla_kernel_matches_torch(case, mesh):
+  shapes, kwargs, blocks = XLA_CASES[case]
+  t = qkv(**shapes)
+  w = randn(*t["q"].shape[:-1], t["v"].shape[-1], seed=9)
+  assert_close(
+    bridge_sdpa("xla", mesh, t, w, block_sizes=blocks, **kwargs), torch_sdpa(t, w, **kwargs)
+  )
+
+
+@pytest.mark.parametrize(
+  "mask_kind", ["bool-2d", "additive-heads", "additive-per-batch-and-head"]
+)
+def test_xla_kernel_masks_match_torch(mask_kind, mesh):
+  t = qkv(b=4, hq=4, hkv=2, length=24, kv_length=40)
+  shape = {
+    "bool-2d": (24, 40),
+    "additive-heads": (1, 4, 24, 40),
+    "additive-per-batch-and-head": (4, 4, 24, 40),
+  }[mask_kind]
+  if mask_kind.startswith("bool"):
+    t["mask"] = randn(*shape, seed=5) > -0.5
+  else:
+    t["mask"] = randn(*shape, seed=5)
+  w = randn(4, 4, 24, 16, seed=9)
+  ours = bridge_sdpa("xla", mesh, t, w, block_sizes=dict(block_q=8, block_kv=16), enable_gqa=True)
+  theirs = torch_sdpa(t, w, enable_gqa=True)
+  assert_close(ours, theirs)
+  if not mask_kind.startswith("bool"):  # float masks get their gradient too
+    assert "mask" in theirs[1] and np.abs(ours[1]["mask"]).sum() > 0
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive-inf"])
+def test_fully_masked_rows_give_zero_like_torch(mask_kind, mesh):
+  t = qkv(b=2, hq=2, hkv=2, length=16)
+  allowed = torch.ones(16, 16, dtype=torch.bool).tril()
+  allowed[5] = False  # row 5 sees nothing
+  if mask_kind == "bool":
+    t["mask"] = allowed
+  else:
+    t["mask"] = torch.zeros(16, 16).masked_fill(~allowed, float("-inf"))
+  w = randn(2, 2, 16, 16, seed=9)
+  ours = bridge_sdpa("xla", mesh, t, w, block_sizes=dict(block_q=4, block_kv=4))
+  theirs = torch_sdpa(t, w)
+  assert np.all(ours[0][:, :, 5] == 0) and torch.all(theirs[0][:, :, 5] == 0)
+  assert np.all(np.isfinite(ours[1]["q"]))
+  assert_close(ours, theirs)
+
+
+def test_xla_kernel_sharded_equals_unsharded(mesh):
+  """The shard_map split (batch over fsdp, heads over tp) changes nothing."""
+  t = qkv(b=4, hq=4, hkv=2, length=24)
+  w = randn(4, 4, 24, 16, seed=9)
+  kwargs = dict(is_causal=True, enable_gqa=True)
+  sharded = bridge_sdpa("xla", mesh, t, w, block_sizes=dict(block_q=8, block_kv=8), **kwargs)
+  single = bridge_sdpa("xla", None, t, w, block_sizes=dict(block_q=8, block_kv=8), **kwargs)
+  assert_close(sharded, single, tol=1e-6)
+
+
+def test_xla_kernel_memory_is_tiles_not_score_matrices():
+  """Forward+backward scratch memory (XLA's compiled memory analysis) stays far below
+  one full L×S fp32 score matrix: only a few (block_q × block_kv) tiles are live."""
+  att = attention.Attention("xla")
+  q = jax.ShapeDtypeStruct((1, 4, 4096, 64), jnp.float32)
+
+  def loss(q, k, v):
+    return att(q, k, v, causal=True).sum()
+
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  one_score_matrix = 4 * 4096 * 4096 * 4
+  assert temp < one_score_matrix / 8, temp
+
+
+# ---- dropout ------------------------------------------------------------------------------------
+
+
+def dense_dropout_reference(q, k, v, seed, rate, *, causal):
+  """Full-matrix attention with the kernel's dropout pattern (same hash, same indices)."""
+  b, h, length, d = q.shape
+  s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(d)
+  if causal:
+    s = jnp.where(jnp.tril(jnp.ones((length, k.shape[2]), bool)), s, -jnp.inf)
+  p = jax.nn.softmax(s, axis=-1)
+  keep = attention.dropout_keep_scale(
+    seed,
+    jnp.arange(b)[:, None, None, None],
+    jnp.arange(h)[None, :, None, None],
+    jnp.arange(length)[:, None],
+    jnp.arange(k.shape[2])[None, :],
+    rate,
+  )
+  return jnp.einsum("bhqk,bhkd->bhqd", p * keep, v)
+
+
+def test_dropout_matches_dense_reference_for_any_tiling_and_sharding(mesh):
+  t = {k: jnp.asarray(x.numpy()) for k, x in qkv(b=4, hq=4, hkv=4, length=40).items()}
+  key = jax.random.key(7)
+  seed = jax.random.bits(key, (2,), jnp.uint32)
+  ref = dense_dropout_reference(t["q"], t["k"], t["v"], seed, 0.3, causal=True)
+
+  sharded = attention.Attention("xla", mesh=mesh, data_axes=("fsdp",), block_sizes=dict(block_q=16, block_kv=8))
+  fn = lambda q, k, v: sharded(q, k, v, causal=True, dropout_rate=0.3, dropout_key=key)  # noqa: E731
+  assert rel(jax.jit(fn)(t["q"], t["k"], t["v"]), ref) < TOL
+
+  # unsharded, other tiles, and the backward recomputing the same pattern
+  def grads(fn):
+    loss = lambda q, k, v: (fn(q, k, v) ** 2).sum()  # noqa: E731
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(t["q"], t["k"], t["v"])
+
+  att = attention.Attention("xla", block_sizes=dict(block_q=8, block_kv=8))
+  ours = grads(lambda q, k, v: att(q, k, v, causal=True, dropout_rate=0.3, dropout_key=key))
+  dense = grads(lambda q, k, v: dense_dropout_reference(q, k, v, seed, 0.3, causal=True))
+  for a, b in zip(ours, dense):
+    assert rel(a, b) < TOL
+
+
+def test_dropout_is_unbiased_and_drops_the_right_fraction():
+  t = {k: jnp.asarray(x.numpy()) for k, x in qkv(b=1, hq=2, hkv=2, length=16, dim=8).items()}
+  att = attention.Attention("xla")
+  keys = jax.random.split(jax.random.key(3), 500)
+  fn = jax.jit(jax.vmap(lambda key: att(t["q"], t["k"], t["v"], dropout_rate=0.25, dropout_key=key)))
+  samples = fn(keys)
+  plain = att(t["q"], t["k"], t["v"])
+  assert rel(samples.mean(0), plain) < 0.05
+  assert rel(samples[0], plain) > 0.1  # a single draw really drops something
+  keep = attention.dropout_keep_scale(
+    jnp.array([1, 2], jnp.uint32), jnp.arange(4)[:, None, None], 0, jnp.arange(64)[:, None], jnp.arange(64), 0.25
+  )
+  assert abs(float((keep > 0).mean()) - 0.75) < 0.01
+  assert np.allclose(np.unique(np.asarray(keep)), [0.0, 1 / 0.75])
+
+
+def test_torch_dropout_uses_the_env_key(mesh):
+  t = qkv(b=2, hq=2, hkv=2, length=16)
+  w = randn(2, 2, 16, 16, seed=9)
+  a = bridge_sdpa("xla", mesh, t, w, key=jax.random.key(1), dropout_p=0.5)[0]
+  b = bridge_sdpa("xla", mesh, t, w, key=jax.random.key(2), dropout_p=0.5)[0]
+  no_drop = torch_sdpa(t, w)[0]
+  assert rel(a, b) > 0.1 and rel(a, no_drop) > 0.1
+
+
+# ---- splash (Pallas interpret mode on CPU) ------------------------------------------------------
+
+
+def test_splash_matches_torch_on_sharded_mesh(mesh):
+  """Causal GQA with a custom scale and a length (100) splash pads to its 128 tile."""
+  t = qkv(b=4, hq=4, hkv=2, length=100, dim=32)
+  w = randn(4, 4, 100, 32, seed=9)
+  kwargs = dict(is_causal=True, enable_gqa=True, scale=0.2)
+  ours = bridge_sdpa("splash", mesh, t, w, **kwargs)
+  assert_close(ours, torch_sdpa(t, w, **kwargs))
+  assert_close(ours, bridge_sdpa("xla", mesh, t, w, **kwargs))
+
+
+def test_splash_document_segments_match_xla():
+  """Non-causal splash with segment ids against the XLA kernel's segment masking."""
+  t = {k: jnp.asarray(x.numpy()) for k, x in qkv(b=2, hq=2, hkv=2, length=128, dim=16).items()}
+  seg = jnp.asarray(np.repeat([[0, 1, 2, 3], [0, 0, 1, 1]], 32, axis=1), jnp.int32)
+
+  def run(mode):
+    att = attention.Attention(mode)
+    fn = lambda q, k, v: att(q, k, v, segment_ids=(seg, seg))  # noqa: E731
+    out, vjp = jax.vjp(fn, t["q"], t["k"], t["v"])
+    return out, vjp(jnp.cos(out))
+
+  (o1, g1), (o2, g2) = run("splash"), run("xla")
+  assert rel(o1, o2) < TOL
+  for a, b in zip(g1, g2):
+    assert rel(a, b) < TOL
+
+
+def test_splash_falls_back_for_what_it_cannot_express(mesh, fresh_notices, caplog):
+  t = qkv(b=2, hq=2, hkv=2, length=16, kv_length=24)
+  t["mask"] = randn(16, 24, seed=4) > 0
+  w = randn(2, 2, 16, 16, seed=9)
+  with caplog.at_level(logging.WARNING, logger="torch_on_tpu.attention"):
+    ours = bridge_sdpa("splash", mesh, t, w)
+  assert_close(ours, torch_sdpa(t, w))
+  assert "splash kernel cannot express an explicit attn_mask" in caplog.text
+
+
+def test_splash_block_sizes_default_and_override():
+  padded, sizes = attention.splash_block_sizes(1000, {})
+  assert padded == 1024 and sizes.block_q == 512 and sizes.block_kv_dq == 512
+  padded, sizes = attention.splash_block_sizes(384, {})
+  assert padded == 384 and sizes.block_q == 128
+  padded, sizes = attention.splash_block_sizes(300, {"block_q": 256, "use_fused_bwd_kernel": True})
+  assert padded == 512 and sizes.block_q == 256 and sizes.block_kv == 128  # 384 → 128 tiles
+  assert sizes.use_fused_bwd_kernel and sizes.block_q_dq is None
+
+
+# ---- cuDNN argument plumbing (jax's XLA implementation on CPU) ----------------------------------
+
+
+def test_cudnn_path_plumbing_matches_torch(mesh, fresh_notices, caplog):
+  t = qkv(b=4, hq=4, hkv=2, length=24)
+  w = randn(4, 4, 24, 16, seed=9)
+  kwargs = dict(is_causal=True, enable_gqa=True, scale=0.4)
+  with caplog.at_level(logging.INFO, logger="torch_on_tpu.attention"):
+    ours = bridge_sdpa("cudnn", mesh, t, w, **kwargs)
+  assert_close(ours, torch_sdpa(t, w, **kwargs))
+  assert "dot_product_attention's XLA implementation" in caplog.text
+
+
+def test_cudnn_falls_back_for_dropout(mesh, fresh_notices, caplog):
+  t = qkv(b=2, hq=2, hkv=2, length=16)
+  w = randn(2, 2, 16, 16, seed=9)
+  key = jax.random.key(5)
+  with caplog.at_level(logging.WARNING, logger="torch_on_tpu.attention"):
+    ours = bridge_sdpa("cudnn", mesh, t, w, key=key, dropout_p=0.2)[0]
+  assert "cudnn kernel cannot express dropout" in caplog.text
+  assert np.array_equal(ours, bridge_sdpa("xla", mesh, t, w, key=key, dropout_p=0.2)[0])
+
+
+# ---- modes, errors ------------------------------------------------------------------------------
+
+
+def test_mode_none_keeps_torchax_default_lowering():
+  env = torchax.default_env()
+  before = env._ops.get(F.scaled_dot_product_attention)
+  with attention.kernels(None, mesh=None, data_axes=(), block_sizes={}):
+    assert env._ops.get(F.scaled_dot_product_attention) is before
+  with attention.kernels("xla", mesh=None, data_axes=(), block_sizes={}):
+    assert env._ops.get(F.scaled_dot_product_attention) is not before
+  assert env._ops.get(F.scaled_dot_product_attention) is before
+
+
+def test_auto_picks_the_xla_kernel_on_cpu(fresh_notices, caplog):
+  with caplog.at_level(logging.INFO, logger="torch_on_tpu.attention"):
+    att = attention.Attention("auto")
+    attention.Attention("auto")
+  assert att.kind == "xla"
+  assert caplog.text.count("blocked XLA attention") == 1  # said once
+
+
+@pytest.mark.parametrize(
+  "make, words",
+  [
+    (lambda: attention.Attention("flash"), "attention='flash'"),
+    (lambda: attention.Attention("xla", block_sizes={"block_x": 4}), "'block_x'"),
+    (lambda: attention.Attention("xla", block_sizes={"block_q": 0}), "block_q"),
+  ],
+)
+def test_configuration_errors_name_the_setting(make, words):
+  with pytest.raises(tot.TorchOnTpuError, match=words):
+    make()
+
+
+def test_call_errors_name_the_problem():
+  att = attention.Attention("xla")
+  q, k = jnp.zeros((1, 4, 8, 16)), jnp.zeros((1, 2, 8, 16))
+  with pytest.raises(tot.TorchOnTpuError, match="enable_gqa=True"):
+    att(q, k, k)
+  with pytest.raises(tot.TorchOnTpuError, match="does not broadcast"):
+    att(q, q, q, mask=jnp.ones((3, 8), bool))
+  with pytest.raises(tot.TorchOnTpuError, match="both attn_mask and is_causal"):
+    att.sdpa(q, q, q, attn_mask=jnp.ones((8, 8), bool), is_causal=True)
+
+
+# ---- through JittableModule-wrapped models ------------------------------------------------------
+
+
+def model_parity(jm, ref, args, kwargs, ref_kwargs=None, logits=lambda out: out):
+  """Logits and parameter gradients of sum(logits * w) vs the eager CPU model."""
+  placed = torch_pytree.tree_map_only(torch.Tensor, lambda x: torch_view(jm.place(x)), (args, kwargs))
+  ref_out = logits(ref(*args, **(ref_kwargs if ref_kwargs is not None else kwargs)))
+  w = randn(*ref_out.shape, seed=11)
+  (ref_out * w).sum().backward()
+  w_j = jnp.asarray(w.numpy())
+
+  def loss(params):
+    out = jax_view(logits(jm.functional_call(params, jm.buffers, *placed[0], **placed[1])))
+    return jnp.sum(out * w_j), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(jm.params)
+  assert rel(out, ref_out.detach().numpy()) < TOL
+  ref_grads = dict(ref.named_parameters())
+  flat = np.concatenate([np.asarray(g).ravel() for g in grads.values()])
+  ref_flat = np.concatenate([ref_grads[n].grad.numpy().ravel() for n in grads])
+  assert rel(flat, ref_flat) < TOL
+  for name, g in grads.items():
+    assert rel(g, ref_grads[name].grad.numpy()) < 1e-4, name
+
+
+def test_hf_llama_sdpa_through_jittable_module(mesh):
+  import transformers
+
+  from torch_on_tpu.models.hf import build_causal_lm
+
+  config = transformers.LlamaConfig(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    attn_implementation="sdpa",
+  )
+  jm = tot.JittableModule(build_causal_lm(config), mesh=mesh, sharding="fsdp_tp", attention="xla")
+  ref = build_causal_lm(config, device="cpu")
+  ref.load_state_dict(jm.state_dict())
+  tokens = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(0))
+  model_parity(jm, ref, (tokens,), {"use_cache": False}, logits=lambda out: out.logits)
+
+
+def two_layers(model):
+  """debugmodel cut to two layers: every attention path is exercised, compiles stay short."""
+  model.layers = torch.nn.ModuleDict({k: model.layers[k] for k in ("0", "1")})
+  return model
+
+
+def titan_reference(jm, inner=None):
+  """Eager CPU torchtitan model (SDPA config) with the bridge model's weights."""
+  ref = two_layers(titan.build_llama3("debugmodel", attention="sdpa", max_seq_len=64, device="cpu"))
+  ref.load_state_dict(jm.state_dict())
+  if inner is not None:
+    for layer in ref.layers.values():
+      layer.attention.inner_attention = inner
+  return ref
+
+
+@pytest.fixture(scope="module")
+def titan_flex(mesh):
+  """torchtitan's default config (FlexAttention) behind JittableModule."""
+  model = two_layers(titan.build_llama3("debugmodel", max_seq_len=64))
+  return tot.JittableModule(model, mesh=mesh, sharding="fsdp_tp", attention="xla")
+
+
+def test_torchtitan_sdpa_through_jittable_module(mesh):
+  jm = tot.JittableModule(
+    two_layers(titan.build_llama3("debugmodel", attention="sdpa", max_seq_len=64)),
+    mesh=mesh, sharding="fsdp_tp", attention="xla",
+  )
+  tokens = torch.randint(0, 2048, (4, 32), generator=torch.Generator().manual_seed(0))
+  model_parity(jm, titan_reference(jm), (tokens,), {})
+
+
+def test_torchtitan_default_flex_causal_matches_sdpa_model(titan_flex):
+  tokens = torch.randint(0, 2048, (4, 32), generator=torch.Generator().manual_seed(0))
+  model_parity(
+    titan_flex, titan_reference(titan_flex), (tokens,),
+    {"attention_masks": titan.flex_masks()}, ref_kwargs={},
+  )
+
+
+class _ExplicitMaskAttention(torch.nn.Module):
+  """Plain-torch stand-in for a layer's inner attention: SDPA with an explicit mask."""
+
+  def __init__(self, mask):
+    super().__init__()
+    self.mask = mask
+
+  def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs):
+    out = F.scaled_dot_product_attention(
+      q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+      attn_mask=self.mask, scale=scale, enable_gqa=enable_gqa,
+    )
+    return out.transpose(1, 2)
+
+
+def document_causal_mask(positions):
+  """(B, 1, L, L): attend within the same document (positions restart at 0), causally."""
+  doc = torch.cumsum(positions == 0, dim=1)
+  length = positions.shape[1]
+  causal = torch.ones(length, length, dtype=torch.bool).tril()
+  return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+def packed_positions(doc_lengths):
+  """Per-row positions of packed documents, restarting at 0 at each document."""
+  return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in doc_lengths])
+
+
+@pytest.mark.parametrize("mode", ["xla", "splash"])
+def test_torchtitan_default_flex_document_masking(mode, titan_flex, monkeypatch):
+  """Packed documents: flex_masks(positions) reproduces torchtitan's document-causal
+  masking (and RoPE restarting per document) against an explicit-mask torch model."""
+  monkeypatch.setattr(titan_flex, "attention", mode)
+  length = 40
+  positions = packed_positions([[10, 30], [40], [5, 5, 30], [39, 1]])
+  ref = titan_reference(titan_flex, _ExplicitMaskAttention(document_causal_mask(positions)))
+  tokens = torch.randint(0, 2048, (4, length), generator=torch.Generator().manual_seed(0))
+  model_parity(
+    titan_flex, ref, (tokens,),
+    {"positions": positions, "attention_masks": titan.flex_masks(positions)},
+    ref_kwargs={"positions": positions},
+  )
+
+
+def test_flex_masks_are_pytrees_of_document_ids():
+  positions = packed_positions([[3, 5], [8]])
+  masks = titan.flex_masks(positions)
+  assert masks.segment_ids.tolist() == [[1, 1, 1, 2, 2, 2, 2, 2], [1] * 8]
+  for leaves in (torch_pytree.tree_leaves(masks), jax.tree_util.tree_leaves(masks)):
+    assert len(leaves) == 1 and leaves[0] is masks.segment_ids
+  rebuilt = jax.tree.map(lambda x: x + 1, masks)
+  assert isinstance(rebuilt, BlockMask) and rebuilt.segment_ids[1, 0] == 2
+  causal = titan.flex_masks()
+  assert causal.segment_ids is None and jax.tree_util.tree_leaves(causal) == []
+
+
+def test_flex_rejects_what_it_cannot_route():
+  from torchtitan.models.common.attention import FlexAttention
+
+  q = torch.zeros(1, 2, 8, 4)
+  call = FlexAttention._compiled_flex_attn
+  with titan.flex_routed_to(lambda *a, **k: q):
+    with pytest.raises(tot.TorchOnTpuError, match="flex_masks"):
+      FlexAttention._compiled_flex_attn(q, q, q, block_mask=BlockMask.__new__(BlockMask))
+    with pytest.raises(tot.TorchOnTpuError, match="score_mod"):
+      FlexAttention._compiled_flex_attn(q, q, q, score_mod=lambda s, *i: s, block_mask=titan.flex_masks())
+  assert FlexAttention._compiled_flex_attn is call  # restored
