@@ -175,3 +175,10 @@ def test_jitted_forward_compiles_once_per_signature():
   second = jm(tokens + 1)
   assert len(jm._compiled) == 1
   assert not np.allclose(np.asarray(jax.device_get(first.jax())), np.asarray(jax.device_get(second.jax())))
+
+
+def test_attention_settings_are_checked_when_wrapping():
+  with pytest.raises(tot.TorchOnTpuError, match="attention='flash' is not a kernel"):
+    tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), attention="flash")
+  with pytest.raises(tot.TorchOnTpuError, match="unknown key 'block_x'"):
+    tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), attention_block_sizes={"block_x": 128})

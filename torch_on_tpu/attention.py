@@ -78,11 +78,12 @@ def kernels(mode, *, mesh, data_axes, block_sizes):
   """
   if mode is None:
     return contextlib.nullcontext()
-  return _installed(Attention(mode, mesh=mesh, data_axes=data_axes, block_sizes=block_sizes))
+  return installed(Attention(mode, mesh=mesh, data_axes=data_axes, block_sizes=block_sizes))
 
 
 @contextlib.contextmanager
-def _installed(attn: Attention):
+def installed(attn: Attention):
+  """While active, SDPA (and torchtitan's flex attention) run `attn`'s kernel."""
   sdpa = attn.sdpa
   overrides = {
     torch.nn.functional.scaled_dot_product_attention: sdpa,

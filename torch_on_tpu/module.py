@@ -31,6 +31,7 @@ import torch.utils._pytree as torch_pytree
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from torch_on_tpu import _compat, materialize, ops
+from torch_on_tpu import attention as attention_lib
 from torch_on_tpu import scan as scan_lib
 from torch_on_tpu import mesh as mesh_lib
 from torch_on_tpu import sharding as sharding_lib
@@ -92,14 +93,20 @@ class JittableModule:
       )
     self.module = module
     self.mesh = mesh if mesh is not None else mesh_lib.make_mesh(fsdp=-1)
-    self.attention = attention
-    self.attention_block_sizes = dict(attention_block_sizes or {})
     self.data_axes = tuple(data_axes) if data_axes is not None else mesh_lib.data_axes(self.mesh)
     for axis in self.data_axes:
       if axis not in self.mesh.shape:
         raise TorchOnTpuError(
           f"data_axes names '{axis}', which the mesh {dict(self.mesh.shape)} lacks."
         )
+    self.attention = attention
+    self._attention = (
+      None
+      if attention is None
+      else attention_lib.Attention(
+        attention, mesh=self.mesh, data_axes=self.data_axes, block_sizes=attention_block_sizes
+      )
+    )
 
     entries = materialize.inventory(module)
     self._entries = {e.name: e for e in entries}
@@ -196,14 +203,7 @@ class JittableModule:
           return self.module(*args, **kwargs)
 
   def _attention_kernels(self):
-    from torch_on_tpu import attention as attention_lib
-
-    return attention_lib.kernels(
-      self.attention,
-      mesh=self.mesh,
-      data_axes=self.data_axes,
-      block_sizes=self.attention_block_sizes,
-    )
+    return attention_lib.installed(self._attention) if self._attention else contextlib.nullcontext()
 
   def __call__(self, *args, **kwargs):
     """Jitted forward. Tensors are traced (CPU ones placed on the mesh); every
