@@ -6,8 +6,16 @@ _FLAG = "--xla_force_host_platform_device_count"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}=8").strip()
 
+import pathlib  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Many tests build the same tiny models: a persistent compilation cache turns
+# their repeated XLA compiles (seconds each on CPU) into cache hits.
+jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(__file__).parent.parent / ".cache" / "jax-tests"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 import torch_on_tpu  # noqa: E402,F401  (applies the torchax shim before any test imports torchax)
 
