@@ -1,0 +1,132 @@
+"""Convert model weights between orbax training checkpoints and safetensors.
+
+A training run writes orbax checkpoints; PyTorch and HF load safetensors. Both
+directions need the model's parameter names and shapes, which come from
+building the model on meta (nothing is allocated until weights are read):
+
+    python tools/convert.py to_safetensors runs/a/ckpt out/ --model=llama3:1B [--step=1000]
+    python tools/convert.py to_safetensors runs/b/ckpt out/ --hf_config=path/with/config.json
+    python tools/convert.py to_orbax path/to/hf_model runs/c/ckpt [--hf_config=...] [--step=0] [--scan]
+
+`to_safetensors` reads the training state's `params` entry (only the weights,
+not the optimizer state) and writes `state_dict` names, tensor by tensor;
+`to_orbax` writes a checkpoint holding `{"params": ...}`, which a run restores
+with `Checkpointer.restore({"params": ...}, partial=True)`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch_on_tpu as tot
+from torch_on_tpu import checkpoint
+from torch_on_tpu.errors import TorchOnTpuError
+
+
+def build_model(model: str | None = None, hf_config: str | None = None):
+  """The meta torch model a spec names: `llama3:<flavor>` or an HF config directory."""
+  if (model is None) == (hf_config is None):
+    raise TorchOnTpuError(
+      "Name the model with exactly one of --model=llama3:<flavor> or --hf_config=<dir with config.json>."
+    )
+  if hf_config is not None:
+    import transformers
+
+    from torch_on_tpu.models.hf import build_causal_lm
+
+    return build_causal_lm(transformers.AutoConfig.from_pretrained(hf_config))
+  family, _, flavor = str(model).partition(":")
+  if family != "llama3" or not flavor:
+    raise TorchOnTpuError(
+      f"Unknown --model '{model}'; use llama3:<flavor> (e.g. llama3:1B) or --hf_config=<dir>."
+    )
+  from torch_on_tpu.models.torchtitan import build_llama3
+
+  # Attention and sequence length change no weight; the smallest RoPE cache will do.
+  return build_llama3(flavor, attention="sdpa", max_seq_len=1)
+
+
+def _abstract_module(model, hf_config, scan=False):
+  return tot.JittableModule(
+    build_model(model, hf_config), mesh=tot.make_mesh(fsdp=-1), sharding="fsdp", scan=scan, abstract=True
+  )
+
+
+def to_safetensors(
+  checkpoint_dir: str,
+  out_dir: str,
+  *,
+  model: str | None = None,
+  hf_config: str | None = None,
+  step: int | None = None,
+  max_shard_gb: float = 4.0,
+  overwrite: bool = False,
+) -> None:
+  """Orbax checkpoint (latest step, or `step`) → safetensors directory.
+
+  A run with `scan=True` stored its layers stacked; that layout is tried when
+  the plain one does not match.
+  """
+  if not Path(checkpoint_dir).is_dir():
+    raise TorchOnTpuError(f"No checkpoint directory at {checkpoint_dir}.")
+  with checkpoint.Checkpointer(checkpoint_dir, read_only=True) as ckpt:
+    try:
+      jm = _abstract_module(model, hf_config)
+      restored = ckpt.restore({checkpoint.PARAMS_KEY: jm.params}, step=step, partial=True)
+    except TorchOnTpuError as plain_error:
+      jm = _abstract_module(model, hf_config, scan=True)
+      try:
+        restored = ckpt.restore({checkpoint.PARAMS_KEY: jm.params}, step=step, partial=True)
+      except TorchOnTpuError:
+        raise plain_error from None
+  if restored is None:
+    raise TorchOnTpuError(f"{checkpoint_dir} holds no complete checkpoint to convert.")
+  jm.params.update(restored.state[checkpoint.PARAMS_KEY])
+  out = checkpoint.export_safetensors(
+    jm, out_dir, max_shard_bytes=int(max_shard_gb * 2**30), overwrite=overwrite
+  )
+  print(f"wrote step {restored.step} of {checkpoint_dir} to {out}")
+
+
+def to_orbax(
+  weights: str,
+  out_dir: str,
+  *,
+  model: str | None = None,
+  hf_config: str | None = None,
+  step: int = 0,
+  scan: bool = False,
+) -> None:
+  """Safetensors file or directory → orbax checkpoint `{"params": ...}` at `step`,
+  in the layout of a run with `scan` (stacked layers) or without.
+
+  An HF model directory (with config.json) needs no model spec.
+  """
+  if model is None and hf_config is None and (Path(weights) / "config.json").is_file():
+    hf_config = weights
+  jm = _abstract_module(model, hf_config, scan=scan)
+  checkpoint.import_safetensors(jm, weights)
+  with checkpoint.Checkpointer(out_dir) as ckpt:
+    if step in ckpt.all_steps():
+      raise TorchOnTpuError(
+        f"{out_dir} already has a checkpoint for step {step}; pick another --step or directory."
+      )
+    state = {checkpoint.PARAMS_KEY: jm.params}
+    ckpt.save(step, state, config={"converted_from": str(weights)}, force=True)
+  print(f"wrote {weights} to {out_dir} as step {step}")
+
+
+def main(argv=None) -> int:
+  import fire
+
+  try:
+    fire.Fire({"to_safetensors": to_safetensors, "to_orbax": to_orbax}, command=argv)
+  except TorchOnTpuError as e:
+    print(f"convert: {e}", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,699 @@
+"""Checkpoints: orbax training state, and safetensors for the PyTorch world.
+
+Training runs get preempted and pods fail, so a run saves its whole state with
+orbax (asynchronous, atomic, keep-last-N) and resumes bit-exactly; researchers
+want their weights back in PyTorch, so a model exports to (and imports from) a
+safetensors directory under its original `state_dict` names (scan-stacked
+layers included: they are read and written per original layer name).
+
+    ckpt = Checkpointer("runs/a/ckpt", save_every=500, keep=3)
+    restored = ckpt.restore(abstract_state(state, mesh, params=jm.params))  # None: fresh run
+    with PreemptionGuard() as guard:
+      for step in range(start, steps):
+        state = train_step(state, batch)
+        stop = guard.should_stop(step + 1)
+        if stop or step + 1 == steps or ckpt.should_save(step + 1):
+          ckpt.save(step + 1, state, data=loader.state(), config=run_config, force=True)
+        if stop:
+          break                                              # and exit 0; a relaunch resumes
+    ckpt.close()                                             # waits for the last save
+
+The training state is any pytree of jax arrays (params, optax state, step, RNG
+key); by convention its `"params"` entry is the `JittableModule`'s params dict,
+which is what `tools/convert.py` reads. Data-iterator state and the resolved
+run config are JSON dicts saved next to it. Weights never go through pickle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import struct
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import torch
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+
+from torch_on_tpu import _compat
+from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.materialize import torch_to_numpy
+
+torchax = _compat.import_torchax()
+from torchax.ops import mappings  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+PARAMS_KEY = "params"  # the training state's entry holding `JittableModule.params`
+_SHOWN = 5  # mismatches listed by name in an error; the rest are counted
+
+# ---- orbax training checkpoints ---------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Restored:
+  """What `Checkpointer.restore` read back: the step and the three saved items."""
+
+  step: int
+  state: object
+  data: dict
+  config: dict
+
+
+class Checkpointer:
+  """Periodic, asynchronous, atomic training checkpoints in one directory.
+
+  `save` returns once the arrays are copied off the devices (donating them
+  afterwards is safe) and writes in the background while training goes on.
+  Each step is written to a temporary directory and renamed when complete,
+  so a crash mid-save leaves a checkpoint that is ignored (and deleted in the
+  background by the next `Checkpointer` on that directory). The newest `keep`
+  steps are kept. `read_only=True` (for tools reading a live run's directory)
+  neither writes nor cleans up.
+  """
+
+  def __init__(
+    self,
+    directory: str | os.PathLike,
+    *,
+    save_every: int = 1000,
+    keep: int | None = 3,
+    async_save: bool = True,
+    read_only: bool = False,
+  ):
+    if save_every < 1:
+      raise TorchOnTpuError(f"Checkpointer save_every must be at least 1, got {save_every}.")
+    self.directory = Path(directory).absolute()
+    policies = ocp.checkpoint_managers
+    options = ocp.CheckpointManagerOptions(
+      # Every `save_every` steps and at a preemption sync point; not orbax's
+      # default extra save at the first step of a run.
+      save_decision_policy=policies.AnySavePolicy(
+        [policies.FixedIntervalPolicy(save_every), policies.PreemptionCheckpointingPolicy()]
+      ),
+      max_to_keep=keep,
+      enable_async_checkpointing=async_save,
+      cleanup_tmp_directories=not read_only,
+      read_only=read_only,
+    )
+    handlers = {
+      "state": ocp.PyTreeCheckpointHandler(),
+      "data": ocp.JsonCheckpointHandler(),
+      "config": ocp.JsonCheckpointHandler(),
+    }
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self._manager.all_steps())
+
+  def should_save(self, step: int) -> bool:
+    """True every `save_every` steps (and at a multi-host preemption sync point)."""
+    return self._manager.should_save(step)
+
+  def save(
+    self,
+    step: int,
+    state,
+    *,
+    data: Mapping | None = None,
+    config: Mapping | None = None,
+    force: bool = False,
+  ) -> bool:
+    """Starts saving `state` (a pytree of arrays) as `step`; False when skipped.
+
+    Without `force` only steps `should_save` picks are written; a step that is
+    already saved is never written again.
+    """
+    if step in self._manager.all_steps():
+      return False
+    args = ocp.args.Composite(
+      state=ocp.args.PyTreeSave(state),
+      data=ocp.args.JsonSave(_json_item("data", data)),
+      config=ocp.args.JsonSave(_json_item("config", config)),
+    )
+    return self._manager.save(step, args=args, force=force)
+
+  def restore(self, target, *, step: int | None = None, partial: bool = False) -> Restored | None:
+    """Reads a checkpoint into the shardings of `target`; None when there is none.
+
+    `target` has the saved state's structure; its leaves are arrays or
+    `jax.ShapeDtypeStruct`s whose shardings say where each value goes (another
+    mesh shape or device count than the saving run's is fine: see
+    `abstract_state`). `partial=True` reads only the entries `target` names
+    (e.g. `{"params": ...}` out of a full training state). Names or shapes that
+    differ from the checkpoint raise before anything is read.
+    """
+    if step is None:
+      step = self.latest_step()
+      if step is None:
+        return None
+    elif step not in self._manager.all_steps():
+      raise TorchOnTpuError(
+        f"No checkpoint for step {step} in {self.directory}; saved steps are "
+        f"{self.all_steps() or 'none'}."
+      )
+    self._check_matches(step, target, partial)
+    args = ocp.args.Composite(
+      state=ocp.args.PyTreeRestore(
+        item=target,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=partial,
+      ),
+      data=ocp.args.JsonRestore(),
+      config=ocp.args.JsonRestore(),
+    )
+    out = self._manager.restore(step, args=args)
+    return Restored(step=step, state=out["state"], data=out["data"], config=out["config"])
+
+  def _check_matches(self, step, target, partial):
+    saved = _leaf_shapes(self._manager.item_metadata(step)["state"].tree)
+    wanted = _leaf_shapes(target)
+    problems = _mismatches(saved, wanted, allow_unexpected=partial)
+    if problems:
+      subset = not _mismatches(saved, wanted, allow_unexpected=True)
+      fix = (
+        "pass partial=True to read only the entries the target names"
+        if subset
+        else "restore it into the model and optimizer that saved it"
+      )
+      raise TorchOnTpuError(
+        f"The checkpoint at {self.directory / str(step)} does not match the state to restore "
+        f"({problems}); {fix}."
+      )
+
+  def is_saving(self) -> bool:
+    """True while a started save is still being written in the background."""
+    return self._manager.is_saving_in_progress()
+
+  def wait(self) -> None:
+    """Blocks until every started save is complete on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for pending saves, then releases orbax's background resources."""
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def abstract_state(tree, mesh: jax.sharding.Mesh | None = None, *, params: Mapping | None = None):
+  """A restore target: every leaf a `jax.ShapeDtypeStruct` with a concrete sharding.
+
+  Leaves may be arrays (their sharding is kept) or `ShapeDtypeStruct`s, e.g.
+  from `jax.eval_shape(optimizer.init, jm.params)`. A leaf without a concrete
+  sharding whose last key names one of `params` (e.g. `jm.params`: optimizer
+  moments are keyed like the params) with the same shape takes that
+  parameter's sharding; an abstract-mesh sharding is rebound to `mesh`; any
+  other leaf is replicated over `mesh`.
+  """
+  params = dict(params or {})
+
+  def leaf(path, x):
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, jax.sharding.AbstractMesh):
+      sharding = None if mesh is None else NamedSharding(mesh, sharding.spec)
+    name = getattr(path[-1], "key", None) if path else None
+    if sharding is None and name in params and tuple(params[name].shape) == tuple(x.shape):
+      sharding = params[name].sharding
+    if sharding is None:
+      if mesh is None:
+        raise TorchOnTpuError(
+          f"abstract_state got leaf '{jax.tree_util.keystr(path, simple=True, separator='/')}' "
+          f"without a concrete sharding; pass mesh= (or params=) to place it."
+        )
+      sharding = NamedSharding(mesh, PartitionSpec())
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+  return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def _json_item(what: str, value: Mapping | None) -> dict:
+  value = dict(value or {})
+  try:
+    json.dumps(value)
+  except (TypeError, ValueError) as e:
+    raise TorchOnTpuError(
+      f"The checkpoint's {what} dict is not JSON-serialisable ({e}); keep it to "
+      f"str/int/float/bool/None, lists and dicts."
+    ) from None
+  return value
+
+
+def _leaf_shapes(tree) -> dict[str, tuple[int, ...]]:
+  """Leaf path ('opt_state/0/mu/layers.0.w') → shape; typed PRNG keys as their key data."""
+  out = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+      x = jax.eval_shape(jax.random.key_data, x)
+    out[jax.tree_util.keystr(path, simple=True, separator="/")] = tuple(getattr(x, "shape", ()))
+  return out
+
+
+def _mismatches(found: Mapping, wanted: Mapping, *, allow_unexpected: bool = False) -> str:
+  """'' when `found` has every name of `wanted` with its shape; else a summary."""
+  missing = [n for n in wanted if n not in found]
+  unexpected = [] if allow_unexpected else [n for n in found if n not in wanted]
+  shapes = [
+    f"{n} is {tuple(found[n])} but {tuple(wanted[n])} is expected"
+    for n in wanted
+    if n in found and tuple(found[n]) != tuple(wanted[n])
+  ]
+  parts = []
+  for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
+    if items:
+      shown = ", ".join(items[:_SHOWN])
+      if len(items) > _SHOWN:
+        shown += f" and {len(items) - _SHOWN} more"
+      parts.append(f"{len(items)} {label}: {shown}")
+  return "; ".join(parts)
+
+
+# ---- preemption --------------------------------------------------------------------------
+
+
+class PreemptionGuard:
+  """SIGTERM / SIGINT become a request to stop after the current step.
+
+  The loop asks `should_stop(step)` after each step; when it says so the loop
+  saves and exits 0, and a relaunch resumes. A second signal stops at once
+  (`KeyboardInterrupt`). On several processes no handler is installed: jax's
+  preemption service catches SIGTERM and every process stops at the same step
+  (`jax.experimental.multihost_utils.reached_preemption_sync_point`); SIGINT
+  then interrupts as usual.
+  """
+
+  def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+    self.signals = tuple(signals)
+    self.requested = False
+    self.signal_name: str | None = None
+    self._previous: dict = {}
+
+  def __enter__(self):
+    if jax.process_count() == 1:
+      for sig in self.signals:
+        self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    self._previous.clear()
+
+  def _handle(self, signum, frame):
+    if self.requested:
+      raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping now")
+    self.requested = True
+    self.signal_name = signal.Signals(signum).name
+    logger.warning(
+      "Got %s: finishing the current step, saving a checkpoint, then exiting "
+      "(send it again to stop at once).",
+      self.signal_name,
+    )
+
+  def should_stop(self, step: int) -> bool:
+    """True once a stop was requested (on every process at the same `step`)."""
+    if jax.process_count() > 1:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self.requested
+
+
+# ---- safetensors export and import ------------------------------------------------------
+
+_SAFETENSORS_DTYPES = {
+  "float64": "F64",
+  "float32": "F32",
+  "float16": "F16",
+  "bfloat16": "BF16",
+  "int64": "I64",
+  "int32": "I32",
+  "int16": "I16",
+  "int8": "I8",
+  "uint8": "U8",
+  "bool": "BOOL",
+}
+_CHUNK_BYTES = 64 * 2**20  # host memory one exported array chunk may take
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+  """One `state_dict` name: shape and dtype, and whether it is a module's own array."""
+
+  name: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  direct: bool  # False: produced by a module's state_dict hook (torchtitan's wq/wk/wv)
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _stored(jm) -> dict[str, tuple[list[str], bool]]:
+  """Each key of `jm.params` / `jm.buffers` → (the original tensor names it
+  holds, whether they are stacked along a leading layer dim by `scan=True`)."""
+  groups = jm._layout.groups if jm._layout else {}
+  return {k: (groups[k], True) if k in groups else ([k], False) for k in [*jm.params, *jm.buffers]}
+
+
+def _canonical(jm, name: str) -> str:
+  """A tied tensor's other names (HF's `lm_head.weight`) → the name it is stored under."""
+  return jm._aliases.get(name, name)
+
+
+def _abstract(jm) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+  """Every original tensor name (ties by their canonical name) → (shape, dtype)."""
+  arrays = {**jm.params, **jm.buffers}
+  out = {}
+  for key, (originals, stacked) in _stored(jm).items():
+    shape = arrays[key].shape[1:] if stacked else arrays[key].shape
+    for original in originals:
+      out[original] = (tuple(shape), np.dtype(arrays[key].dtype))
+  return out
+
+
+def _meta_twin(prefix: str, mod: torch.nn.Module, abstract) -> torch.nn.Module:
+  """A copy of a hooked module whose tensors are meta ones of its own original
+  shapes and current dtypes, to run its state_dict hooks on (nothing allocated)."""
+  twin = copy.deepcopy(mod)
+  for name, _ in [*twin.named_parameters(), *twin.named_buffers()]:
+    shape, dtype = abstract[f"{prefix}.{name}"]
+    path, _, leaf = name.rpartition(".")
+    owner = twin.get_submodule(path)
+    meta = torch.empty(shape, dtype=mappings.j2t_dtype(dtype), device="meta")
+    if leaf in owner._parameters:
+      owner._parameters[leaf] = torch.nn.Parameter(meta, requires_grad=False)
+    else:
+      owner._buffers[leaf] = meta
+  return twin
+
+
+def _plan(jm) -> list[_Entry]:
+  """Every `state_dict` name of the model with its shape and dtype, nothing read.
+
+  Names under a module whose state_dict hooks rename or reshape (torchtitan's
+  fused `wqkv` saved as `wq`/`wk`/`wv`) take their shapes from running those
+  hooks on a meta copy of the module.
+  """
+  abstract = _abstract(jm)
+  hooked = {}
+  for prefix, mod in jm._hooked_modules:
+    twin = _meta_twin(prefix, mod, abstract)
+    for name, t in twin.state_dict(prefix=prefix + ".", keep_vars=True).items():
+      hooked[name] = _Entry(name, tuple(t.shape), np.dtype(mappings.t2j_dtype(t.dtype)), False)
+  out = []
+  for name in jm.state_dict():
+    if name in hooked:
+      out.append(hooked[name])
+    else:
+      out.append(_Entry(name, *abstract[_canonical(jm, name)], True))
+  return out
+
+
+def export_safetensors(
+  jm,
+  directory: str | os.PathLike,
+  *,
+  max_shard_bytes: int = 4 * 2**30,
+  overwrite: bool = False,
+) -> Path:
+  """Writes the model's `state_dict` to a safetensors directory, tensor by tensor.
+
+  The files load into the plain torch model with `load_state_dict(strict=True)`
+  and, for HF models (whose `config.json` is written too), with
+  `from_pretrained(directory)`. Files are split at `max_shard_bytes` with an HF
+  `model.safetensors.index.json`. Arrays stream to disk in row chunks of at
+  most 64 MiB cut from their device shards, so host memory never holds the
+  model (nor its largest tensor). The directory appears complete or not at
+  all: it is written under a temporary name and renamed. One host writes; a
+  multi-host run exports by converting its orbax checkpoint (tools/convert.py).
+  """
+  if jax.process_count() > 1:
+    raise TorchOnTpuError(
+      f"export_safetensors writes from one host but this run has {jax.process_count()} processes; "
+      f"save an orbax checkpoint and run tools/convert.py to_safetensors on one machine."
+    )
+  directory = Path(directory).absolute()
+  if directory.exists() and not overwrite:
+    raise TorchOnTpuError(
+      f"Export directory {directory} already exists; pick a new path or pass overwrite=True."
+    )
+  entries = _plan(jm)
+  for e in entries:
+    if e.dtype.name not in _SAFETENSORS_DTYPES:
+      raise TorchOnTpuError(
+        f"State '{e.name}' has dtype {e.dtype.name}, which safetensors cannot store; "
+        f"cast it to a float or integer dtype before exporting."
+      )
+  shards = _split(entries, max_shard_bytes)
+  names = (
+    ["model.safetensors"]
+    if len(shards) == 1
+    else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+  )
+  tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
+  try:
+    tmp.mkdir(parents=True)
+    state_dict = jm.state_dict()
+    for file_name, shard in zip(names, shards):
+      _write_safetensors(tmp / file_name, shard, jm, state_dict)
+    if len(shards) > 1:
+      index = {
+        "metadata": {"total_size": sum(e.nbytes for e in entries)},
+        "weight_map": {e.name: f for f, shard in zip(names, shards) for e in shard},
+      }
+      (tmp / _INDEX_FILE).write_text(json.dumps(index, indent=2))
+    config = getattr(jm.module, "config", None)
+    if callable(getattr(config, "save_pretrained", None)):
+      config.save_pretrained(tmp)
+    _replace_dir(tmp, directory)
+  finally:
+    if tmp.exists():
+      shutil.rmtree(tmp)
+  return directory
+
+
+def _split(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
+  shards: list[list[_Entry]] = [[]]
+  size = 0
+  for e in entries:
+    if shards[-1] and size + e.nbytes > max_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(e)
+    size += e.nbytes
+  return shards
+
+
+def _write_safetensors(path: Path, entries: list[_Entry], jm, state_dict) -> None:
+  """One safetensors file: header from the plan, then each tensor's bytes in order."""
+  header = {"__metadata__": {"format": "pt"}}
+  offset = 0
+  for e in entries:
+    header[e.name] = {
+      "dtype": _SAFETENSORS_DTYPES[e.dtype.name],
+      "shape": list(e.shape),
+      "data_offsets": [offset, offset + e.nbytes],
+    }
+    offset += e.nbytes
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+    for e in entries:
+      chunks = _array_chunks(jm.array_for(e.name)) if e.direct else [_hooked_value(state_dict, e)]
+      written = 0
+      for chunk in chunks:
+        f.write(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
+        written += chunk.nbytes
+      if written != e.nbytes:
+        raise TorchOnTpuError(
+          f"Exporting '{e.name}' produced {written} bytes where {e.nbytes} were planned; "
+          f"the model changed during export."
+        )
+
+
+def _hooked_value(state_dict, e: _Entry) -> np.ndarray:
+  host = torch_to_numpy(state_dict[e.name])
+  if host.shape != e.shape or host.dtype != e.dtype:
+    raise TorchOnTpuError(
+      f"State '{e.name}' is {host.dtype}{list(host.shape)} but its module's meta state_dict "
+      f"says {e.dtype}{list(e.shape)}; cast parameters through the module, not the params dict."
+    )
+  return host
+
+
+def _array_chunks(arr: jax.Array):
+  """Host copies of consecutive row blocks of `arr` (row-major order), at most
+  `_CHUNK_BYTES` each, cut from the device shards that hold them.
+
+  Slicing the global array instead would make XLA gather a dim-sharded array
+  onto every device first; here each slice is taken on one device.
+  """
+  if arr.ndim == 0:
+    yield np.asarray(arr)
+    return
+  blocks: dict[tuple[int, int], dict] = {}  # dim-0 range → {rest of the index: shard}
+  for shard in arr.addressable_shards:
+    index = [sl.indices(n)[:2] for sl, n in zip(shard.index, arr.shape)]
+    blocks.setdefault(index[0], {}).setdefault(tuple(index[1:]), shard.data)
+  row_bytes = arr.nbytes // max(arr.shape[0], 1)
+  per_chunk = max(1, _CHUNK_BYTES // max(row_bytes, 1))
+  for (start, stop), pieces in sorted(blocks.items()):
+    for lo in range(start, stop, per_chunk):
+      count = min(per_chunk, stop - lo)
+      out = np.empty((count, *arr.shape[1:]), dtype=arr.dtype)
+      for rest, data in pieces.items():
+        out[(slice(None), *(slice(a, b) for a, b in rest))] = np.asarray(_rows(data, lo - start, count))
+      yield out
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _rows(arr, start, count):
+  return jax.lax.dynamic_slice_in_dim(arr, start, count, axis=0)
+
+
+def _replace_dir(tmp: Path, directory: Path) -> None:
+  """Moves the finished export into place; an old one is removed only afterwards."""
+  old = None
+  if directory.exists():
+    old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
+    directory.rename(old)
+  directory.parent.mkdir(parents=True, exist_ok=True)
+  tmp.rename(directory)
+  if old is not None:
+    shutil.rmtree(old)
+
+
+def import_safetensors(jm, path: str | os.PathLike) -> None:
+  """Loads safetensors weights (an HF model directory, its index, or one file)
+  into `jm`'s params and buffers, straight into their shardings.
+
+  Each process reads only the slices its devices hold (layers stacked by
+  `scan=True` included). Names are the model's `state_dict` names (a tied
+  weight may be stored once; torchtitan's `wq`/`wk`/`wv` are fused into `wqkv`
+  by the module's own load hook, per layer). Values are cast to the dtypes `jm`
+  holds. Different names or shapes raise before anything is read, and `jm` is
+  only updated once every tensor has loaded.
+  """
+  from safetensors import safe_open
+
+  files = _safetensors_files(Path(path))
+  entries = {e.name: e for e in _plan(jm)}
+  with contextlib.ExitStack() as stack:
+    handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+    where = {name: h for h in handles for name in h.keys()}
+    found = {name: tuple(h.get_slice(name).get_shape()) for name, h in where.items()}
+    # A tied group (HF's embed_tokens / lm_head) needs only one of its names stored.
+    names_of: dict[str, list[str]] = {}
+    for e in entries.values():
+      if e.direct:
+        names_of.setdefault(_canonical(jm, e.name), []).append(e.name)
+    wanted = {e.name: e.shape for e in entries.values() if not e.direct}
+    for names in names_of.values():
+      for n in [n for n in names if n in found] or names[:1]:
+        wanted[n] = entries[n].shape
+    problems = _mismatches(found, wanted)
+    if problems:
+      raise TorchOnTpuError(
+        f"The safetensors weights at {path} do not match the model ({problems}); "
+        f"load weights saved from this model architecture and size."
+      )
+
+    readers = {}
+    for canonical, names in names_of.items():
+      name = next(n for n in names if n in found)
+      readers[canonical] = _slice_reader(where[name].get_slice(name))
+    merged: dict = {}  # hooked modules' merged tensors, kept while one array is read
+    abstract = _abstract(jm)
+    for prefix, mod in jm._hooked_modules:
+      readers.update(_hooked_readers(prefix, _meta_twin(prefix, mod, abstract), where, merged))
+    arrays = {**jm.params, **jm.buffers}
+    shardings = {**jm.param_shardings, **jm.buffer_shardings}
+    loaded = {}
+    for key, (originals, stacked) in _stored(jm).items():
+      if not jm._entries[originals[0]].persistent:  # not in state_dict: jm keeps its own
+        continue
+      group = [readers[o] for o in originals]
+      loaded[key] = _read_array(group, stacked, arrays[key], shardings[key])
+      merged.clear()
+  for key, arr in loaded.items():
+    (jm.params if key in jm.params else jm.buffers)[key] = arr
+
+
+def _slice_reader(tensor_slice):
+  """`index` (a tuple of slices) → that block of a stored tensor, as torch."""
+  return lambda index: tensor_slice[index]
+
+
+def _hooked_readers(prefix, twin, where, merged: dict) -> dict:
+  """Readers for a hooked module's tensors: its stored ones merged by its own
+  load hook on its meta twin (torchtitan: `wq`/`wk`/`wv` → `wqkv`), into
+  `merged` when first needed."""
+
+  def load():
+    if prefix not in merged:
+      own = {n[len(prefix) + 1 :]: where[n].get_tensor(n) for n in where if n.startswith(prefix + ".")}
+      loaded = copy.deepcopy(twin)  # the twin stays meta; `merged` alone holds the data
+      loaded.load_state_dict(own, strict=True, assign=True)
+      tensors = [*loaded.named_parameters(), *loaded.named_buffers()]
+      merged[prefix] = {f"{prefix}.{n}": t for n, t in tensors}
+    return merged[prefix]
+
+  names = [f"{prefix}.{n}" for n, _ in [*twin.named_parameters(), *twin.named_buffers()]]
+  return {name: (lambda index, name=name: load()[name][index]) for name in names}
+
+
+def _read_array(readers, stacked: bool, like, sharding) -> jax.Array:
+  """One stored array, each device's block read from the files (and cast to
+  `like.dtype`); a stacked array's block gathers that block of each layer."""
+  torch_dtype = mappings.j2t_dtype(np.dtype(like.dtype))
+
+  def block(reader, index):
+    return torch_to_numpy(reader(index).to(torch_dtype))
+
+  def read(index):
+    if not stacked:
+      return block(readers[0], index)
+    layers = range(len(readers))[index[0]]
+    return np.stack([block(readers[i], index[1:]) for i in layers])
+
+  return jax.make_array_from_callback(tuple(like.shape), sharding, read)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+  if path.is_file():
+    return [path]
+  index = path / _INDEX_FILE
+  if index.is_file():
+    weight_map = json.loads(index.read_text())["weight_map"]
+    return [path / f for f in sorted(set(weight_map.values()))]
+  files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+  if not files:
+    raise TorchOnTpuError(
+      f"No safetensors weights at {path}; give a .safetensors file or a directory holding "
+      f"them (with {_INDEX_FILE} when sharded)."
+    )
+  return files
