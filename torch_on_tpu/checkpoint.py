@@ -370,23 +370,11 @@ class _Entry:
     return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _stored(jm) -> dict[str, tuple[list[str], bool]]:
-  """Each key of `jm.params` / `jm.buffers` → (the original tensor names it
-  holds, whether they are stacked along a leading layer dim by `scan=True`)."""
-  groups = jm._layout.groups if jm._layout else {}
-  return {k: (groups[k], True) if k in groups else ([k], False) for k in [*jm.params, *jm.buffers]}
-
-
-def _canonical(jm, name: str) -> str:
-  """A tied tensor's other names (HF's `lm_head.weight`) → the name it is stored under."""
-  return jm._aliases.get(name, name)
-
-
 def _abstract(jm) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
   """Every original tensor name (ties by their canonical name) → (shape, dtype)."""
   arrays = {**jm.params, **jm.buffers}
   out = {}
-  for key, (originals, stacked) in _stored(jm).items():
+  for key, (originals, stacked) in jm.stored_layout().items():
     shape = arrays[key].shape[1:] if stacked else arrays[key].shape
     for original in originals:
       out[original] = (tuple(shape), np.dtype(arrays[key].dtype))
@@ -418,7 +406,7 @@ def _plan(jm) -> list[_Entry]:
   """
   abstract = _abstract(jm)
   hooked = {}
-  for prefix, mod in jm._hooked_modules:
+  for prefix, mod in jm.hooked_modules:
     twin = _meta_twin(prefix, mod, abstract)
     for name, t in twin.state_dict(prefix=prefix + ".", keep_vars=True).items():
       hooked[name] = _Entry(name, tuple(t.shape), np.dtype(mappings.t2j_dtype(t.dtype)), False)
@@ -427,7 +415,7 @@ def _plan(jm) -> list[_Entry]:
     if name in hooked:
       out.append(hooked[name])
     else:
-      out.append(_Entry(name, *abstract[_canonical(jm, name)], True))
+      out.append(_Entry(name, *abstract[jm.canonical_name(name)], True))
   return out
 
 
@@ -610,7 +598,7 @@ def import_safetensors(jm, path: str | os.PathLike) -> None:
     names_of: dict[str, list[str]] = {}
     for e in entries.values():
       if e.direct:
-        names_of.setdefault(_canonical(jm, e.name), []).append(e.name)
+        names_of.setdefault(jm.canonical_name(e.name), []).append(e.name)
     wanted = {e.name: e.shape for e in entries.values() if not e.direct}
     for names in names_of.values():
       for n in [n for n in names if n in found] or names[:1]:
@@ -628,13 +616,13 @@ def import_safetensors(jm, path: str | os.PathLike) -> None:
       readers[canonical] = _slice_reader(where[name].get_slice(name))
     merged: dict = {}  # hooked modules' merged tensors, kept while one array is read
     abstract = _abstract(jm)
-    for prefix, mod in jm._hooked_modules:
+    for prefix, mod in jm.hooked_modules:
       readers.update(_hooked_readers(prefix, _meta_twin(prefix, mod, abstract), where, merged))
     arrays = {**jm.params, **jm.buffers}
     shardings = {**jm.param_shardings, **jm.buffer_shardings}
     loaded = {}
-    for key, (originals, stacked) in _stored(jm).items():
-      if not jm._entries[originals[0]].persistent:  # not in state_dict: jm keeps its own
+    for key, (originals, stacked) in jm.stored_layout().items():
+      if not jm.is_persistent(originals[0]):  # not in state_dict: jm keeps its own
         continue
       group = [readers[o] for o in originals]
       loaded[key] = _read_array(group, stacked, arrays[key], shardings[key])

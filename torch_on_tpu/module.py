@@ -271,9 +271,28 @@ class JittableModule:
 
   # ---- inspection and export ---------------------------------------------------------
 
+  def stored_layout(self) -> dict[str, tuple[list[str], bool]]:
+    """Each key of `.params` / `.buffers` → (the original tensor names it holds,
+    whether they are stacked along a leading layer dim by scan)."""
+    groups = self._layout.groups if self._layout else {}
+    return {k: (groups[k], True) if k in groups else ([k], False) for k in [*self.params, *self.buffers]}
+
+  def canonical_name(self, name: str) -> str:
+    """A tied tensor's other names (HF's `lm_head.weight`) → the name it is stored under."""
+    return self._aliases.get(name, name)
+
+  def is_persistent(self, name: str) -> bool:
+    """Whether an original tensor name is part of the state_dict (non-persistent buffers are not)."""
+    return self._entries[self.canonical_name(name)].persistent
+
+  @property
+  def hooked_modules(self) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of submodules whose state_dict hooks rename or reshape their entries."""
+    return list(self._hooked_modules)
+
   def array_for(self, name: str) -> jax.Array:
     """The array behind one parameter or buffer name of the original module."""
-    canonical = self._aliases.get(name, name)
+    canonical = self.canonical_name(name)
     stored, index = self._layout.lookup(canonical) if self._layout else (canonical, None)
     arr = self.params[stored] if stored in self.params else self.buffers[stored]
     return arr if index is None else arr[index]
