@@ -1,0 +1,186 @@
+"""Trainer: logs (JSONL, TensorBoard, PNG, profile), eval, the NaN guard, and the
+checkpoint / preemption hooks."""
+
+import json
+
+import numpy as np
+import optax
+import pytest
+import torch
+
+import torch_on_tpu as tot
+
+VOCAB = 512
+
+
+class Tiny(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.emb = torch.nn.Embedding(VOCAB, 64)
+    self.out = torch.nn.Linear(64, VOCAB)
+
+  def forward(self, tokens):
+    return self.out(self.emb(tokens))
+
+
+def ce_loss(out, labels):
+  return torch.nn.functional.cross_entropy(out.flatten(0, 1), labels.flatten())
+
+
+def make_step(loss_fn=ce_loss):
+  with torch.device("meta"):
+    model = Tiny()
+  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=-1))
+  return tot.make_train_step(jm, loss_fn, optax.adamw(1e-2))
+
+
+class Batches:
+  """A resumable iterator of numpy batches, like the data pipeline's."""
+
+  def __init__(self, seed=0):
+    self.rng = np.random.default_rng(seed)
+    self.served = 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self.served += 1
+    ids = self.rng.integers(0, VOCAB, (8, 17))
+    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+
+  def state(self):
+    return {"served": self.served}
+
+
+class RecordingCheckpointer:
+  """Saves every `every` steps; records what it was given."""
+
+  def __init__(self, every):
+    self.every = every
+    self.saves = []
+    self.waited = False
+
+  def should_save(self, step):
+    return step % self.every == 0
+
+  def save(self, step, state, *, data, config, force):
+    assert int(state["step"]) == step and config is None
+    self.saves.append((step, data, force))
+
+  def wait(self):
+    self.waited = True
+
+
+def test_trainer_writes_jsonl_tensorboard_png_and_a_profile(tmp_path, capsys):
+  step = make_step()
+  validation = [next(Batches(seed=99)) for _ in range(2)]
+  trainer = tot.Trainer(
+    step,
+    Batches(),
+    steps=6,
+    log_dir=tmp_path,
+    eval_data=validation,
+    eval_every=3,
+    profile_steps=(2, 3),
+    flops_per_token=6 * 2 * VOCAB * 64,
+    peak_flops=1e12,
+    progress=False,
+  )
+  summary = trainer.run()
+
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  train = [r for r in records if "loss" in r]
+  assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+  assert {"loss", "grad_norm", "step_time", "tokens_per_second", "mfu"} <= set(train[0])
+  assert train[-1]["loss"] < train[0]["loss"]
+  assert train[2]["tokens_per_second"] == pytest.approx(8 * 16 / train[2]["step_time"])
+  assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
+  assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+  assert (tmp_path / "training.png").read_bytes()[:4] == b"\x89PNG"
+  assert list((tmp_path / "profile").rglob("*.xplane.pb"))
+  assert summary["steps"] == 6 and summary["final_loss"] == train[-1]["loss"]
+  assert summary["median_mfu"] > 0 and summary["compile_seconds"] > 0
+  assert "trained 6 steps" in capsys.readouterr().out
+
+
+def test_nan_loss_stops_with_the_step_and_saves_nothing_after_it():
+  def loss_with_scale(out, labels):
+    return ce_loss(out, labels["targets"]) * labels["scale"].mean()
+
+  def split(batch):
+    scale = np.full((8,), np.nan if batch["step"] == 5 else 1.0, np.float32)
+    return batch["input_ids"], {"targets": batch["labels"], "scale": scale}
+
+  def batches():
+    data = Batches()
+    for i in range(1, 100):
+      yield {**next(data), "step": i}
+
+  checkpointer = RecordingCheckpointer(every=2)
+  trainer = tot.Trainer(
+    make_step(loss_with_scale), batches(), steps=10, split_batch=split, checkpointer=checkpointer, progress=False
+  )
+  with pytest.raises(tot.TorchOnTpuError, match="loss is nan at step 5"):
+    trainer.run()
+  assert [s for s, _, _ in checkpointer.saves] == [2, 4]
+  assert checkpointer.waited
+  assert [r["step"] for r in trainer.records] == [1, 2, 3, 4]
+
+
+def test_checkpoints_on_cadence_and_at_the_end_with_the_data_state():
+  checkpointer = RecordingCheckpointer(every=3)
+  summary = tot.Trainer(make_step(), Batches(), steps=7, checkpointer=checkpointer, progress=False).run()
+  assert checkpointer.saves == [
+    (3, {"served": 3}, False),
+    (6, {"served": 6}, False),
+    (7, {"served": 7}, True),
+  ]
+  assert not summary["preempted"]
+
+
+def test_a_stop_request_saves_and_returns_preempted():
+  checkpointer = RecordingCheckpointer(every=100)
+  step = make_step()
+  summary = tot.Trainer(
+    step, Batches(), steps=50, checkpointer=checkpointer, stop_requested=lambda s: s == 4, progress=False
+  ).run()
+  assert summary["preempted"] and summary["steps"] == 4 == step.step_count
+  assert checkpointer.saves == [(4, {"served": 4}, True)]
+
+
+def test_resumed_trainer_continues_from_the_step_count():
+  step = make_step()
+  tot.Trainer(step, Batches(), steps=3, progress=False).run()
+  trainer = tot.Trainer(step, Batches(), steps=5, progress=False)
+  assert trainer.run()["steps"] == 5
+  assert [r["step"] for r in trainer.records] == [4, 5]
+
+
+def test_default_split_needs_input_ids_and_labels():
+  step = make_step()
+  with pytest.raises(tot.TorchOnTpuError, match="'input_ids' and 'labels'"):
+    tot.Trainer(step, iter([{"tokens": np.zeros((8, 16))}]), steps=1, progress=False).run()
+  with pytest.raises(tot.TorchOnTpuError, match="log_dir"):
+    tot.Trainer(step, [], steps=1, profile_steps=(1, 2))
+
+
+def test_resume_through_the_checkpoint_module_continues_exactly(tmp_path):
+  from torch_on_tpu.checkpoint import Checkpointer
+
+  with Checkpointer(tmp_path, save_every=2) as ckpt:
+    first = tot.Trainer(make_step(), Batches(), steps=4, checkpointer=ckpt, run_config={"lr": 1e-2}, progress=False)
+    first.run()
+    losses = [r["loss"] for r in first.records]
+
+  step = make_step()
+  with Checkpointer(tmp_path, save_every=2) as ckpt:
+    restored = ckpt.restore(step.abstract_state(), step=2)
+    step.state = restored.state
+    data = Batches()
+    for _ in range(restored.data["served"]):
+      next(data)
+    resumed = tot.Trainer(step, data, steps=4, checkpointer=ckpt, progress=False)
+    resumed.run()
+  assert restored.config == {"lr": 1e-2} and step.step_count == 4
+  assert [r["loss"] for r in resumed.records] == losses[2:]

@@ -1,0 +1,285 @@
+"""What a training run reports: model FLOPs per token, peak FLOP/s, MFU, tokens/s, and
+the run log (JSONL, TensorBoard, a PNG plot).
+
+FLOPs per token of a dense decoder, two conventions side by side:
+
+* `torchtitan` (what MFU uses, so numbers compare with torchtitan's):
+  `6·N + 12·L·H·Dh·S`, N the parameters that take part in matmuls (all of them
+  minus the input embedding, unless it is tied to the output projection), the
+  attention term counted for the full S×S score matrix;
+* `causal`: the same with the attention term halved, since a causal mask skips
+  half of the score matrix (what a kernel that skips masked blocks executes).
+
+MFU = tokens/s × FLOPs per token / (peak FLOP/s per device × devices). Peaks are
+the vendors' bf16 dense numbers per jax device; on the CPU they are a measured
+fp32 matmul rate of this machine, cached under `~/.cache/torch_on_tpu`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import platform
+import time
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from torch_on_tpu.errors import TorchOnTpuError
+
+# ---- FLOPs per token --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FlopsPerToken:
+  """Training FLOPs (forward + backward) per token under both conventions."""
+
+  torchtitan: float  # attention counted non-causal; MFU uses this one
+  causal: float  # attention term halved
+  n_params: int
+  n_matmul_params: int
+
+
+def dense_flops_per_token(
+  *,
+  n_layers: int,
+  n_heads: int,
+  head_dim: int,
+  seqlen: int,
+  n_params: int,
+  n_embedding_params: int,
+  tied_embeddings: bool = False,
+) -> FlopsPerToken:
+  """FLOPs per token from explicit numbers (see the module docstring)."""
+  matmul = n_params if tied_embeddings else n_params - n_embedding_params
+  # Scores (Q·Kᵀ) and values (P·V): 2 matmuls of L·H·Dh·S multiply-adds per token,
+  # ×2 FLOPs per multiply-add, ×3 for forward + backward.
+  attention = 12 * n_layers * n_heads * head_dim * seqlen
+  return FlopsPerToken(
+    torchtitan=float(6 * matmul + attention),
+    causal=float(6 * matmul + attention / 2),
+    n_params=n_params,
+    n_matmul_params=matmul,
+  )
+
+
+def flops_per_token(model, seqlen: int) -> FlopsPerToken:
+  """From a torchtitan Llama-style or HF causal LM module (meta is fine) or a JittableModule."""
+  module = getattr(model, "module", model)
+  n_layers, n_heads, head_dim = _attention_shape(module)
+  params = {id(p): p for p in module.parameters()}
+  embeddings = [m.weight for m in module.modules() if isinstance(m, torch.nn.Embedding)]
+  tied = any(
+    any(p is e for e in embeddings)
+    for m in module.modules()
+    if not isinstance(m, torch.nn.Embedding)
+    for p in m.parameters(recurse=False)
+  )
+  return dense_flops_per_token(
+    n_layers=n_layers,
+    n_heads=n_heads,
+    head_dim=head_dim,
+    seqlen=seqlen,
+    n_params=sum(p.numel() for p in params.values()),
+    n_embedding_params=sum(e.numel() for e in embeddings),
+    tied_embeddings=tied,
+  )
+
+
+def flops_per_token_from_config(config, seqlen: int) -> FlopsPerToken:
+  """From a torchtitan model config or an HF `PretrainedConfig` (builds the model on meta)."""
+  if hasattr(config, "num_hidden_layers"):
+    from torch_on_tpu.models.hf import build_causal_lm
+
+    module = build_causal_lm(config)
+  else:
+    with torch.device("meta"):
+      module = config.build()
+  return flops_per_token(module, seqlen)
+
+
+def _attention_shape(module) -> tuple[int, int, int]:
+  """(layers, heads, head dim) of an HF or torchtitan decoder."""
+  config = getattr(module, "config", None)
+  if config is not None and hasattr(config, "num_hidden_layers"):  # HF
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, heads, head_dim
+  layers = getattr(module, "layers", None)
+  if layers is not None and len(layers):
+    first = next(iter(layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers))
+    attention = getattr(first, "attention", None)
+    if attention is not None and hasattr(attention, "n_heads") and hasattr(attention, "head_dim"):
+      return len(layers), attention.n_heads, attention.head_dim
+  raise TorchOnTpuError(
+    f"Cannot read layers/heads/head_dim from {type(module).__name__}; call "
+    f"metrics.dense_flops_per_token(...) with explicit numbers instead."
+  )
+
+
+# ---- peak FLOP/s --------------------------------------------------------------------------
+
+# bf16 dense peak FLOP/s per *jax device*, matched as substrings of `device_kind`,
+# most specific first. Sources: Google Cloud TPU system-architecture pages
+# (cloud.google.com/tpu/docs/v4, v5e, v5p, v6e, tpu7x) and NVIDIA's H100 / H200
+# datasheets (dense = half of the "with sparsity" figure).
+PEAK_BF16_FLOPS = (
+  ("TPU v4", 275e12),  # per chip; one megacore device per chip
+  ("TPU v5 lite", 197e12),  # v5e
+  ("TPU v5e", 197e12),
+  ("TPU v5p", 459e12),  # per chip; one megacore device per chip
+  ("TPU v5", 459e12),  # v5p reports "TPU v5"
+  ("TPU v6 lite", 918e12),  # v6e (Trillium)
+  ("TPU v6e", 918e12),
+  ("TPU7x", 2307e12 / 2),  # Ironwood: 2307 per chip, two TensorCores = two devices per chip
+  ("TPU v7", 2307e12 / 2),
+  ("H100 PCIe", 756e12),
+  ("H100 NVL", 835e12),
+  ("H100", 989e12),  # SXM
+  ("H200 NVL", 835e12),
+  ("H200", 989e12),  # SXM
+)
+
+
+def peak_flops_per_device(device: jax.Device | None = None) -> float | None:
+  """The table's number for the device kind; on CPU the measured host rate shared
+  by its simulated devices; None for an unknown accelerator."""
+  device = device or jax.devices()[0]
+  if device.platform == "cpu":
+    return cpu_matmul_peak() / max(1, len(jax.local_devices(backend="cpu")))
+  kind = device.device_kind
+  for needle, flops in PEAK_BF16_FLOPS:
+    if needle.lower() in kind.lower():
+      return flops
+  return None
+
+
+def peak_flops(devices=None) -> float | None:
+  """Peak FLOP/s of all (global) devices together."""
+  devices = list(devices if devices is not None else jax.devices())
+  per_device = peak_flops_per_device(devices[0])
+  return None if per_device is None else per_device * len(devices)
+
+
+def cache_dir() -> pathlib.Path:
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return pathlib.Path(base) / "torch_on_tpu"
+
+
+def cpu_matmul_peak(*, refresh: bool = False, size: int = 2048, repeats: int = 5) -> float:
+  """fp32 FLOP/s of a jitted square matmul on this host, measured once and cached.
+
+  The cache key names the CPU model, the core count and the jax version, so a
+  different machine (or XLA) measures again.
+  """
+  key = f"{_cpu_model()}|{os.cpu_count()} cores|jax {jax.__version__}|n={size}"
+  path = cache_dir() / "cpu_matmul_peak.json"
+  cached = {}
+  if path.exists():
+    try:
+      cached = json.loads(path.read_text())
+    except ValueError:
+      cached = {}
+  if not refresh and key in cached:
+    return float(cached[key])
+  flops = measure_matmul_flops(size=size, repeats=repeats)
+  cached[key] = flops
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(json.dumps(cached, indent=1))
+  tmp.replace(path)
+  return flops
+
+
+def measure_matmul_flops(*, size: int = 2048, repeats: int = 5, device=None) -> float:
+  """Best-of-`repeats` FLOP/s of one jitted fp32 `size`×`size` matmul on one device."""
+  device = device or jax.local_devices(backend="cpu")[0]
+  keys = jax.random.split(jax.random.PRNGKey(0))
+  a, b = (jax.device_put(jax.random.normal(k, (size, size), jnp.float32), device) for k in keys)
+  matmul = jax.jit(jnp.matmul)
+  matmul(a, b).block_until_ready()
+  best = math.inf
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(a, b).block_until_ready()
+    best = min(best, time.perf_counter() - start)
+  return 2 * size**3 / best
+
+
+def _cpu_model() -> str:
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def mfu(tokens_per_second: float, flops_per_token: float, peak: float | None) -> float | None:
+  """Model FLOPs utilisation: achieved model FLOP/s over peak FLOP/s (None without a peak)."""
+  if not peak:
+    return None
+  return tokens_per_second * flops_per_token / peak
+
+
+# ---- the run log --------------------------------------------------------------------------
+
+
+class RunLog:
+  """Per-step scalars to `metrics.jsonl` and TensorBoard under `log_dir`, and a PNG plot.
+
+  Create it on process 0 only; every method is cheap and synchronous.
+  """
+
+  def __init__(self, log_dir):
+    from torch.utils.tensorboard import SummaryWriter
+
+    self.log_dir = pathlib.Path(log_dir)
+    self.log_dir.mkdir(parents=True, exist_ok=True)
+    self.jsonl_path = self.log_dir / "metrics.jsonl"
+    self._jsonl = self.jsonl_path.open("a")
+    self._tb = SummaryWriter(str(self.log_dir / "tensorboard"))
+    self.history: list[dict] = []
+
+  def log(self, step: int, values: Mapping[str, float | None]) -> None:
+    record = {"step": step, **{k: v for k, v in values.items() if v is not None}}
+    self.history.append(record)
+    self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
+    for name, value in record.items():
+      if name != "step":
+        self._tb.add_scalar(name, value, step)
+
+  def plot(self, path=None) -> pathlib.Path:
+    """Loss and tokens/s per step, side by side, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = pathlib.Path(path or self.log_dir / "training.png")
+    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
+    train = [r for r in self.history if "loss" in r]
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    evals = [r for r in self.history if "eval_loss" in r]
+    if evals:
+      ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
+    ax_loss.set(xlabel="step", ylabel="loss", title="loss")
+    ax_loss.legend()
+    speed = [r for r in self.history if "tokens_per_second" in r]
+    ax_tps.plot([r["step"] for r in speed], [r["tokens_per_second"] for r in speed])
+    ax_tps.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+  def close(self) -> None:
+    self._jsonl.close()
+    self._tb.close()

@@ -1,0 +1,755 @@
+"""`make_train_step`: forward, backward and optimizer update as one compiled program.
+
+    step = tot.make_train_step(model, loss_fn, optax.adamw(3e-4))
+    loss = step(tokens, labels)        # model.params and step.opt_state are updated
+
+Why not torchax's own `make_train_step`: it is not jitted as a whole and ignores
+its remat policy. Here the whole step is one `jax.jit` with explicit in/out
+shardings (params and optimizer state keep the parameter sharding, scalars are
+replicated, the batch is split over the data axes) and donated state, so the
+Python loop only feeds batches.
+
+Conventions:
+
+* `inputs` is what the model is called with: a tensor (`model(x)`), a tuple or
+  list (`model(*inputs)`), or a dict (`model(**inputs)`), e.g.
+  `(tokens, positions)` for torchtitan's Llama 3, `{"input_ids": ids}` for HF.
+  Leaves may be torch tensors, numpy arrays or jax arrays (host ones are placed
+  on the mesh with the batch dim over the data axes); other leaves (`False`,
+  `None`, strings) are static flags. `labels` is any pytree of arrays.
+* `loss_fn(outputs, labels)` is plain torch code returning a scalar tensor. It
+  sees the model's floating outputs in fp32 (cast up if the model computes in
+  bf16), and the step returns that loss in fp32.
+* `grad_accum=k` splits the batch dim of every input and label into k
+  microbatches (row i goes to microbatch i mod k, which keeps each microbatch
+  spread over all data shards), runs them in a `lax.scan` inside the same
+  program and averages loss and gradients: the full-batch gradient whenever
+  `loss_fn` is a mean over equal-sized microbatches.
+* Mixed precision: `compute_dtype=jnp.bfloat16` casts floating params to bf16
+  inside the step (forward and backward in bf16) while master weights,
+  gradients and optimizer state stay fp32; `master_dtype=jnp.bfloat16` stores
+  the params (and so the optimizer state) in bf16 too ("all bf16"; compute then
+  defaults to bf16). Gradient accumulation sums in fp32 either way.
+* `clip_norm` scales gradients by `min(1, clip_norm / (norm + 1e-6))`, exactly
+  `torch.nn.utils.clip_grad_norm_`.
+* Randomness (dropout): step n runs with `fold_in(rng, n)` as torchax's PRNG key
+  (and microbatch i of it with a further `fold_in(..., i)`), so every step draws
+  fresh masks and a run is reproducible from `seed`.
+* Metrics (`step.metrics`, jax scalars): `loss`, `grad_norm` (before clipping)
+  and `learning_rate`, read from the optimizer state when the optimizer carries
+  it (`optax.inject_hyperparams`) or else computed from `learning_rate=` (a
+  float or an optax schedule evaluated at the step count).
+
+State for checkpoints: `step.state` is a `TrainState`, a plain dict
+`{"params", "opt_state", "rng", "step"}` of arrays; assigning
+`step.state = restored` puts one back (in this run's shardings, checked for
+the same names and shapes); `step.abstract_state()` gives the restore target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any, TypedDict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import torch
+import torch.utils._pytree as torch_pytree
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec
+
+from torch_on_tpu import _compat, ops
+from torch_on_tpu import remat as remat_lib
+from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.module import JittableModule, _human_bytes
+
+torchax = _compat.import_torchax()
+from torchax.interop import jax_view, torch_view  # noqa: E402
+from torchax.ops import mappings  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, torch.Tensor, jax.ShapeDtypeStruct)
+
+
+class TrainState(TypedDict):
+  """Everything a resumed run needs besides the data position: a plain dict pytree.
+
+  `params` is the JittableModule's params dict; `rng` a raw uint32 key
+  (`jax.random.PRNGKey`) that step n folds n into; `step` the number of
+  completed steps (an int32 scalar array, so every leaf is an array).
+  """
+
+  params: dict
+  opt_state: Any
+  rng: jax.Array
+  step: jax.Array
+
+
+@dataclasses.dataclass
+class CompileReport:
+  """Per-device facts about one compiled step (from XLA's own analyses)."""
+
+  seconds: float
+  argument_bytes: int | None = None
+  output_bytes: int | None = None
+  alias_bytes: int | None = None  # outputs written into donated arguments
+  temp_bytes: int | None = None
+  generated_code_bytes: int | None = None
+  host_offloaded_bytes: int | None = None  # host temporaries + host arguments/outputs
+  flops: float | None = None
+  bytes_accessed: float | None = None
+
+  @property
+  def peak_bytes(self) -> int | None:
+    """Arguments + outputs not aliased to them + temporaries: the step's device memory."""
+    if self.argument_bytes is None:
+      return None
+    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+  def __str__(self) -> str:
+    parts = [f"compiled in {self.seconds:.1f} s"]
+    if self.argument_bytes is not None:
+      parts.append(
+        f"per device: arguments {_human_bytes(self.argument_bytes)}, outputs "
+        f"{_human_bytes(self.output_bytes)} ({_human_bytes(self.alias_bytes)} donated), "
+        f"temporaries {_human_bytes(self.temp_bytes)}, generated code "
+        f"{_human_bytes(self.generated_code_bytes)}, host offloaded "
+        f"{_human_bytes(self.host_offloaded_bytes)}"
+      )
+    if self.flops is not None:
+      parts.append(f"{self.flops / 1e9:.2f} GFLOP, {_human_bytes(self.bytes_accessed or 0)} accessed")
+    return "; ".join(parts)
+
+
+def make_train_step(
+  model: JittableModule,
+  loss_fn: Callable,
+  optimizer: optax.GradientTransformation,
+  *,
+  remat: str | None = None,
+  grad_accum: int = 1,
+  clip_norm: float | None = None,
+  compute_dtype=None,
+  master_dtype=None,
+  donate: bool = True,
+  seed: int = 0,
+  learning_rate: float | Callable | None = None,
+) -> "TrainStep":
+  """The compiled training step for `model` (see the module docstring for conventions).
+
+  Args:
+    model: a `JittableModule` (abstract ones can only `compile`).
+    loss_fn: `loss_fn(outputs, labels)` → scalar torch tensor.
+    optimizer: any optax `GradientTransformation` (schedules included).
+    remat: a policy name from `torch_on_tpu.remat.NAMES` for the whole forward.
+    grad_accum: microbatches per step.
+    clip_norm: max global gradient norm, or None.
+    compute_dtype: dtype of the forward/backward (e.g. `jnp.bfloat16`).
+    master_dtype: dtype the params (and optimizer state) are stored in.
+    donate: reuse the memory of the old params and optimizer state.
+    seed: seeds the per-step PRNG keys (dropout).
+    learning_rate: only for the `learning_rate` metric when the optimizer
+      state does not carry it: a float or a schedule `step → lr`.
+  """
+  return TrainStep(
+    model,
+    loss_fn,
+    optimizer,
+    remat=remat,
+    grad_accum=grad_accum,
+    clip_norm=clip_norm,
+    compute_dtype=compute_dtype,
+    master_dtype=master_dtype,
+    donate=donate,
+    seed=seed,
+    learning_rate=learning_rate,
+  )
+
+
+class TrainStep:
+  """Callable train step holding the optimizer state; built by `make_train_step`."""
+
+  def __init__(
+    self,
+    model,
+    loss_fn,
+    optimizer,
+    *,
+    remat,
+    grad_accum,
+    clip_norm,
+    compute_dtype,
+    master_dtype,
+    donate,
+    seed,
+    learning_rate,
+  ):
+    if not isinstance(model, JittableModule):
+      raise TorchOnTpuError(
+        f"make_train_step needs a JittableModule, got {type(model).__name__}; wrap the "
+        f"model with tot.JittableModule(model, mesh=...) first."
+      )
+    if not callable(loss_fn):
+      raise TorchOnTpuError("make_train_step's loss_fn must be callable as loss_fn(outputs, labels).")
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+      raise TorchOnTpuError(
+        f"make_train_step's optimizer must be an optax GradientTransformation (with init and "
+        f"update), got {type(optimizer).__name__}."
+      )
+    if not isinstance(grad_accum, int) or grad_accum < 1:
+      raise TorchOnTpuError(f"grad_accum must be a positive integer, got {grad_accum!r}.")
+    if clip_norm is not None and not clip_norm > 0:
+      raise TorchOnTpuError(f"clip_norm must be positive or None, got {clip_norm!r}.")
+    if remat is not None:
+      remat_lib.policy(remat)  # an unknown name fails here, not at the first step
+    self.model = model
+    self.loss_fn = loss_fn
+    self.optimizer = optimizer
+    self.remat = remat
+    self.grad_accum = grad_accum
+    self.clip_norm = clip_norm
+    self.master_dtype = _float_dtype(master_dtype, "master_dtype")
+    self.compute_dtype = _float_dtype(compute_dtype, "compute_dtype") or self.master_dtype
+    self.donate = donate
+    self.learning_rate = learning_rate
+    self._replicated = NamedSharding(model.mesh, PartitionSpec())
+    self._abstract = any(isinstance(v, jax.ShapeDtypeStruct) for v in model.params.values())
+    if self.master_dtype is not None:
+      self._cast_params(self.master_dtype)
+
+    param_shardings = model.param_shardings
+    abstract_opt = jax.eval_shape(optimizer.init, _abstract(model.params))
+    self.opt_state_shardings = optax.tree_map_params(
+      optimizer,
+      lambda leaf, sharding: sharding if leaf.ndim else self._replicated,
+      abstract_opt,
+      param_shardings,
+      transform_non_params=lambda _: self._replicated,
+    )
+    if self._abstract:
+      self.opt_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract_opt,
+        self.opt_state_shardings,
+      )
+    else:
+      self.opt_state = jax.jit(optimizer.init, out_shardings=self.opt_state_shardings)(model.params)
+    self.rng = jax.device_put(jax.random.PRNGKey(seed), self._replicated)
+    self.step_count = 0
+    self.metrics: dict[str, jax.Array] = {}
+    self.last_compile: CompileReport | None = None
+    self.compile_seconds = 0.0  # all compilations of this step so far
+    self._executables: dict = {}  # signature → compiled step
+    self._reports: dict = {}  # signature → its CompileReport
+    self._signature = None  # the signature the last step ran with
+    self._eval_fns: dict = {}
+
+  # ---- running ----------------------------------------------------------------------
+
+  def __call__(self, inputs, labels) -> jax.Array:
+    """One optimizer step on a global batch; returns the loss (fp32, on device)."""
+    if self._abstract:
+      raise TorchOnTpuError(
+        "This train step's model is abstract (JittableModule(..., abstract=True)); it can "
+        "only .compile(); build the model without abstract=True to train."
+      )
+    leaves, static = self._split_batch(self._place((inputs, labels)))
+    compiled = self._executable(leaves, static)
+    loss, params, opt_state, metrics = compiled(
+      self.model.params, self.model.buffers, self.opt_state, leaves, self.rng, np.int32(self.step_count)
+    )
+    self.model.params.update(params)
+    self.opt_state = opt_state
+    self.metrics = metrics
+    self.step_count += 1
+    return loss
+
+  def compile(self, inputs, labels) -> CompileReport:
+    """Lowers and compiles the step for these inputs ahead of time.
+
+    Leaves may be real arrays or `jax.ShapeDtypeStruct`s (with or without a
+    sharding); nothing is transferred or allocated.
+    """
+    leaves, static = self._split_batch(self._abstract_batch((inputs, labels)))
+    self._executable(leaves, static)
+    return self._reports[self._signature]
+
+  def evaluate(self, inputs, labels) -> jax.Array:
+    """The loss on a batch with the current params: no gradients, no update."""
+    leaves, static = self._split_batch(self._place((inputs, labels)))
+    fn = self._eval_fns.get(static)
+    if fn is None:
+      fn = self._eval_fns[static] = jax.jit(
+        functools.partial(self._eval_flat, static), out_shardings=self._replicated
+      )
+    return fn(self.model.params, self.model.buffers, leaves)
+
+  def _eval_flat(self, static, params, buffers, leaves):
+    inputs, labels = _merge_batch(leaves, static)
+    module = self.model.module
+    was_training = module.training
+    module.eval()  # traced once: dropout and friends off in this program
+    try:
+      return self._loss(params, buffers, inputs, labels, jax.random.PRNGKey(0))
+    finally:
+      module.train(was_training)
+
+  # ---- the pure step ----------------------------------------------------------------
+
+  def pure(self, params, buffers, opt_state, inputs, labels, rng=None):
+    """`(params, buffers, opt_state, inputs, labels[, rng]) → (loss, params, opt_state, metrics)`.
+
+    For callers who hold the state themselves; trace it under their own
+    `jax.jit`. `inputs`/`labels` are jax arrays (pytrees as in `__call__`);
+    `rng` is this step's PRNG key (default: a fixed key).
+    """
+    rng = jax.random.PRNGKey(0) if rng is None else rng
+    loss, grads = self._loss_and_grads(params, buffers, inputs, labels, rng)
+    grad_norm = optax.global_norm(grads)
+    if self.clip_norm is not None:
+      scale = jnp.minimum(1.0, self.clip_norm / (grad_norm + 1e-6))
+      grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+    updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    # Keep every dtype as it came in: a promoted leaf would change the signature.
+    new_params = jax.tree.map(lambda new, old: new.astype(old.dtype), new_params, params)
+    new_opt_state = jax.tree.map(lambda new, old: jnp.asarray(new).astype(old.dtype), new_opt_state, opt_state)
+    metrics = {"loss": loss, "grad_norm": grad_norm}
+    lr = self._learning_rate(new_opt_state, opt_state)
+    if lr is not None:
+      metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
+    return loss, new_params, new_opt_state, metrics
+
+  def _flat_step(self, static, params, buffers, opt_state, leaves, rng, step):
+    inputs, labels = _merge_batch(leaves, static)
+    return self.pure(params, buffers, opt_state, inputs, labels, jax.random.fold_in(rng, step))
+
+  def _loss_and_grads(self, params, buffers, inputs, labels, rng):
+    loss_fn = remat_lib.checkpoint(self._loss, self.remat)
+    value_and_grad = jax.value_and_grad(loss_fn)
+    if self.grad_accum == 1:
+      return value_and_grad(params, buffers, inputs, labels, rng)
+
+    leaves, static = self._split_batch((inputs, labels))
+    micro = [self._microbatches(x, i, static) for i, x in enumerate(leaves)]
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    zeros = jax.lax.with_sharding_constraint(zeros, self.model.param_shardings)
+
+    def accumulate(carry, xs):
+      index, micro_leaves = xs
+      mi, ml = _merge_batch(micro_leaves, static)
+      loss, grads = value_and_grad(params, buffers, mi, ml, jax.random.fold_in(rng, index))
+      loss_sum, grad_sum = carry
+      grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
+      return (loss_sum + loss, grad_sum), None
+
+    init = (jnp.zeros((), jnp.float32), zeros)
+    (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, init, (jnp.arange(self.grad_accum), micro))
+    grads = jax.tree.map(lambda g, p: (g / self.grad_accum).astype(p.dtype), grad_sum, params)
+    return loss_sum / self.grad_accum, grads
+
+  def _microbatches(self, x, index, static):
+    """(B, ...) → (k, B/k, ...), microbatch i holding rows i, i+k, i+2k, ..."""
+    k = self.grad_accum
+    if x.ndim == 0 or x.shape[0] % k:
+      name = static.names[index]
+      raise TorchOnTpuError(
+        f"grad_accum={k} needs every input and label to have a batch dim divisible by {k}; "
+        f"{name} has shape {tuple(x.shape)}."
+      )
+    micro = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+    spec = self.model.batch_sharding(x.ndim, x.shape[0] // k).spec
+    return jax.lax.with_sharding_constraint(micro, NamedSharding(self.model.mesh, PartitionSpec(None, *spec)))
+
+  def _loss(self, params, buffers, inputs, labels, rng):
+    if self.compute_dtype is not None:
+      params = {k: _cast_floating(v, self.compute_dtype) for k, v in params.items()}
+    env = torchax.default_env()
+    with env, env.override_property(prng=rng), _linear_lowering(self.model.mesh):
+      outputs = _call(self.model, params, buffers, inputs)
+      outputs = _to_fp32(outputs)
+      loss = self.loss_fn(outputs, _torch_tree(labels))
+    if not isinstance(loss, torch.Tensor):
+      raise TorchOnTpuError(
+        f"loss_fn must return a scalar torch tensor; it returned {type(loss).__name__}."
+      )
+    loss = jax_view(loss)
+    if loss.shape != ():
+      raise TorchOnTpuError(
+        f"loss_fn must return a scalar; it returned shape {tuple(loss.shape)}; reduce it "
+        f"(e.g. .mean())."
+      )
+    return loss.astype(jnp.float32)
+
+  def _learning_rate(self, new_opt_state, opt_state):
+    """The lr this step used: from `inject_hyperparams` state, else `learning_rate=`."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(new_opt_state)[0]:
+      if len(path) >= 2 and _key_name(path[-1]) == "learning_rate" and _key_name(path[-2]) == "hyperparams":
+        return leaf
+    if callable(self.learning_rate):
+      return self.learning_rate(_opt_count(opt_state))
+    return self.learning_rate
+
+  # ---- compilation ------------------------------------------------------------------
+
+  def _executable(self, leaves, static):
+    signature = (static, tuple(_leaf_signature(x) for x in leaves), ops.generation())
+    compiled = self._executables.get(signature)
+    if compiled is None:
+      if self._signature is not None:
+        logger.warning(
+          "Train step recompiles: %s.", _signature_change(self._signature, signature)
+        )
+      compiled = self._executables[signature] = self._compile(leaves, static)
+      self._reports[signature] = self.last_compile
+    self._signature = signature
+    return compiled
+
+  def _compile(self, leaves, static):
+    model = self.model
+    jitted = jax.jit(
+      functools.partial(self._flat_step, static),
+      in_shardings=(
+        model.param_shardings,
+        model.buffer_shardings,
+        self.opt_state_shardings,
+        [x.sharding for x in leaves],
+        self._replicated,
+        self._replicated,
+      ),
+      out_shardings=(self._replicated, model.param_shardings, self.opt_state_shardings, self._replicated),
+      donate_argnums=(0, 2) if self.donate else (),
+    )
+    start = time.perf_counter()
+    with _quiet_donation_warnings():
+      compiled = jitted.lower(
+        _abstract(model.params),
+        _abstract(model.buffers),
+        _abstract(self.opt_state),
+        leaves,
+        jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=self._replicated),
+        jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated),
+      ).compile()
+    self.last_compile = _report(compiled, time.perf_counter() - start)
+    self.compile_seconds += self.last_compile.seconds
+    logger.info("Train step %s", self.last_compile)
+    return compiled
+
+  # ---- batches ----------------------------------------------------------------------
+
+  def _place(self, batch):
+    """Host leaves → global arrays on the mesh; jax arrays on the mesh stay as they are."""
+
+    def place(x):
+      if isinstance(x, torch.Tensor):
+        return self.model.place(x)
+      if isinstance(x, np.ndarray):
+        return self.model.place(torch.from_numpy(np.ascontiguousarray(x)))
+      if isinstance(x, jax.Array) and not _on_mesh(x, self.model.mesh):
+        return jax.device_put(x, self.model.batch_sharding(x.ndim, x.shape[0] if x.ndim else None))
+      return x
+
+    return jax.tree.map(place, batch)
+
+  def _abstract_batch(self, batch):
+    """Any leaves → `ShapeDtypeStruct`s with the sharding `_place` would give them."""
+
+    def abstract(x):
+      if not isinstance(x, _ARRAY_TYPES):
+        return x
+      if isinstance(x, torch.Tensor):
+        dtype = mappings.t2j_dtype(x.dtype)
+      else:
+        dtype = x.dtype
+      shape = tuple(x.shape)
+      sharding = getattr(x, "sharding", None)
+      if sharding is None or (isinstance(x, jax.Array) and not _on_mesh(x, self.model.mesh)):
+        sharding = self.model.batch_sharding(len(shape), shape[0] if shape else None)
+      return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype), sharding=sharding)
+
+    return jax.tree.map(abstract, batch)
+
+  def _split_batch(self, batch):
+    """(inputs, labels) → (array leaves, hashable static part: structure, flags, leaf names)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
+    is_array = tuple(isinstance(x, _ARRAY_TYPES) for _, x in flat)
+    statics = tuple(None if a else x for (_, x), a in zip(flat, is_array))
+    names = tuple(_path_name(p) for (p, _), a in zip(flat, is_array) if a)
+    static = _Static(treedef, is_array, statics, names)
+    try:
+      hash(static)
+    except TypeError as e:
+      raise TorchOnTpuError(
+        f"A non-array input to the train step is unhashable ({e}); pass arrays for data and "
+        f"hashable Python values (bools, ints, strings) for flags."
+      ) from None
+    return [x for (_, x), a in zip(flat, is_array) if a], static
+
+  # ---- state ------------------------------------------------------------------------
+
+  @property
+  def state(self) -> TrainState:
+    return TrainState(
+      params=dict(self.model.params),
+      opt_state=self.opt_state,
+      rng=self.rng,
+      step=jax.device_put(np.int32(self.step_count), self._replicated),
+    )
+
+  @state.setter
+  def state(self, state: TrainState) -> None:
+    target = self.abstract_state()
+    _check_same_layout("params", state["params"], target["params"])
+    _check_same_layout("opt_state", state["opt_state"], target["opt_state"])
+    put = lambda x, t: x if getattr(x, "sharding", None) == t.sharding else jax.device_put(x, t.sharding)  # noqa: E731
+    self.model.params.update(jax.tree.map(put, dict(state["params"]), target["params"]))
+    self.opt_state = jax.tree.map(put, state["opt_state"], target["opt_state"])
+    self.rng = put(jnp.asarray(state["rng"], jnp.uint32), target["rng"])
+    self.step_count = int(state["step"])
+
+  def abstract_state(self) -> TrainState:
+    """Shapes, dtypes and shardings of `state`: the target to restore a checkpoint into."""
+    shardings = self.model.param_shardings
+    return TrainState(
+      params={k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in self.model.params.items()},
+      opt_state=jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        _abstract(self.opt_state),
+        self.opt_state_shardings,
+      ),
+      rng=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=self._replicated),
+      step=jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated),
+    )
+
+  def _cast_params(self, dtype):
+    params = self.model.params
+    if self._abstract:
+      cast = {k: jax.ShapeDtypeStruct(v.shape, dtype if jnp.issubdtype(v.dtype, jnp.floating) else v.dtype, sharding=v.sharding) for k, v in params.items()}
+    else:
+      shardings = self.model.param_shardings
+      cast = jax.jit(
+        lambda p: {k: _cast_floating(v, dtype) for k, v in p.items()},
+        out_shardings=shardings,
+        donate_argnums=0,
+      )(params)
+    params.update(cast)
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """The non-array part of a batch: its structure, flag values and leaf names."""
+
+  treedef: Any
+  is_array: tuple
+  statics: tuple
+  names: tuple
+
+
+def _merge_batch(leaves, static: _Static):
+  it = iter(leaves)
+  flat = [next(it) if a else s for a, s in zip(static.is_array, static.statics)]
+  return jax.tree_util.tree_unflatten(static.treedef, flat)
+
+
+def _path_name(path) -> str:
+  """`(inputs, labels)` paths as the user wrote them: `inputs['input_ids']`, `labels`."""
+  root = ("inputs", "labels")[path[0].idx]
+  return root + "".join(
+    f"[{k.key!r}]" if isinstance(k, jax.tree_util.DictKey) else f"[{_key_name(k)}]" for k in path[1:]
+  )
+
+
+def _key_name(key) -> Any:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return getattr(key, attr)
+  return str(key)
+
+
+def _leaf_signature(x):
+  return (tuple(x.shape), jnp.dtype(x.dtype), x.sharding)
+
+
+def _signature_change(old, new) -> str:
+  """One phrase naming what differs between two step signatures."""
+  old_static, old_leaves, old_gen = old
+  new_static, new_leaves, new_gen = new
+  if old_gen != new_gen:
+    return "op overrides changed (tot.override_op)"
+  if old_static.names != new_static.names or old_static.treedef != new_static.treedef:
+    return f"the batch structure changed from {list(old_static.names)} to {list(new_static.names)}"
+  if old_static.statics != new_static.statics:
+    return f"a static flag changed: {old_static.statics} → {new_static.statics}"
+  for name, (os_, od, osh), (ns, nd, nsh) in zip(new_static.names, old_leaves, new_leaves):
+    if os_ != ns:
+      return f"{name} shape {os_} → {ns}"
+    if od != nd:
+      return f"{name} dtype {od} → {nd}"
+    if osh != nsh:
+      return f"{name} sharding {_spec(osh)} → {_spec(nsh)}"
+  return "the arguments changed"
+
+
+def _spec(sharding) -> str:
+  return str(tuple(sharding.spec)) if hasattr(sharding, "spec") else str(sharding)
+
+
+def _on_mesh(x: jax.Array, mesh) -> bool:
+  sharding = x.sharding
+  return isinstance(sharding, NamedSharding) and sharding.mesh == mesh
+
+
+def _abstract(tree):
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
+  )
+
+
+def _check_same_layout(what: str, tree, target) -> None:
+  got = jax.tree_util.tree_flatten_with_path(tree)
+  want = jax.tree_util.tree_flatten_with_path(target)
+  if got[1] != want[1]:
+    raise TorchOnTpuError(
+      f"The train state's {what} has a different structure than this train step's "
+      f"({len(got[0])} vs {len(want[0])} arrays); restore state saved from the same model and optimizer."
+    )
+  for (path, x), (_, t) in zip(got[0], want[0]):
+    if tuple(x.shape) != tuple(t.shape) or jnp.dtype(x.dtype) != jnp.dtype(t.dtype):
+      raise TorchOnTpuError(
+        f"The train state's {what}{jax.tree_util.keystr(path)} is {jnp.dtype(x.dtype)}{list(x.shape)} "
+        f"but this train step expects {jnp.dtype(t.dtype)}{list(t.shape)}; restore state saved "
+        f"from the same model and optimizer."
+      )
+
+
+def _opt_count(opt_state):
+  """The optimizer's step counter (the first `count` leaf): the step the update is for."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+    if path and _key_name(path[-1]) == "count":
+      return leaf
+  raise TorchOnTpuError(
+    "learning_rate= is a schedule but the optimizer state has no step count to evaluate it "
+    "at; pass a float, or wrap the optimizer in optax.inject_hyperparams."
+  )
+
+
+def _float_dtype(dtype, what):
+  if dtype is None:
+    return None
+  if isinstance(dtype, torch.dtype):
+    dtype = mappings.t2j_dtype(dtype)
+  dtype = jnp.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TorchOnTpuError(f"{what} must be a floating dtype (e.g. jnp.bfloat16), got {dtype}.")
+  return dtype
+
+
+def _cast_floating(x, dtype):
+  return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else x
+
+
+def _torch_tree(tree):
+  return jax.tree.map(lambda x: torch_view(x) if isinstance(x, jax.Array) else x, tree)
+
+
+def _call(model: JittableModule, params, buffers, inputs):
+  viewed = _torch_tree(inputs)
+  if isinstance(viewed, dict):
+    return model.functional_call(params, buffers, **viewed)
+  if isinstance(viewed, (tuple, list)):
+    return model.functional_call(params, buffers, *viewed)
+  return model.functional_call(params, buffers, viewed)
+
+
+def _linear_lowering(mesh):
+  """On CPU, `F.linear` with a weight gradient XLA CPU lays out well (see `_linear`)."""
+  if mesh.devices.flat[0].platform != "cpu":
+    return contextlib.nullcontext()
+  return ops.bridge_overrides({torch.nn.functional.linear: _linear_with_bias}, is_jax_function=True)
+
+
+def _linear_with_bias(x, weight, bias=None):
+  out = checkpoint_name(_linear(x, weight), remat_lib.MATMUL_NAME)
+  return out if bias is None else out + bias
+
+
+@jax.custom_vjp
+def _linear(x, weight):
+  """`x @ weight.T`, whose weight gradient contracts the tokens as `[in, tokens] @ [tokens, out]`.
+
+  Differentiating the einsum gives `dW = dYᵀ·X`, for which XLA CPU transposes
+  dY inside the elementwise fusion that produces it (a strided, slow loop);
+  written this way it transposes the activation X and the small result
+  instead: about 20% off a SwiGLU block's forward + backward on CPU.
+  """
+  return jnp.einsum("...a,ba->...b", x, weight)
+
+
+def _linear_fwd(x, weight):
+  return _linear(x, weight), (x, weight)
+
+
+def _linear_bwd(residuals, grad):
+  x, weight = residuals
+  dx = jnp.einsum("...b,ba->...a", grad, weight)
+  x2 = x.reshape(-1, x.shape[-1])
+  g2 = grad.reshape(-1, grad.shape[-1])
+  dw = (x2.T @ g2).T
+  return dx.astype(x.dtype), dw.astype(weight.dtype)
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+def _to_fp32(outputs):
+  """Floating model outputs below fp32 → fp32, so the loss is computed in fp32."""
+  def up(t):
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and torch.finfo(t.dtype).bits < 32:
+      return t.float()
+    return t
+
+  return torch_pytree.tree_map(up, outputs)
+
+
+def _report(compiled, seconds) -> CompileReport:
+  report = CompileReport(seconds=seconds)
+  try:
+    mem = compiled.memory_analysis()
+  except Exception:  # some backends do not implement it
+    mem = None
+  if mem is not None:
+    report.argument_bytes = mem.argument_size_in_bytes
+    report.output_bytes = mem.output_size_in_bytes
+    report.alias_bytes = mem.alias_size_in_bytes
+    report.temp_bytes = mem.temp_size_in_bytes
+    report.generated_code_bytes = mem.generated_code_size_in_bytes
+    report.host_offloaded_bytes = sum(
+      getattr(mem, f"host_{k}_size_in_bytes", 0) or 0 for k in ("argument", "output", "temp")
+    )
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # jax < 0.4.30 returns one dict per program
+    cost = cost[0] if cost else None
+  if cost:
+    report.flops = cost.get("flops")
+    report.bytes_accessed = cost.get("bytes accessed")
+  return report
+
+
+@contextlib.contextmanager
+def _quiet_donation_warnings():
+  """Donated buffers XLA cannot reuse (e.g. small scalars) are harmless; jax warns per compile."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+    yield
