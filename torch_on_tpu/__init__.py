@@ -2,12 +2,14 @@
 
 from torch_on_tpu import _compat
 
-if not _compat.started_as_doctor():  # the doctor must start even where torchax cannot import
+if not _compat.started_as_light_tool():  # the doctor and launcher start without torchax
   # The torchax shim must run before anything imports torchax.
   _torchax = _compat.import_torchax()
 
   from torch_on_tpu import lowerings  # noqa: E402
+  from torch_on_tpu.distributed import initialize_distributed  # noqa: E402
 
+  initialize_distributed()  # joins a multi-process run before torchax's env starts jax's backend
   lowerings.register(_torchax.default_env())
 
   from torch_on_tpu.errors import TorchOnTpuError  # noqa: E402
@@ -27,6 +29,7 @@ __all__ = [
   "TrainState",
   "TrainStep",
   "Trainer",
+  "initialize_distributed",
   "make_mesh",
   "make_train_step",
   "override_op",

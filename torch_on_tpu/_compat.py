@@ -82,11 +82,22 @@ def _tolerate_removed_dimname_overloads():
     packet_cls.__getattr__ = original_getattr
 
 
-def started_as_doctor() -> bool:
-  """True when this process is `python -m torch_on_tpu.doctor`."""
+# Entry points that must start without torchax or jax: the doctor diagnoses a
+# broken install, the launcher only starts the processes that do the work.
+_LIGHT_ENTRY_POINTS = ("torch_on_tpu.doctor", "torch_on_tpu.launch")
+
+
+def started_as_light_tool() -> bool:
+  """True when this process is `python [options] -m` one of `_LIGHT_ENTRY_POINTS`."""
   import sys
 
-  return getattr(sys, "orig_argv", [])[1:3] == ["-m", "torch_on_tpu.doctor"]
+  argv = getattr(sys, "orig_argv", [])
+  for i, arg in enumerate(argv[1:-1], 1):
+    if arg == "-m":
+      return argv[i + 1] in _LIGHT_ENTRY_POINTS
+    if not arg.startswith("-"):
+      return False
+  return False
 
 
 def import_torchax():

@@ -36,6 +36,7 @@ from torch_on_tpu import scan as scan_lib
 from torch_on_tpu import mesh as mesh_lib
 from torch_on_tpu import sharding as sharding_lib
 from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.models import hf
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
@@ -197,6 +198,8 @@ class JittableModule:
     # Random ops rotate the env's key; scoping the key keeps a traced key from
     # leaking into torchax's global state (pass a fresh key with
     # `env.override_property(prng=key)` around the call for per-step randomness).
+    if self._layout and hf.is_hf(self.module):
+      kwargs = {**hf.CALL_DEFAULTS_WITH_LAYER_STACK, **kwargs}
     with env, env.override_property(prng=env.param.prng):
       with self._activation_constraints(), self._attention_kernels():
         with torch.nn.utils.stateless._reparametrize_module(self.module, tensors):

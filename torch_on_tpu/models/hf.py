@@ -29,6 +29,12 @@ _FSDP_TP = {
 }
 
 
+# A scanned (or layer-remat) stack runs the layers as one step and cannot carry a
+# KV cache; HF models default to building one, so they run without it unless the
+# caller passes `use_cache=True` (which the scan then refuses with a clear error).
+CALL_DEFAULTS_WITH_LAYER_STACK = {"use_cache": False}
+
+
 def is_hf(module: torch.nn.Module) -> bool:
   try:
     from transformers import PreTrainedModel

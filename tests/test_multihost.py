@@ -1,0 +1,225 @@
+"""Multi-host for real: several jax processes on loopback, started like pod hosts.
+
+`tests/multihost_worker.py` trains a 2-layer torchtitan Llama 3 debugmodel
+through the library (JittableModule, make_train_step, Trainer, data.to_global,
+Checkpointer); the tests compare 1 process x 8 CPU devices with 2 processes x
+4, checkpoints across the two, and what happens when a process dies. The
+launcher's own behaviour is tested with tiny scripts that start in a moment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from torch_on_tpu import distributed, launch
+from torch_on_tpu.errors import TorchOnTpuError
+
+ROOT = Path(__file__).parent.parent
+WORKER = Path(__file__).parent / "multihost_worker.py"
+LOSS_RTOL = 1e-6  # 2x4 vs 1x8 devices: same program, reductions split differently
+KILL_DEADLINE_S = 60
+# The subprocesses share the test session's persistent compilation cache.
+CACHE_ENV = {
+  "JAX_COMPILATION_CACHE_DIR": str(ROOT / ".cache" / "jax-tests"),
+  "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+  "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
+
+
+def clean_env() -> dict:
+  """The test session's environment without its device count or a run description."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TOT_")}
+  env.pop("XLA_FLAGS", None)
+  return {**env, **CACHE_ENV}
+
+
+def launch_worker(tmp: Path, name: str, nproc: int, *worker_args: str, timeout: int = 240) -> list[float]:
+  """Runs the worker on `nproc` processes x `8 / nproc` devices; the per-step losses."""
+  log_dir = tmp / name
+  cmd = [sys.executable, "-m", "torch_on_tpu.launch", "--nproc", str(nproc), "--cpu_devices", str(8 // nproc)]
+  cmd += [str(WORKER), "--log_dir", str(log_dir), *worker_args]
+  out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  return losses(log_dir)
+
+
+def losses(log_dir: Path) -> list[float]:
+  records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+  return [r["loss"] for r in sorted(records, key=lambda r: r["step"]) if "loss" in r]
+
+
+def max_rel(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  assert a.shape == b.shape, (a, b)
+  return float(np.max(np.abs(a - b) / np.abs(b)))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """10 steps on 1 process x 8 devices and on 2 x 4, each saving a checkpoint at step 5."""
+  tmp = tmp_path_factory.mktemp("multihost")
+  common = ("--steps", "10", "--save_every", "5")
+  one = launch_worker(tmp, "one", 1, "--ckpt_dir", str(tmp / "ckpt_one"), *common)
+  two = launch_worker(tmp, "two", 2, "--ckpt_dir", str(tmp / "ckpt_two"), *common)
+  return tmp, one, two
+
+
+def test_two_processes_match_one_process_step_for_step(runs):
+  _, one, two = runs
+  assert len(one) == len(two) == 10
+  assert max_rel(two, one) < LOSS_RTOL, max_rel(two, one)
+  print(f"2x4 vs 1x8 devices: max relative loss difference {max_rel(two, one):.2e}")
+  assert one[0] != one[-1]  # it trains: the comparison is not of constants
+
+
+def test_checkpoint_from_two_processes_resumes_in_one_and_back(runs):
+  tmp, one, two = runs
+  resume = ("--steps", "10", "--save_every", "5", "--resume_step", "5")
+  one_from_two = launch_worker(tmp, "one_from_two", 1, "--ckpt_dir", str(tmp / "ckpt_two"), *resume)
+  two_from_one = launch_worker(tmp, "two_from_one", 2, "--ckpt_dir", str(tmp / "ckpt_one"), *resume)
+  assert max_rel(one_from_two, two[5:]) < LOSS_RTOL and max_rel(two_from_one, one[5:]) < LOSS_RTOL
+  print(f"resumed 2->1: {max_rel(one_from_two, two[5:]):.2e}, 1->2: {max_rel(two_from_one, one[5:]):.2e}")
+
+
+def test_killed_process_makes_the_others_fail_fast(tmp_path):
+  """No launcher: the survivors must notice by themselves, as on a pod."""
+  port = launch.free_port()
+  procs, logs = [], [tmp_path / f"p{i}.txt" for i in range(2)]
+  for index, log in enumerate(logs):
+    env = launch.process_env(clean_env(), index, 2, port, cpu_devices=4)
+    cmd = [sys.executable, str(WORKER), "--log_dir", str(tmp_path / "log"), "--steps", "50", "--die_at", "2"]
+    with open(log, "w") as out:
+      procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
+  survivor, victim = procs
+  try:
+    victim.wait(timeout=240)
+    killed_at = time.monotonic()
+    survivor.wait(timeout=KILL_DEADLINE_S + 30)
+    waited = time.monotonic() - killed_at
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  out = logs[0].read_text()
+  assert victim.returncode == -9
+  assert survivor.returncode != 0
+  assert waited < KILL_DEADLINE_S, f"the survivor took {waited:.0f} s to stop"
+  assert "another task died" in out or "Connection closed by peer" in out, out[-2000:]
+  print(f"survivor stopped {waited:.1f} s after the kill")
+
+
+# ---- the launcher --------------------------------------------------------------------------
+
+
+def script(tmp_path: Path, body: str) -> Path:
+  path = tmp_path / "target.py"
+  path.write_text(textwrap.dedent(body))
+  return path
+
+
+def run_launcher(*args: str, timeout: int = 60) -> subprocess.CompletedProcess:
+  cmd = [sys.executable, "-m", "torch_on_tpu.launch", *args]
+  return subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_launcher_prefixes_output_and_describes_each_process(tmp_path):
+  target = script(
+    tmp_path,
+    """
+    import os, sys
+    keys = ("TOT_COORDINATOR", "TOT_NUM_PROCESSES", "TOT_PROCESS_ID", "XLA_FLAGS", "JAX_PLATFORMS")
+    print(" ".join(os.environ[k] for k in keys), sys.argv[1:])
+    print("second line", file=sys.stderr)
+    """,
+  )
+  out = run_launcher("--nproc", "2", "--cpu_devices", "3", str(target), "--model=x", "-m", "y")
+  assert out.returncode == 0, out.stderr
+  lines = out.stdout.splitlines()
+  assert sorted(lines.count(f"[p{i}] second line") for i in range(2)) == [1, 1]
+  described = sorted(line for line in lines if "TOT" not in line and "127.0.0.1" in line)
+  assert len(described) == 2
+  for i, line in enumerate(described):
+    assert re.fullmatch(
+      rf"\[p{i}\] 127\.0\.0\.1:\d+ 2 {i} --xla_force_host_platform_device_count=3 cpu \['--model=x', '-m', 'y'\]", line
+    ), line
+
+
+def test_launcher_stops_the_others_and_fails_when_one_process_fails(tmp_path):
+  target = script(
+    tmp_path,
+    """
+    import os, signal, time
+    if os.environ["TOT_PROCESS_ID"] == "1":
+      os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)
+    """,
+  )
+  start = time.monotonic()
+  out = run_launcher("--nproc", "3", "--grace", "2", str(target))
+  assert time.monotonic() - start < 30  # not the 120 s the others would sleep
+  assert out.returncode == 128 + 9
+  assert "launch: process 1 was killed by SIGKILL; stopped the other 2." in out.stderr
+
+  target.write_text("import os, sys\nsys.exit(3 if os.environ['TOT_PROCESS_ID'] == '0' else 0)\n")
+  out = run_launcher("--nproc", "2", str(target))
+  assert out.returncode == 3
+  assert "launch: process 0 exited with code 3" in out.stderr
+
+
+def test_launcher_rejects_bad_arguments(capsys, monkeypatch):
+  monkeypatch.chdir(ROOT)
+  for args, message in [
+    (("--nproc", "0", "x.py"), "--nproc must be at least 1"),
+    (("--nproc", "2"), "nothing to launch"),
+    (("missing_script.py",), "script 'missing_script.py' does not exist"),
+    (("-m", "no_such_module_here"), "module 'no_such_module_here' is not importable"),
+    (("--cpu_devices", "0", "-m", "torch_on_tpu"), "--cpu_devices must be at least 1"),
+  ]:
+    assert launch.main(list(args)) == 2
+    assert message in capsys.readouterr().err, args
+
+
+def test_process_env_appends_the_device_count_to_existing_xla_flags():
+  base = {"XLA_FLAGS": "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8"}
+  env = launch.process_env(base, 1, 2, 1234, cpu_devices=4)
+  assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=4"
+  assert (env["TOT_COORDINATOR"], env["TOT_NUM_PROCESSES"], env["TOT_PROCESS_ID"]) == ("127.0.0.1:1234", "2", "1")
+  assert "JAX_PLATFORMS" not in launch.process_env({}, 0, 1, 1, cpu_devices=None)
+
+
+# ---- initialize_distributed ------------------------------------------------------------------
+
+
+def test_initialize_distributed_is_a_no_op_for_one_unconfigured_process(monkeypatch):
+  for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.delenv(distributed.JAX_ENV_COORDINATOR, raising=False)
+  assert distributed.initialize_distributed() is False
+  assert distributed.initialize_distributed() is False  # again: still nothing to join
+  assert distributed.initialize_distributed("127.0.0.1:1", 1, 0) is False  # one process: nothing to join
+
+
+def test_initialize_distributed_names_what_is_missing_or_wrong(monkeypatch):
+  monkeypatch.setenv(distributed.ENV_COORDINATOR, "127.0.0.1:1234")
+  monkeypatch.delenv(distributed.ENV_NUM_PROCESSES, raising=False)
+  monkeypatch.delenv(distributed.ENV_PROCESS_ID, raising=False)
+  with pytest.raises(TorchOnTpuError, match="TOT_NUM_PROCESSES, TOT_PROCESS_ID is not set"):
+    distributed.initialize_distributed()
+  with pytest.raises(TorchOnTpuError, match="Process id 2 is outside 0..1"):
+    distributed.initialize_distributed(num_processes=2, process_id=2)
+  monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "two")
+  with pytest.raises(TorchOnTpuError, match="TOT_NUM_PROCESSES='two' is not an integer"):
+    distributed.initialize_distributed()
+  # This session's jax backend is running: joining now is impossible, and says why.
+  with pytest.raises(TorchOnTpuError, match="can no longer join"):
+    distributed.initialize_distributed("127.0.0.1:1234", 2, 0)

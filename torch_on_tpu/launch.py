@@ -1,0 +1,213 @@
+"""Local multi-process runs: N processes on this machine behave like N hosts of a pod.
+
+    python -m torch_on_tpu.launch --nproc 2 --cpu_devices 4 -m recipes.llama3 --steps=10
+    python -m torch_on_tpu.launch --nproc 2 train.py --lr=1e-3
+
+Each process gets `TOT_COORDINATOR` (a free port on 127.0.0.1),
+`TOT_NUM_PROCESSES` and `TOT_PROCESS_ID`, so `import torch_on_tpu` joins them
+into one jax run (see `torch_on_tpu.distributed`); `--cpu_devices K` gives each
+process K simulated CPU devices (`JAX_PLATFORMS=cpu` and
+`--xla_force_host_platform_device_count=K` appended to `XLA_FLAGS`). Output
+lines are prefixed `[p0]`, `[p1]`, .... When one process fails the others get
+SIGTERM, then SIGKILL after `--grace` seconds, and the launcher exits with the
+failed process's code and one line naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from torch_on_tpu.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_POLL_SECONDS = 0.05
+
+
+class LaunchError(Exception):
+  """A bad command line: printed as one line, exit status 2."""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+  """Launcher options, then `-m module` or a script path, then the target's own arguments."""
+  parser = argparse.ArgumentParser(
+    prog="python -m torch_on_tpu.launch",
+    description="Start N local processes that form one multi-process jax run.",
+    usage="%(prog)s [--nproc N] [--cpu_devices K] [--grace S] (-m MODULE | SCRIPT) [ARGS ...]",
+  )
+  parser.add_argument("--nproc", type=int, default=2, help="processes to start (default 2)")
+  parser.add_argument("--cpu_devices", type=int, default=None, help="simulated CPU devices per process")
+  parser.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+  parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+  parser.add_argument("-m", dest="module", default=None, help="run a module, like python -m")
+  own, rest = _split_argv(argv)
+  args = parser.parse_args(own)
+  if args.nproc < 1:
+    raise LaunchError(f"--nproc must be at least 1, got {args.nproc}.")
+  if args.cpu_devices is not None and args.cpu_devices < 1:
+    raise LaunchError(f"--cpu_devices must be at least 1, got {args.cpu_devices}.")
+  if args.grace < 0:
+    raise LaunchError(f"--grace must be zero or more seconds, got {args.grace}.")
+  if args.module is None:
+    if not rest:
+      raise LaunchError("nothing to launch; give -m MODULE or a script path, then its arguments.")
+    args.script, args.target_args = rest[0], rest[1:]
+    if not Path(args.script).is_file():
+      raise LaunchError(f"script '{args.script}' does not exist; give a Python file or -m MODULE.")
+  else:
+    args.script, args.target_args = None, rest
+    if not _module_exists(args.module):
+      raise LaunchError(f"module '{args.module}' is not importable from {os.getcwd()}; check the name or the directory.")
+  return args
+
+
+def _split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+  """(launcher options up to and including `-m MODULE`, the rest): the target's
+  own options must not be read as the launcher's."""
+  valued = {"--nproc", "--cpu_devices", "--grace", "--port"}
+  i = 0
+  while i < len(argv):
+    arg = argv[i]
+    if arg == "-m":
+      return argv[: i + 2], argv[i + 2 :]
+    if arg in valued:
+      i += 2
+    elif arg.startswith("-"):
+      i += 1  # --nproc=2, --help, or an unknown option argparse will name
+    else:
+      return argv[:i], argv[i:]
+  return argv, []
+
+
+def _module_exists(name: str) -> bool:
+  try:
+    return importlib.util.find_spec(name) is not None
+  except (ImportError, ValueError):
+    return False
+
+
+def free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def process_env(base: dict, index: int, count: int, port: int, cpu_devices: int | None) -> dict:
+  """The environment of process `index`: the launcher's plus the run description."""
+  env = dict(base)
+  env[ENV_COORDINATOR] = f"127.0.0.1:{port}"
+  env[ENV_NUM_PROCESSES] = str(count)
+  env[ENV_PROCESS_ID] = str(index)
+  env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed, not at exit
+  if cpu_devices is not None:
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
+    env["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={cpu_devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def _pump(index: int, stream, out, lock: threading.Lock) -> None:
+  """Copies one process's output to `out`, each line prefixed with `[p<index>]`."""
+  prefix = f"[p{index}] "
+  for raw in iter(stream.readline, b""):
+    line = raw.decode("utf-8", errors="replace").rstrip("\n")
+    with lock:
+      out.write(prefix + line + "\n")
+      out.flush()
+  stream.close()
+
+
+def describe_exit(code: int) -> str:
+  if code < 0:
+    try:
+      return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+      return f"was killed by signal {-code}"
+  return f"exited with code {code}"
+
+
+def run(args: argparse.Namespace, out=None) -> int:
+  """Starts the processes, relays their output, stops all when one fails; the exit status."""
+  out = out or sys.stdout
+  port = args.port or free_port()
+  target = ["-m", args.module] if args.module else [args.script]
+  command = [sys.executable, *target, *args.target_args]
+  lock = threading.Lock()
+  procs, pumps = [], []
+  for index in range(args.nproc):
+    env = process_env(os.environ, index, args.nproc, port, args.cpu_devices)
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    procs.append(proc)
+    pump = threading.Thread(target=_pump, args=(index, proc.stdout, out, lock), daemon=True)
+    pump.start()
+    pumps.append(pump)
+
+  failed = None  # (index, code) of the first process that failed
+  interrupted = None
+
+  def on_signal(signum, frame):
+    nonlocal interrupted
+    interrupted = signum
+
+  previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    while failed is None and interrupted is None:
+      codes = [p.poll() for p in procs]
+      failed = next(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), None)
+      if all(c is not None for c in codes):
+        break
+      time.sleep(_POLL_SECONDS)
+    if failed is not None or interrupted is not None:
+      _stop(procs, args.grace)
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+  for pump in pumps:
+    pump.join(timeout=5)
+  if interrupted is not None:
+    print(f"launch: got {signal.Signals(interrupted).name}; stopped all {args.nproc} processes.", file=sys.stderr)
+    return 128 + interrupted
+  if failed is not None:
+    index, code = failed
+    print(
+      f"launch: process {index} {describe_exit(code)}; stopped the other {args.nproc - 1}.",
+      file=sys.stderr,
+      flush=True,
+    )
+    return code if code > 0 else 128 - code
+  return 0
+
+
+def _stop(procs: list[subprocess.Popen], grace: float) -> None:
+  """SIGTERM to every running process, SIGKILL to those still running after `grace` seconds."""
+  for p in procs:
+    if p.poll() is None:
+      p.terminate()
+  deadline = time.monotonic() + grace
+  while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+    time.sleep(_POLL_SECONDS)
+  for p in procs:
+    if p.poll() is None:
+      p.kill()
+    p.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+  try:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+  except LaunchError as e:
+    print(f"launch: {e}", file=sys.stderr)
+    return 2
+  return run(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
