@@ -1,28 +1,34 @@
-"""One process of the multi-host tests: a tiny torchtitan Llama 3 trained through the library.
+"""One process of the multi-host tests: a tiny torchtitan Llama 3 trained through the library on real data.
 
 Run it alone (one process, all its devices) or under `python -m torch_on_tpu.launch`
-(which makes `import torch_on_tpu` join the processes). Every process builds the
-same global batch for a step from `(seed, step)` and keeps only its own rows,
-which `data.to_global` assembles into the global array, so the data is the same
-whatever the process count. Process 0 writes `metrics.jsonl` (one loss per step)
-into `--log_dir`; checkpoints go to `--ckpt_dir` every `--save_every` steps, and
-`--resume_step N` restores step N from there first (on any process count).
-`--die_at N` makes the last process SIGKILL itself after step N, to test what
-the others do then.
+(which makes `import torch_on_tpu` join the processes). The data is
+`data.batches` on the built-in corpus (the Python standard library, with its
+cached BPE): each process reads only its own data shards and yields its rows
+of the global batch, which is the same for any process count, and
+`data.to_global` assembles the rows into the global array. Process 0 writes
+`metrics.jsonl` (one loss per step) into `--log_dir`, and `batches.txt`: a
+digest of every step's global batch as the step sees it (gathered from the
+devices), so a test can check that every process count trains on the same rows
+in the same places. Checkpoints (with the data state) go to `--ckpt_dir` every
+`--save_every` steps, and `--resume_step N` restores step N from there first
+(on any process count). `--die_at N` makes the last process SIGKILL itself
+after step N, to test what the others do then.
 
     python tests/multihost_worker.py --log_dir L --ckpt_dir C --steps 10 --save_every 5
 """
 
 import argparse
+import hashlib
 import os
 import signal
 import sys
+from pathlib import Path
 
 import jax
-import numpy as np
 import optax
 import torch
 import torch.nn.functional as F
+from jax.experimental import multihost_utils
 
 import torch_on_tpu as tot  # joins the other processes, when launched with them
 from torch_on_tpu import checkpoint, data
@@ -31,17 +37,12 @@ from torch_on_tpu.models.torchtitan import llama3_config
 SEQ, BATCH, LAYERS = 16, 8, 2
 
 
-class SyntheticBatches:
-  """Step k's global batch is a pure function of `(seed, k)`; this process yields its rows.
+class DieAfter:
+  """The data iterator, except that the last process SIGKILLs itself instead of serving step `die_at + 1`."""
 
-  With `die_at`, the last process SIGKILLs itself instead of serving step `die_at + 1`.
-  """
-
-  def __init__(self, vocab: int, seed: int, die_at: int | None = None):
-    self.vocab, self.seed, self.step = vocab, seed, 0
+  def __init__(self, batches: data.Batches, die_at: int | None):
+    self.batches, self.step = batches, 0
     self.die_at = die_at if jax.process_index() == jax.process_count() - 1 else None
-    rows = BATCH // jax.process_count()
-    self.rows = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
 
   def __iter__(self):
     return self
@@ -50,13 +51,11 @@ class SyntheticBatches:
     if self.step == self.die_at:
       print(f"process {jax.process_index()} kills itself after step {self.step}", flush=True)
       os.kill(os.getpid(), signal.SIGKILL)
-    tokens = np.random.default_rng([self.seed, self.step]).integers(0, self.vocab, (BATCH, SEQ + 1), np.int32)
     self.step += 1
-    local = tokens[self.rows]
-    return {"input_ids": local[:, :-1], "labels": local[:, 1:]}
+    return next(self.batches)
 
   def state(self) -> dict:
-    return {"step": self.step}
+    return self.batches.state()
 
 
 def main(argv=None):
@@ -76,32 +75,47 @@ def main(argv=None):
     model = config.build()
   mesh = tot.make_mesh(fsdp=-1)
   jm = tot.JittableModule(model, mesh=mesh, sharding="fsdp", seed=args.seed)
-  vocab = jm.params["tok_embeddings.weight"].shape[0]
+  tokenizer = data.build_tokenizer(None, vocab_size=config.vocab_size)
+  data.check_model_fit(tokenizer.vocab_size, config.vocab_size, SEQ, SEQ)
 
   def loss_fn(logits, labels):
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
   step = tot.make_train_step(jm, loss_fn, optax.adamw(1e-3), seed=args.seed)
-  batches = SyntheticBatches(vocab, args.seed, args.die_at)
   ckpt = checkpoint.Checkpointer(args.ckpt_dir, save_every=args.save_every, keep=None) if args.ckpt_dir else None
+  saved = None
   if args.resume_step is not None:
     restored = ckpt.restore(step.abstract_state(), step=args.resume_step)
-    step.state = restored.state
-    batches.step = restored.data["step"]
+    step.state, saved = restored.state, restored.data
     print(f"resumed from step {restored.step} on {jax.process_count()} processes", flush=True)
+  batches = data.batches(
+    None, tokenizer, seqlen=SEQ, global_batch_size=BATCH, seed=args.seed, with_positions=True, state=saved
+  )
+  digests = Path(args.log_dir, "batches.txt")
+  digests.parent.mkdir(parents=True, exist_ok=True)
+
+  def to_global(batch):
+    arrays = data.to_global(batch, mesh)
+    rows = {k: multihost_utils.process_allgather(v, tiled=True) for k, v in sorted(arrays.items())}
+    if jax.process_index() == 0:
+      digest = hashlib.sha256(b"".join(v.tobytes() for v in rows.values())).hexdigest()[:16]
+      with open(digests, "a") as f:
+        f.write(digest + "\n")
+    return arrays
 
   trainer = tot.Trainer(
     step,
-    batches,
+    DieAfter(batches, args.die_at),
     steps=args.steps,
     log_dir=args.log_dir,
-    to_global=lambda batch: data.to_global(batch, mesh),
+    to_global=to_global,
     checkpointer=ckpt,
     progress=False,
   )
   trainer.run()
   if ckpt is not None:
     ckpt.close()
+  batches.close()
   return 0
 
 

@@ -1,4 +1,4 @@
-"""The data pipeline: sources, tokenizers, packing, process slices, resumable state, global arrays."""
+"""The data pipeline: sources, tokenizers, packing, shards and processes, resumable state, global arrays."""
 
 import json
 import random
@@ -170,47 +170,57 @@ class _Recording(data.JsonLines):
     return super().read(block)
 
 
+def _min_epoch(it):
+  return min(p[0] for p in it.state()["shards"] if p is not None)
+
+
 @pytest.mark.parametrize("split", ["train", "all"])
-def test_two_process_slices_are_disjoint_and_cover_the_stream(corpus, tok, split):
+def test_shards_are_disjoint_and_processes_read_only_their_own(corpus, tok, split):
   whole = data.Stream(data.JsonLines([corpus / "docs.jsonl"], block_bytes=512), tok, split=split)
   for epoch in (0, 1):
     everything = list(whole.epoch_documents(epoch))
     mine = [
-      list(data.Stream(whole.source, tok, split=split, process_index=p, process_count=2).epoch_documents(epoch))
-      for p in (0, 1)
+      list(data.Stream(whole.source, tok, split=split, shard_index=s, shard_count=2).epoch_documents(epoch))
+      for s in (0, 1)
     ]
     assert mine[0] and mine[1]
     assert not set(mine[0]) & set(mine[1])
     assert sorted(mine[0] + mine[1]) == sorted(everything)
-  # Over several epochs of batches, no process opens a block the other one reads.
+  # Over several epochs of batches, no process opens a block another one reads.
   sources = [_Recording([corpus / "docs.jsonl"], block_bytes=512) for _ in (0, 1)]
   for p, source in enumerate(sources):
     it = data.batches(
       source, tok, seqlen=16, global_batch_size=4, split=split, process_index=p, process_count=2, prefetch=0
     )
-    while it.state()["epoch"] < 2:
+    assert it.state()["num_shards"] == 4
+    while _min_epoch(it) < 2:
       next(it)
   assert sources[0].reads and sources[1].reads
   assert not sources[0].reads & sources[1].reads
   assert sources[0].reads | sources[1].reads == set(range(len(whole.source)))
 
 
-def test_packing_preserves_every_token_and_eos(src, tok):
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_packing_preserves_every_token_and_eos(src, tok, num_shards):
+  """Each shard's rows of the global batch are its own stream, cut in order."""
   seqlen, rows, n = 16, 4, 150
   it = data.batches(
     src, tok, seqlen=seqlen, global_batch_size=rows, split="all", with_positions=True, with_segment_ids=True,
-    prefetch=0,
+    num_shards=num_shards, prefetch=0,
   )
   got = _take(it, n)
-  assert it.state()["epoch"] >= 1, "the check should cross an epoch boundary"
-  stream = data.Stream(src, tok, split="all")
-  docs = [d for e in (0, 1, 2) for d in stream.epoch_documents(e)]
-  expected = np.concatenate([np.array(ids + [tok.eos_id]) for ids in tok.encode_batch(docs)])
-  total = n * rows * seqlen
-  inputs = np.concatenate([b["input_ids"].reshape(-1) for b in got])
-  labels = np.concatenate([b["labels"].reshape(-1) for b in got])
-  np.testing.assert_array_equal(inputs, expected[:total])
-  np.testing.assert_array_equal(labels, expected[1 : total + 1])
+  assert _min_epoch(it) >= 1, "the check should cross an epoch boundary"
+  per_shard = rows // num_shards
+  for shard in range(num_shards):
+    stream = data.Stream(src, tok, split="all", shard_index=shard, shard_count=num_shards)
+    docs = [d for e in (0, 1, 2, 3, 4) for d in stream.epoch_documents(e)]
+    expected = np.concatenate([np.array(ids + [tok.eos_id]) for ids in tok.encode_batch(docs)])
+    total = n * per_shard * seqlen
+    mine = slice(shard * per_shard, (shard + 1) * per_shard)
+    inputs = np.concatenate([b["input_ids"][mine].reshape(-1) for b in got])
+    labels = np.concatenate([b["labels"][mine].reshape(-1) for b in got])
+    np.testing.assert_array_equal(inputs, expected[:total])
+    np.testing.assert_array_equal(labels, expected[1 : total + 1])
   for b in got:
     assert b["input_ids"].dtype == np.int32 and b["input_ids"].shape == (rows, seqlen)
     pos, ids = b["positions"], b["input_ids"]
@@ -220,14 +230,54 @@ def test_packing_preserves_every_token_and_eos(src, tok):
     np.testing.assert_array_equal(b["segment_ids"], np.cumsum(after_eos, axis=1) - 1)
 
 
+# ---- process-count independence ---------------------------------------------------------------
+
+
+def _processes(src, tok, count, state=None, **kwargs):
+  """`count` simulated processes' iterators of one run."""
+  kwargs = {"seqlen": 16, "global_batch_size": 8, "seed": 3, "with_positions": True, "prefetch": 0, **kwargs}
+  return [data.batches(src, tok, process_index=p, process_count=count, state=state, **kwargs) for p in range(count)]
+
+
+def _global(its, n):
+  """The next `n` global batches: every process's rows, in process order."""
+  steps = [_take(it, n) for it in its]
+  return [{k: np.concatenate([s[i][k] for s in steps]) for k in steps[0][i]} for i in range(n)]
+
+
+@pytest.mark.parametrize("num_shards", [None, 2])
+def test_global_batch_is_the_same_for_any_process_count(src, tok, num_shards):
+  """8 shards (the default: 4 or 2 whole shards per process) and 2 (processes share one, keeping their rows)."""
+  one, two, four = (_processes(src, tok, count, num_shards=num_shards) for count in (1, 2, 4))
+  expected = _global(one, 12)
+  assert one[0].state()["num_shards"] == (num_shards or 8)
+  _assert_same_batches(_global(two, 12), expected)
+  _assert_same_batches(_global(four, 12), expected)
+  assert data.merge_states([it.state() for it in four]) == one[0].state()
+  assert four[0].state()["shards"][-1] is None  # a simulated process holds only its own shards
+
+
+@pytest.mark.parametrize("saved_on, resumed_on", [(2, 1), (1, 2), (4, 2)])
+def test_state_restores_on_another_process_count(src, tok, saved_on, resumed_on):
+  before = _processes(src, tok, saved_on)
+  _take(before[0], 7)
+  for it in before[1:]:
+    _take(it, 7)
+  saved = json.loads(json.dumps(data.merge_states([it.state() for it in before])))
+  expected = _global(before, 10)
+  resumed = _processes(src, tok, resumed_on, state=saved)
+  _assert_same_batches(_global(resumed, 10), expected)
+  assert data.merge_states([it.state() for it in resumed]) == data.merge_states([it.state() for it in before])
+
+
 # ---- state and prefetch ---------------------------------------------------------------------
 
 
 def _epoch_change(src, tok):
-  it = data.batches(src, tok, seqlen=16, global_batch_size=4, prefetch=0)
+  it = data.batches(src, tok, seqlen=16, global_batch_size=4, num_shards=1, prefetch=0)
   for i in range(1000):
     next(it)
-    if it.state()["epoch"] == 1:
+    if _min_epoch(it) == 1:
       return i + 1
   raise AssertionError("no epoch boundary within 1000 batches")
 
@@ -236,7 +286,8 @@ def _epoch_change(src, tok):
 def test_restored_state_gives_the_same_next_10_batches(src, tok, prefetch):
   def make(state=None):
     return data.batches(
-      src, tok, seqlen=16, global_batch_size=4, seed=3, with_positions=True, state=state, prefetch=prefetch
+      src, tok, seqlen=16, global_batch_size=4, seed=3, with_positions=True, num_shards=1, state=state,
+      prefetch=prefetch,
     )
 
   boundary = _epoch_change(src, tok)
@@ -261,10 +312,12 @@ def test_state_under_prefetch_counts_only_consumed_batches(src, tok):
   ahead.close()
 
 
-def test_eval_batches_are_fixed_and_held_out(src, tok):
+def test_eval_batches_are_fixed_held_out_and_the_same_for_any_process_count(src, tok):
   kwargs = dict(seqlen=16, global_batch_size=4, num_batches=30, val_fraction=0.2)
   first, again = data.eval_batches(src, tok, **kwargs), data.eval_batches(src, tok, **kwargs)
   _assert_same_batches(first, again)
+  halves = [data.eval_batches(src, tok, process_index=p, process_count=2, **kwargs) for p in (0, 1)]
+  _assert_same_batches([{k: np.concatenate([a[k], b[k]]) for k in a} for a, b in zip(*halves)], first)
   held_out = set(data.Stream(src, tok, split="val", val_fraction=0.2).epoch_documents(0))
   text = tok.decode(np.concatenate([b["input_ids"].reshape(-1) for b in first]))
   seen = {d for d in _docs() if d in text}
@@ -317,14 +370,27 @@ def test_model_fit_errors():
   assert "vocab_size 200" in _error(data.build_tokenizer, None, vocab_size=200)
 
 
-def test_batch_and_state_mismatches(src, tok):
+def test_batch_shard_and_state_mismatches(src, tok):
   message = _error(data.batches, src, tok, seqlen=16, global_batch_size=3, process_count=2, process_index=0)
   assert "global_batch_size 3" in message
+  message = _error(data.batches, src, tok, seqlen=16, global_batch_size=8, num_shards=3)
+  assert "num_shards 3" in message and "global_batch_size 8" in message
+  tiny = data.JsonLines([src.paths[0]])
+  assert len(tiny) == 1
+  assert "2 data shards" in _error(data.batches, tiny, tok, seqlen=16, global_batch_size=4, num_shards=2)
+  assert data.default_num_shards(4, len(tiny)) == 1 and data.default_num_shards(12, 8) == 6
   saved = data.batches(src, tok, seqlen=16, global_batch_size=4, prefetch=0).state()
   message = _error(data.batches, src, tok, seqlen=32, global_batch_size=4, state=saved)
   assert "seqlen=16" in message and "seqlen=32" in message
-  tiny = data.JsonLines([src.paths[0]])
-  assert "2 processes" in _error(data.Stream, tiny, tok, process_count=2, process_index=1)
+  message = _error(data.batches, src, tok, seqlen=16, global_batch_size=4, num_shards=2, state=saved)
+  assert "num_shards=4" in message
+  old = {k: v for k, v in saved.items() if k != "shards"} | {"version": 1, "epoch": 0, "block": 0}
+  assert "version=1" in _error(data.batches, src, tok, seqlen=16, global_batch_size=4, state=old)
+  part = data.batches(src, tok, seqlen=16, global_batch_size=4, process_index=0, process_count=2).state()
+  message = _error(data.batches, src, tok, seqlen=16, global_batch_size=4, state=part)
+  assert "shard 2" in message and "merge_states" in message
+  other = data.batches(src, tok, seqlen=16, global_batch_size=4, seed=1, process_index=1, process_count=2)
+  assert "different data settings" in _error(data.merge_states, [part, other.state()])
 
 
 def test_tokenizer_without_eos_asks_for_eos_token(tmp_path):

@@ -1,9 +1,11 @@
 """Multi-host for real: several jax processes on loopback, started like pod hosts.
 
 `tests/multihost_worker.py` trains a 2-layer torchtitan Llama 3 debugmodel
-through the library (JittableModule, make_train_step, Trainer, data.to_global,
-Checkpointer); the tests compare 1 process x 8 CPU devices with 2 processes x
-4, checkpoints across the two, and what happens when a process dies. The
+through the library (JittableModule, make_train_step, Trainer, data.batches on
+the built-in corpus, data.to_global, Checkpointer with the data state); the
+tests compare 1 process x 8 CPU devices with 2 processes x 4 (the global
+batches as the step sees them, and the losses), checkpoints across the two,
+and what happens when a process dies. The
 launcher's own behaviour is tested with tiny scripts that start in a moment.
 """
 
@@ -44,7 +46,7 @@ def clean_env() -> dict:
 
 
 def launch_worker(tmp: Path, name: str, nproc: int, *worker_args: str, timeout: int = 240) -> list[float]:
-  """Runs the worker on `nproc` processes x `8 / nproc` devices; the per-step losses."""
+  """Runs the worker on `nproc` processes x `8 / nproc` devices; the per-step losses (`batches` reads the data)."""
   log_dir = tmp / name
   cmd = [sys.executable, "-m", "torch_on_tpu.launch", "--nproc", str(nproc), "--cpu_devices", str(8 // nproc)]
   cmd += [str(WORKER), "--log_dir", str(log_dir), *worker_args]
@@ -56,6 +58,11 @@ def launch_worker(tmp: Path, name: str, nproc: int, *worker_args: str, timeout: 
 def losses(log_dir: Path) -> list[float]:
   records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
   return [r["loss"] for r in sorted(records, key=lambda r: r["step"]) if "loss" in r]
+
+
+def batches(tmp: Path, name: str) -> list[str]:
+  """The digest of each step's global batch, gathered from the devices, as run `name` trained on it."""
+  return (tmp / name / "batches.txt").read_text().split()
 
 
 def max_rel(a, b) -> float:
@@ -75,8 +82,11 @@ def runs(tmp_path_factory):
 
 
 def test_two_processes_match_one_process_step_for_step(runs):
-  _, one, two = runs
+  tmp, one, two = runs
   assert len(one) == len(two) == 10
+  # Real data: each process reads its own shards, and its rows land where one process puts them.
+  assert batches(tmp, "two") == batches(tmp, "one")
+  assert len(set(batches(tmp, "one"))) == 10
   assert max_rel(two, one) < LOSS_RTOL, max_rel(two, one)
   print(f"2x4 vs 1x8 devices: max relative loss difference {max_rel(two, one):.2e}")
   assert one[0] != one[-1]  # it trains: the comparison is not of constants
@@ -88,6 +98,9 @@ def test_checkpoint_from_two_processes_resumes_in_one_and_back(runs):
   one_from_two = launch_worker(tmp, "one_from_two", 1, "--ckpt_dir", str(tmp / "ckpt_two"), *resume)
   two_from_one = launch_worker(tmp, "two_from_one", 2, "--ckpt_dir", str(tmp / "ckpt_one"), *resume)
   assert max_rel(one_from_two, two[5:]) < LOSS_RTOL and max_rel(two_from_one, one[5:]) < LOSS_RTOL
+  # The data state saved by either process count continues the same batches on the other.
+  assert batches(tmp, "one_from_two") == batches(tmp, "two")[5:]
+  assert batches(tmp, "two_from_one") == batches(tmp, "one")[5:]
   print(f"resumed 2->1: {max_rel(one_from_two, two[5:]):.2e}, 1->2: {max_rel(two_from_one, one[5:]):.2e}")
 
 

@@ -4,7 +4,7 @@
     train = data.batches(None, tok, seqlen=256, global_batch_size=16, with_positions=True)
     batch = next(train)                                    # this process's numpy rows
     arrays = data.to_global(batch, mesh)                   # global jax.Arrays, batch dim sharded
-    saved = train.state()                                  # small JSON-able dict
+    saved = train.state()                                  # small JSON-able dict (all processes call it)
     train = data.batches(None, tok, seqlen=256, global_batch_size=16, state=saved)
 
 Everything is local: a source is files on disk (text, JSONL, Parquet, a HF
@@ -13,19 +13,21 @@ Everything is local: a source is files on disk (text, JSONL, Parquet, a HF
 
 A source is cut into *blocks*, each one sequential read (a group of small files,
 a byte range of a JSONL file, a run of Parquet/Arrow rows). Blocks are dealt
-once, after a seeded shuffle, round-robin to processes: a process reads only
-its own blocks, for the whole run, and together the processes read every block
-once per epoch. Each epoch reorders a process's blocks and the documents within
-each block. A document hash splits every source into train and a held-out
-validation set.
+once, after a seeded shuffle, round-robin to a fixed number of *data shards*
+that does not depend on the process count. Each epoch reorders a shard's blocks
+and the documents within each block. A document hash splits every source into
+train and a held-out validation set.
 
-Each process packs its documents, each followed by EOS, into one token stream
+Each shard packs its documents, each followed by EOS, into one token stream
 and cuts rows of `seqlen + 1` tokens every `seqlen` tokens: `input_ids` is a
 row without its last token, `labels` without its first, so every token is an
-input once and (after the first) a label once. Because the stream is a pure
-function of the seed and the position `(epoch, block, document, token offset)`,
-that position is the whole iterator state: restoring it re-reads one block and
-continues exactly.
+input once and (after the first) a label once. A global batch is the same
+number of rows from every shard, in shard order, so it is the same for any
+process count; a process reads only the shards its rows come from. Because a
+shard's stream is a pure function of the seed and the position `(epoch, block,
+document, token offset)`, the shards' positions are the whole iterator state:
+restoring it re-reads one block per shard and continues exactly, on any
+process count.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from torch_on_tpu import mesh as mesh_lib
@@ -62,7 +65,8 @@ EOS_TOKEN = "<|endoftext|>"
 _EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 BLOCK_BYTES = 256 * 1024
 BLOCK_ROWS = 1024
-STATE_VERSION = 1
+STATE_VERSION = 2
+CHUNK_CHARS = 32 * 1024  # text tokenized at a time, so a shard starts without tokenizing a whole block
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
 _HF_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _SKIPPED_STDLIB_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -505,7 +509,7 @@ def check_model_fit(
     )
 
 
-# ---- one process's document stream ------------------------------------------------------
+# ---- one shard's document stream --------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -513,25 +517,25 @@ class _Piece:
   """The tokens of consecutive documents of one block, each followed by EOS."""
 
   epoch: int
-  block: int  # index into this process's block list for `epoch`
+  block: int  # index into this shard's block list for `epoch`
   first_doc: int  # the block document `tokens` starts with
   tokens: np.ndarray
   starts: np.ndarray  # where each document begins in `tokens`
   cursor: int = 0  # next unconsumed token
 
-  def position(self) -> dict:
+  def position(self) -> list[int]:
+    """`[epoch, block, doc, offset]` of the next unconsumed token."""
     doc = int(np.searchsorted(self.starts, self.cursor, side="right")) - 1
-    offset = self.cursor - int(self.starts[doc])
-    return dict(epoch=self.epoch, block=self.block, doc=self.first_doc + doc, offset=offset)
+    return [self.epoch, self.block, self.first_doc + doc, self.cursor - int(self.starts[doc])]
 
 
 class Stream:
-  """This process's documents of one split, in order, epoch after epoch.
+  """One data shard's documents of one split, in order, epoch after epoch.
 
-  Process `p` of `P` owns blocks `p, p+P, ...` of a seeded permutation of all
+  Shard `s` of `S` owns blocks `s, s+S, ...` of a seeded permutation of all
   blocks and never reads another; each epoch `e` reorders its blocks with
-  `(seed, e)` and the documents within a block with `(seed, e, block id)`.
-  `process_index` and `process_count` default to jax's.
+  `(seed, e, s)` and the documents within a block with `(seed, e, block id)`.
+  The default, shard 0 of 1, is the whole source.
   """
 
   def __init__(
@@ -543,8 +547,8 @@ class Stream:
     val_fraction: float = 0.02,
     seed: int = 0,
     shuffle: bool = True,
-    process_index: int | None = None,
-    process_count: int | None = None,
+    shard_index: int = 0,
+    shard_count: int = 1,
   ):
     if split not in ("train", "val", "all"):
       raise TorchOnTpuError(f"split must be 'train', 'val' or 'all', got '{split}'.")
@@ -554,36 +558,34 @@ class Stream:
     self.val_fraction = val_fraction
     self.seed = seed
     self.shuffle = shuffle
-    self.process_index = jax.process_index() if process_index is None else process_index
-    self.process_count = jax.process_count() if process_count is None else process_count
-    if not 0 <= self.process_index < self.process_count:
-      raise TorchOnTpuError(
-        f"process_index {self.process_index} is outside 0..{self.process_count - 1}; pass a valid index."
-      )
+    self.shard_index = shard_index
+    self.shard_count = shard_count
+    if not 0 <= shard_index < shard_count:
+      raise TorchOnTpuError(f"shard_index {shard_index} is outside 0..{shard_count - 1}; pass a valid index.")
     if not len(source):
       raise TorchOnTpuError(
         f"The corpus {source.name} has no documents (its files are empty); point at non-empty data."
       )
-    if len(source) < self.process_count:
+    if len(source) < shard_count:
       raise TorchOnTpuError(
-        f"The corpus {source.name} has {len(source)} blocks, fewer than the {self.process_count} processes "
-        f"that each need their own; add data or split it into more files."
+        f"The corpus {source.name} has {len(source)} blocks, fewer than the {shard_count} data shards that "
+        f"each need their own; pass num_shards <= {len(source)} or add data."
       )
     blocks = np.random.default_rng(seed).permutation(len(source)) if shuffle else np.arange(len(source))
-    self._slice = blocks[self.process_index :: self.process_count]
+    self._slice = blocks[shard_index::shard_count]
     self._order: tuple[int | None, np.ndarray] = (None, self._slice)
 
   def block_ids(self, epoch: int) -> np.ndarray:
-    """The source blocks this process reads in `epoch`, in order."""
+    """The source blocks this shard reads in `epoch`, in order."""
     if not self.shuffle:
       return self._slice
     if self._order[0] != epoch:
-      order = np.random.default_rng([self.seed, epoch]).permutation(len(self._slice))
+      order = np.random.default_rng([self.seed, epoch, self.shard_index]).permutation(len(self._slice))
       self._order = (epoch, self._slice[order])
     return self._order[1]
 
   def documents(self, epoch: int, block: int) -> list[str]:
-    """The split's documents of this process's `block`-th block of `epoch`, in stream order."""
+    """The split's documents of this shard's `block`-th block of `epoch`, in stream order."""
     block_id = int(self.block_ids(epoch)[block])
     docs = [t for t in self.source.read(block_id) if t]
     if self.split != "all":
@@ -595,48 +597,58 @@ class Stream:
     return docs
 
   def epoch_documents(self, epoch: int) -> Iterator[str]:
-    """Every document this process reads in `epoch`, in stream order."""
+    """Every document this shard reads in `epoch`, in stream order."""
     for block in range(len(self.block_ids(epoch))):
       yield from self.documents(epoch, block)
 
   def pieces(self, epoch: int = 0, block: int = 0, doc: int = 0, offset: int = 0) -> Iterator[_Piece]:
-    """Tokenized blocks from a stream position on, forever."""
-    eos = self.tokenizer.eos_id
+    """Tokenized runs of about `CHUNK_CHARS` of text from a stream position on, forever."""
+    produced = 0
     while True:
-      whole_epoch = block == 0 and doc == 0 and offset == 0
-      produced = 0
       for k in range(block, len(self.block_ids(epoch))):
-        docs = self.documents(epoch, k)[doc:]
-        if docs:
-          ids = self.tokenizer.encode_batch(docs)
-          lengths = np.array([len(x) + 1 for x in ids])
-          tokens = np.fromiter(
-            itertools.chain.from_iterable(itertools.chain(x, (eos,)) for x in ids), np.int32, int(lengths.sum())
-          )
-          starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-          if offset >= lengths[0]:
-            raise TorchOnTpuError(
-              f"The saved data state points at token {offset} of a {lengths[0]}-token document; it was saved "
-              f"with other data or another tokenizer, so restore it with the same ones."
-            )
-          produced += len(tokens)
-          yield _Piece(epoch, k, doc, tokens, starts, cursor=offset)
-        doc = offset = 0
-      if whole_epoch and not produced:
+        docs = self.documents(epoch, k)
+        while doc < len(docs):
+          end = doc + 1
+          size = len(docs[doc])
+          while end < len(docs) and size + len(docs[end]) <= CHUNK_CHARS:
+            size += len(docs[end])
+            end += 1
+          piece = self._piece(epoch, k, doc, docs[doc:end], offset)
+          produced += len(piece.tokens)
+          yield piece
+          doc, offset = end, 0
+        doc = 0
+      if not produced:
         raise TorchOnTpuError(
-          f"The corpus {self.source.name} has no {self.split} tokens for process {self.process_index} of "
-          f"{self.process_count}; point at non-empty data (or a larger val_fraction for split 'val')."
+          f"The corpus {self.source.name} has no {self.split} tokens for data shard {self.shard_index} of "
+          f"{self.shard_count}; point at more data, pass a smaller num_shards, or (for split 'val') a larger "
+          f"val_fraction."
         )
       epoch, block = epoch + 1, 0
+
+  def _piece(self, epoch: int, block: int, first_doc: int, docs: list[str], offset: int) -> _Piece:
+    eos = self.tokenizer.eos_id
+    ids = self.tokenizer.encode_batch(docs)
+    lengths = np.array([len(x) + 1 for x in ids])
+    tokens = np.fromiter(
+      itertools.chain.from_iterable(itertools.chain(x, (eos,)) for x in ids), np.int32, int(lengths.sum())
+    )
+    if offset >= lengths[0]:
+      raise TorchOnTpuError(
+        f"The saved data state points at token {offset} of a {lengths[0]}-token document; it was saved "
+        f"with other data or another tokenizer, so restore it with the same ones."
+      )
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    return _Piece(epoch, block, first_doc, tokens, starts, cursor=offset)
 
 
 # ---- packing and the batch iterator ------------------------------------------------------
 
 
-def _pack(stream: Stream, position: dict, rows: int, seqlen: int, with_positions: bool, with_segment_ids: bool):
+def _pack(stream: Stream, position: list[int], rows: int, seqlen: int, with_positions: bool, with_segment_ids: bool):
   """Yields `(batch, position after it)`: `rows` windows of `seqlen + 1` tokens, `seqlen` apart."""
   need = rows * seqlen + 1
-  pieces = stream.pieces(**position)
+  pieces = stream.pieces(*position)
   buffer: collections.deque[_Piece] = collections.deque()
   available = 0
   while True:
@@ -681,6 +693,13 @@ def _pack(stream: Stream, position: dict, rows: int, seqlen: int, with_positions
     yield batch, buffer[0].position()
 
 
+def _rows(packers: list, start: int, stop: int):
+  """Yields `(rows [start, stop) of the shards' batches stacked in order, each shard's position)`."""
+  for parts in zip(*packers):
+    batch = {k: np.concatenate([b[k] for b, _ in parts])[start:stop] for k in parts[0][0]}
+    yield batch, [position for _, position in parts]
+
+
 class _Raised:
   def __init__(self, error: BaseException):
     self.error = error
@@ -714,8 +733,10 @@ class Batches:
   position after the last batch *returned*, however far the thread has run.
   """
 
-  def __init__(self, items: Iterator, state: dict, prefetch: int):
-    self._state = dict(state)
+  def __init__(self, items: Iterator, state: dict, shards: range, gather: bool, prefetch: int):
+    self._state = state
+    self._shards = shards  # the data shards this process reads
+    self._gather = gather
     self._error: BaseException | None = None
     self._closed = False
     self._first = next(items)  # user errors (empty data, bad records) surface here, before any compile
@@ -745,13 +766,28 @@ class Batches:
       if isinstance(item, _Raised):
         self._error = item.error
         raise item.error
-    batch, position = item
-    self._state.update(position)
+    batch, positions = item
+    for shard, position in zip(self._shards, positions):
+      self._state["shards"][shard] = position
     return batch
 
   def state(self) -> dict:
-    """A small JSON-able dict; `batches(..., state=it.state())` continues exactly here."""
-    return dict(self._state)
+    """A small JSON-able dict; `batches(..., state=it.state())` continues exactly here, on any process count.
+
+    It holds every shard's `[epoch, block, doc, offset]`: in a multi-process run
+    it gathers the other processes' shards, so every process must call it
+    together (the `Trainer` does). Simulated processes (`process_count=` in one
+    jax process) hold only their own shards (None for the others): combine them
+    with `merge_states`.
+    """
+    state = {**self._state, "shards": [None if p is None else list(p) for p in self._state["shards"]]}
+    if self._gather:
+      mine = np.full((len(state["shards"]), 4), -1, np.int32)
+      for shard in self._shards:
+        mine[shard] = state["shards"][shard]
+      every = np.asarray(multihost_utils.process_allgather(mine)).max(axis=0)  # a shard's readers agree
+      state["shards"] = every.tolist()
+    return state
 
   def close(self) -> None:
     """Ends the iteration and stops the prefetch thread (also done when garbage collected)."""
@@ -766,6 +802,26 @@ class Batches:
     self.close()
 
 
+def merge_states(states: Sequence[Mapping]) -> dict:
+  """One state from the states of simulated processes, each holding its own shards' positions."""
+  merged = dict(states[0])
+  for other in states[1:]:
+    settings = {k: v for k, v in other.items() if k != "shards"}
+    if settings != {k: v for k, v in merged.items() if k != "shards"}:
+      raise TorchOnTpuError(
+        "The data states to merge come from runs with different data settings; merge one run's states."
+      )
+  merged["shards"] = [
+    next((s["shards"][i] for s in states if s["shards"][i] is not None), None) for i in range(len(merged["shards"]))
+  ]
+  return merged
+
+
+def default_num_shards(global_batch_size: int, num_blocks: int) -> int:
+  """The largest divisor of the global batch that is at most the number of blocks (never the process count)."""
+  return max(d for d in range(1, max(1, min(global_batch_size, num_blocks)) + 1) if global_batch_size % d == 0)
+
+
 def batches(
   source_spec,
   tokenizer: Tokenizer,
@@ -778,42 +834,47 @@ def batches(
   shuffle: bool = True,
   with_positions: bool = False,
   with_segment_ids: bool = False,
+  num_shards: int | None = None,
   state: Mapping | None = None,
   prefetch: int = 2,
   process_index: int | None = None,
   process_count: int | None = None,
   field: str = "text",
 ) -> Batches:
-  """This process's endless stream of packed batches.
+  """This process's endless stream of packed batches: its rows of the global batch.
 
-  Each batch holds `global_batch_size / process_count` rows of int32
+  Each global batch holds `global_batch_size / num_shards` rows from every data
+  shard, in shard order; process `p` of `P` yields global rows
+  `[p·B/P, (p+1)·B/P)` and reads only the shards they come from (when `P`
+  divides `num_shards`, `num_shards / P` whole shards that no other process
+  reads). The batch is the same for any process count. Rows are int32
   `input_ids` and `labels` (`[rows, seqlen]`), plus `positions` (each
   document's token index, 0 at document and row starts: torchtitan's
   document-masking convention) and `segment_ids` (document number within the
-  row) when asked. `source_spec` is a `Source` or anything `source()` takes;
-  `state` is a previous `Batches.state()`.
+  row) when asked. `num_shards` defaults to `default_num_shards`;
+  `source_spec` is a `Source` or anything `source()` takes; `state` is a
+  previous `Batches.state()` (from any process count).
   """
   corpus = source(source_spec, field=field)
-  stream = Stream(
-    corpus,
-    tokenizer,
-    split=split,
-    val_fraction=val_fraction,
-    seed=seed,
-    shuffle=shuffle,
-    process_index=process_index,
-    process_count=process_count,
-  )
+  process_index = jax.process_index() if process_index is None else process_index
+  process_count = jax.process_count() if process_count is None else process_count
+  if not 0 <= process_index < process_count:
+    raise TorchOnTpuError(f"process_index {process_index} is outside 0..{process_count - 1}; pass a valid index.")
   if seqlen < 1 or global_batch_size < 1:
     raise TorchOnTpuError(
       f"seqlen and global_batch_size must be positive, got {seqlen} and {global_batch_size}."
     )
-  if global_batch_size % stream.process_count:
+  if global_batch_size % process_count:
     raise TorchOnTpuError(
-      f"global_batch_size {global_batch_size} does not divide over {stream.process_count} processes; "
-      f"use a multiple of {stream.process_count}."
+      f"global_batch_size {global_batch_size} does not divide over {process_count} processes; "
+      f"use a multiple of {process_count}."
     )
-  rows = global_batch_size // stream.process_count
+  shards = default_num_shards(global_batch_size, len(corpus)) if num_shards is None else num_shards
+  if shards < 1 or global_batch_size % shards:
+    raise TorchOnTpuError(
+      f"num_shards {shards} does not divide global_batch_size {global_batch_size}; pass a divisor of "
+      f"{global_batch_size}."
+    )
   config = dict(
     version=STATE_VERSION,
     source=corpus.fingerprint,
@@ -823,11 +884,16 @@ def batches(
     shuffle=shuffle,
     seed=seed,
     seqlen=seqlen,
-    rows=rows,
-    process_index=stream.process_index,
-    process_count=stream.process_count,
+    global_batch_size=global_batch_size,
+    num_shards=shards,
   )
-  position = dict(epoch=0, block=0, doc=0, offset=0)
+  rows = global_batch_size // shards
+  local = global_batch_size // process_count
+  start, stop = process_index * local, (process_index + 1) * local
+  mine = range(start // rows, (stop - 1) // rows + 1)
+  positions: list = [None] * shards
+  for shard in mine:
+    positions[shard] = [0, 0, 0, 0]
   if state is not None:
     for key, value in config.items():
       if state.get(key) != value:
@@ -835,20 +901,39 @@ def batches(
           f"The data state was saved with {key}={state.get(key)!r} but this run has {key}={value!r}; "
           f"restore it with the same data settings."
         )
-    position = {k: int(state[k]) for k in position}
-  items = _pack(stream, position, rows, seqlen, with_positions, with_segment_ids)
-  return Batches(items, {**config, **position}, prefetch)
+    for shard in mine:
+      if state["shards"][shard] is None:
+        raise TorchOnTpuError(
+          f"The data state has no position for shard {shard} (it is one simulated process's part); restore "
+          f"a state from all processes' Batches.state() or data.merge_states."
+        )
+      positions[shard] = [int(x) for x in state["shards"][shard]]
+  packers = [
+    _pack(
+      Stream(
+        corpus, tokenizer, split=split, val_fraction=val_fraction, seed=seed, shuffle=shuffle,
+        shard_index=shard, shard_count=shards,
+      ),
+      positions[shard], rows, seqlen, with_positions, with_segment_ids,
+    )
+    for shard in mine
+  ]
+  items = _rows(packers, start - mine.start * rows, stop - mine.start * rows)
+  gather = process_count > 1 and jax.process_count() > 1
+  return Batches(items, {**config, "shards": positions}, mine, gather, prefetch)
 
 
 def eval_batches(
   source_spec, tokenizer: Tokenizer, *, seqlen: int, global_batch_size: int, num_batches: int, **kwargs
 ) -> list[dict]:
-  """A fixed list of validation batches (split 'val', unshuffled), the same at every eval.
+  """A fixed list of this process's validation rows (split 'val', unshuffled), the same at every eval.
 
-  The held-out documents repeat if they hold fewer tokens than `num_batches`
+  One data shard by default: the held-out documents are few, and every process
+  reads them all and keeps its rows, so the global batches are the same for
+  any process count. They repeat if they hold fewer tokens than `num_batches`
   need; keyword arguments are those of `batches`.
   """
-  kwargs = {"split": "val", "shuffle": False, **kwargs, "prefetch": 0}
+  kwargs = {"split": "val", "shuffle": False, "num_shards": 1, **kwargs, "prefetch": 0}
   it = batches(source_spec, tokenizer, seqlen=seqlen, global_batch_size=global_batch_size, **kwargs)
   return list(itertools.islice(it, num_batches))
 
