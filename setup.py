@@ -23,6 +23,7 @@ setup(
     "triton",  # torchtitan 0.3.0 imports it unconditionally
     "fire",
     "orbax-checkpoint",
+    "peft",  # LoRA (recipes.hf --lora_rank, torch_on_tpu.lora)
     "safetensors",
     "tokenizers",
     "transformers>=5",

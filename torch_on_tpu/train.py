@@ -35,6 +35,10 @@ Conventions:
 * Randomness (dropout): step n runs with `fold_in(rng, n)` as torchax's PRNG key
   (and microbatch i of it with a further `fold_in(..., i)`), so every step draws
   fresh masks and a run is reproducible from `seed`.
+* `trainable=` (glob patterns over parameter names, as in sharding maps, or a
+  predicate `name → bool`) trains a subset, e.g. LoRA adapters: the other
+  params get no gradient and no optimizer state, are neither donated nor
+  written, and keep their values bit for bit.
 * Metrics (`step.metrics`, jax scalars): `loss`, `grad_norm` (before clipping)
   and `learning_rate`, read from the optimizer state when the optimizer carries
   it (`optax.inject_hyperparams`) or else computed from `learning_rate=` (a
@@ -54,7 +58,7 @@ import functools
 import logging
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypedDict
 
 import jax
@@ -68,6 +72,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from torch_on_tpu import _compat, ops
 from torch_on_tpu import remat as remat_lib
+from torch_on_tpu import sharding as sharding_lib
 from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.module import JittableModule, _human_bytes
 
@@ -143,6 +148,7 @@ def make_train_step(
   donate: bool = True,
   seed: int = 0,
   learning_rate: float | Callable | None = None,
+  trainable: str | Sequence[str] | Callable[[str], bool] | None = None,
 ) -> "TrainStep":
   """The compiled training step for `model` (see the module docstring for conventions).
 
@@ -159,6 +165,8 @@ def make_train_step(
     seed: seeds the per-step PRNG keys (dropout).
     learning_rate: only for the `learning_rate` metric when the optimizer
       state does not carry it: a float or a schedule `step → lr`.
+    trainable: the params to train (glob patterns or a predicate over
+      `model.params` names); None trains all of them.
   """
   return TrainStep(
     model,
@@ -172,6 +180,7 @@ def make_train_step(
     donate=donate,
     seed=seed,
     learning_rate=learning_rate,
+    trainable=trainable,
   )
 
 
@@ -192,6 +201,7 @@ class TrainStep:
     donate,
     seed,
     learning_rate,
+    trainable=None,
   ):
     if not isinstance(model, JittableModule):
       raise TorchOnTpuError(
@@ -225,9 +235,11 @@ class TrainStep:
     self._abstract = any(isinstance(v, jax.ShapeDtypeStruct) for v in model.params.values())
     if self.master_dtype is not None:
       self._cast_params(self.master_dtype)
+    self.trainable = _trainable_names(model.params, trainable)
 
-    param_shardings = model.param_shardings
-    abstract_opt = jax.eval_shape(optimizer.init, _abstract(model.params))
+    param_shardings, _ = self._split(model.param_shardings)
+    trained, _ = self._split(model.params)
+    abstract_opt = jax.eval_shape(optimizer.init, _abstract(trained))
     self.opt_state_shardings = optax.tree_map_params(
       optimizer,
       lambda leaf, sharding: sharding if leaf.ndim else self._replicated,
@@ -242,7 +254,7 @@ class TrainStep:
         self.opt_state_shardings,
       )
     else:
-      self.opt_state = jax.jit(optimizer.init, out_shardings=self.opt_state_shardings)(model.params)
+      self.opt_state = jax.jit(optimizer.init, out_shardings=self.opt_state_shardings)(trained)
     self.rng = jax.device_put(jax.random.PRNGKey(seed), self._replicated)
     self.step_count = 0
     self.metrics: dict[str, jax.Array] = {}
@@ -264,10 +276,11 @@ class TrainStep:
       )
     leaves, static = self._split_batch(self._place((inputs, labels)))
     compiled = self._executable(leaves, static)
-    loss, params, opt_state, metrics = compiled(
-      self.model.params, self.model.buffers, self.opt_state, leaves, self.rng, np.int32(self.step_count)
+    trained, frozen = self._split(self.model.params)
+    loss, trained, opt_state, metrics = compiled(
+      trained, frozen, self.model.buffers, self.opt_state, leaves, self.rng, np.int32(self.step_count)
     )
-    self.model.params.update(params)
+    self.model.params.update(trained)
     self.opt_state = opt_state
     self.metrics = metrics
     self.step_count += 1
@@ -313,7 +326,13 @@ class TrainStep:
     `rng` is this step's PRNG key (default: a fixed key).
     """
     rng = jax.random.PRNGKey(0) if rng is None else rng
-    loss, grads = self._loss_and_grads(params, buffers, inputs, labels, rng)
+    trained, frozen = self._split(params)
+    loss, trained, opt_state, metrics = self._update(trained, frozen, buffers, opt_state, inputs, labels, rng)
+    return loss, {**params, **trained}, opt_state, metrics
+
+  def _update(self, params, frozen, buffers, opt_state, inputs, labels, rng):
+    """`pure` on the trained params alone; `frozen` only feeds the forward."""
+    loss, grads = self._loss_and_grads(params, frozen, buffers, inputs, labels, rng)
     grad_norm = optax.global_norm(grads)
     if self.clip_norm is not None:
       scale = jnp.minimum(1.0, self.clip_norm / (grad_norm + 1e-6))
@@ -329,25 +348,32 @@ class TrainStep:
       metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
     return loss, new_params, new_opt_state, metrics
 
-  def _flat_step(self, static, params, buffers, opt_state, leaves, rng, step):
+  def _flat_step(self, static, params, frozen, buffers, opt_state, leaves, rng, step):
     inputs, labels = _merge_batch(leaves, static)
-    return self.pure(params, buffers, opt_state, inputs, labels, jax.random.fold_in(rng, step))
+    return self._update(params, frozen, buffers, opt_state, inputs, labels, jax.random.fold_in(rng, step))
 
-  def _loss_and_grads(self, params, buffers, inputs, labels, rng):
-    loss_fn = remat_lib.checkpoint(self._loss, self.remat)
-    value_and_grad = jax.value_and_grad(loss_fn)
+  def _split(self, tree: dict) -> tuple[dict, dict]:
+    """A dict keyed like `model.params` → (trained entries, frozen entries)."""
+    trained = {k: v for k, v in tree.items() if k in self.trainable}
+    return trained, {k: v for k, v in tree.items() if k not in self.trainable}
+
+  def _loss_and_grads(self, params, frozen, buffers, inputs, labels, rng):
+    def loss_fn(params, frozen, buffers, inputs, labels, rng):
+      return self._loss({**frozen, **params}, buffers, inputs, labels, rng)
+
+    value_and_grad = jax.value_and_grad(remat_lib.checkpoint(loss_fn, self.remat))
     if self.grad_accum == 1:
-      return value_and_grad(params, buffers, inputs, labels, rng)
+      return value_and_grad(params, frozen, buffers, inputs, labels, rng)
 
     leaves, static = self._split_batch((inputs, labels))
     micro = [self._microbatches(x, i, static) for i, x in enumerate(leaves)]
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    zeros = jax.lax.with_sharding_constraint(zeros, self.model.param_shardings)
+    zeros = jax.lax.with_sharding_constraint(zeros, self._split(self.model.param_shardings)[0])
 
     def accumulate(carry, xs):
       index, micro_leaves = xs
       mi, ml = _merge_batch(micro_leaves, static)
-      loss, grads = value_and_grad(params, buffers, mi, ml, jax.random.fold_in(rng, index))
+      loss, grads = value_and_grad(params, frozen, buffers, mi, ml, jax.random.fold_in(rng, index))
       loss_sum, grad_sum = carry
       grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
       return (loss_sum + loss, grad_sum), None
@@ -416,23 +442,27 @@ class TrainStep:
 
   def _compile(self, leaves, static):
     model = self.model
+    trained_shardings, frozen_shardings = self._split(model.param_shardings)
+    trained, frozen = self._split(_abstract(model.params))
     jitted = jax.jit(
       functools.partial(self._flat_step, static),
       in_shardings=(
-        model.param_shardings,
+        trained_shardings,
+        frozen_shardings,
         model.buffer_shardings,
         self.opt_state_shardings,
         [x.sharding for x in leaves],
         self._replicated,
         self._replicated,
       ),
-      out_shardings=(self._replicated, model.param_shardings, self.opt_state_shardings, self._replicated),
-      donate_argnums=(0, 2) if self.donate else (),
+      out_shardings=(self._replicated, trained_shardings, self.opt_state_shardings, self._replicated),
+      donate_argnums=(0, 3) if self.donate else (),
     )
     start = time.perf_counter()
     with _quiet_donation_warnings():
       compiled = jitted.lower(
-        _abstract(model.params),
+        trained,
+        frozen,
         _abstract(model.buffers),
         _abstract(self.opt_state),
         leaves,
@@ -643,6 +673,24 @@ def _opt_count(opt_state):
     "learning_rate= is a schedule but the optimizer state has no step count to evaluate it "
     "at; pass a float, or wrap the optimizer in optax.inject_hyperparams."
   )
+
+
+def _trainable_names(params: dict, trainable) -> frozenset:
+  """The param names `trainable` (None, glob patterns or a predicate) selects; one must match."""
+  if trainable is None:
+    return frozenset(params)
+  if callable(trainable):
+    chosen = frozenset(k for k in params if trainable(k))
+  else:
+    patterns = [trainable] if isinstance(trainable, str) else list(trainable)
+    compiled = [sharding_lib.compile_pattern(p) for p in patterns]
+    chosen = frozenset(k for k in params if any(rx.match(k) for rx in compiled))
+  if not chosen:
+    raise TorchOnTpuError(
+      f"trainable={trainable!r} selects none of the model's {len(params)} params (e.g. "
+      f"'{next(iter(params), '')}'); use glob patterns over those names ('*' is one name component, '**' any)."
+    )
+  return chosen
 
 
 def _float_dtype(dtype, what):

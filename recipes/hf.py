@@ -1,0 +1,86 @@
+"""`python -m recipes.hf --config=DIR`: train or fine-tune any HF causal LM, LoRA included.
+
+    python -m recipes.hf --config=path/to/model_dir --weights=path/to/model_dir \\
+        --lora_rank=16 --data='notes/*.txt'                # LoRA fine-tune from pretrained weights
+    python -m recipes.hf --config=config.json              # train from the config's own init
+
+The model is `AutoModelForCausalLM.from_config` on meta; `--weights` streams a
+safetensors directory straight into the sharded params. With `--lora_rank`,
+peft LoRA adapters go on `--lora_targets` and only they train (the base params
+get no gradient and no optimizer state). Every flag of `recipes.llama3` but
+the model ones applies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from recipes import common
+
+
+@dataclasses.dataclass
+class HFFlags(common.Flags):
+  config: str | None = common.flag(None, "config.json of the model, or a directory holding one (required)")
+  weights: str | None = common.flag(None, "safetensors file or directory to start from (default: the config's init)")
+  lora_rank: int = common.flag(0, "LoRA rank (0: train every parameter)")
+  lora_alpha: float | None = common.flag(None, "LoRA alpha (default: 2 x rank)")
+  lora_targets: str = common.flag("all-linear", "modules that get adapters: peft's 'all-linear' or comma-separated names")
+
+
+def load_config(path: str):
+  """An HF config from a config.json or a model directory, offline."""
+  import transformers
+
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  if path is None or not os.path.exists(path):
+    raise TorchOnTpuError(f"--config={path!r} does not exist; pass a config.json or a directory holding one.")
+  directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
+  if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+    raise TorchOnTpuError(f"--config directory {path!r} has no config.json; point at the file or its directory.")
+  if os.path.isdir(path) or os.path.basename(path) == "config.json":
+    config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+  else:
+    config = transformers.AutoConfig.from_dict(transformers.PretrainedConfig.get_config_dict(path)[0])
+  config._attn_implementation = "sdpa"  # the bridge's attention kernels run SDPA
+  return config
+
+
+def recipe(flags: HFFlags) -> common.Recipe:
+  from torch_on_tpu.errors import TorchOnTpuError
+  from torch_on_tpu.models.hf import build_causal_lm
+
+  config = load_config(flags.config)
+  limit = getattr(config, "max_position_embeddings", None)
+  if limit is not None and flags.seqlen > limit:
+    raise TorchOnTpuError(f"--seqlen={flags.seqlen} exceeds the model's maximum of {limit} positions; use a shorter --seqlen.")
+  if flags.lora_rank < 0:
+    raise TorchOnTpuError(f"--lora_rank must be 0 (off) or positive, got {flags.lora_rank}.")
+  lora = None
+  if flags.lora_rank:
+    targets = flags.lora_targets if flags.lora_targets == "all-linear" else [t.strip() for t in str(flags.lora_targets).split(",")]
+    lora = dict(rank=flags.lora_rank, alpha=flags.lora_alpha, targets=targets)
+  name = os.path.basename(os.path.normpath(os.path.dirname(flags.config) if os.path.isfile(flags.config) else flags.config))
+  return common.Recipe(
+    name=f"hf-{name or config.model_type}" + ("-lora" if lora else ""),
+    build=lambda: build_causal_lm(config),
+    family="hf",
+    weights=flags.weights,
+    lora=lora,
+  )
+
+
+def run(flags: HFFlags) -> dict:
+  """The recipe for parsed flags (tests call this in-process); returns the run's summary."""
+  common.setup_platform(flags.cpu_devices)  # before the model builders import jax
+  if flags.tokenizer is None and flags.config and os.path.isdir(flags.config):
+    if any(os.path.exists(os.path.join(flags.config, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+      flags = dataclasses.replace(flags, tokenizer=flags.config)  # the model's own tokenizer
+  return common.run(flags, recipe(flags))
+
+
+main = common.cli(HFFlags, run, "Train or LoRA fine-tune an HF causal LM with torch_on_tpu.")
+
+if __name__ == "__main__":
+  common.fire_main(main)

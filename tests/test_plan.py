@@ -1,0 +1,97 @@
+"""Memory planning: exact state bytes from shardings, the activation estimate's order
+under remat policies, and the one-sentence suggestion when a plan does not fit."""
+
+import jax
+import optax
+import pytest
+import torch
+
+import torch_on_tpu as tot
+from torch_on_tpu import plan
+from torch_on_tpu.models.torchtitan import build_llama3
+
+SHAPE = plan.DecoderShape(layers=2, dim=64, ffn_dim=128, heads=4, kv_heads=2, head_dim=16, vocab=512)
+
+
+class Tiny(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.emb = torch.nn.Embedding(512, 64)
+    self.out = torch.nn.Linear(64, 512, bias=False)
+
+  def forward(self, tokens):
+    return self.out(self.emb(tokens))
+
+
+def ce(out, labels):
+  return torch.nn.functional.cross_entropy(out.flatten(0, 1), labels.flatten())
+
+
+def abstract_step(grad_accum=1, **kw):
+  with torch.device("meta"):
+    model = Tiny()
+  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=-1), abstract=True)
+  return tot.make_train_step(jm, ce, optax.adamw(1e-3), grad_accum=grad_accum, **kw)
+
+
+def test_state_bytes_are_exact_per_device():
+  memory = plan.plan_memory(abstract_step(), SHAPE, global_batch_size=16, seqlen=64)
+  per_device = 2 * 512 * 64 * 4 // 8  # two fp32 512x64 tensors, fsdp over 8 devices
+  assert memory.params == per_device and memory.grads == per_device
+  assert memory.optimizer == 2 * per_device + 4  # Adam's mu and nu, plus its int32 count
+  assert memory.device_bytes > 0 and "CPU devices" in memory.device_note
+  assert memory.total == memory.params + memory.grads + memory.optimizer + memory.activations
+  assert "Memory plan per device" in str(memory) and "fits" in str(memory)
+
+
+def test_remat_policies_order_the_activation_estimate():
+  step = abstract_step()
+  saved = {
+    name: plan.plan_memory(step, SHAPE, global_batch_size=16, seqlen=64, remat=name).saved_activations
+    for name in ("none", "dots_saveable", "full")
+  }
+  assert saved["none"] > saved["dots_saveable"] > saved["full"] > 0
+  accum = plan.plan_memory(abstract_step(grad_accum=2), SHAPE, global_batch_size=16, seqlen=64)
+  plain = plan.plan_memory(step, SHAPE, global_batch_size=16, seqlen=64)
+  assert accum.saved_activations * 2 == plain.saved_activations
+  assert accum.grads == 2 * plain.grads  # the fp32 accumulator next to one microbatch's gradients
+
+
+def test_trainable_subset_has_no_gradients_or_optimizer_state_for_the_rest():
+  memory = plan.plan_memory(abstract_step(trainable="out.*"), SHAPE, global_batch_size=16, seqlen=64)
+  assert memory.grads == 512 * 64 * 4 // 8 and memory.optimizer == 2 * memory.grads + 4
+
+
+@pytest.mark.parametrize("device_mib, remat, fix", [(3.0, None, "remat='full'"), (1.0, "full", "grad_accum=8")])
+def test_a_plan_that_does_not_fit_names_one_fix(device_mib, remat, fix):
+  memory = plan.plan_memory(
+    abstract_step(), SHAPE, global_batch_size=64, seqlen=64, remat=remat, device_bytes=device_mib * 2**20
+  )
+  assert memory.fits is False
+  with pytest.raises(tot.TorchOnTpuError, match=fix) as info:
+    memory.check()
+  assert str(info.value).count(". ") == 0
+
+
+def test_when_the_state_is_too_big_it_asks_for_more_fsdp():
+  step = abstract_step()  # one row per device: no room for grad_accum
+  fits = plan.plan_memory(step, SHAPE, global_batch_size=8, seqlen=8, remat="full")
+  state = fits.total - fits.activations
+  memory = plan.plan_memory(
+    step, SHAPE, global_batch_size=8, seqlen=8, remat="full", device_bytes=(fits.activations + state / 2 + 64) / plan.USABLE
+  )
+  with pytest.raises(tot.TorchOnTpuError, match=r"about 2x more devices on fsdp \(fsdp=16 or more\)"):
+    memory.check()
+
+
+def test_decoder_shape_of_torchtitan_and_hf():
+  titan = plan.decoder_shape(build_llama3("8B"))
+  assert (titan.layers, titan.dim, titan.ffn_dim, titan.heads, titan.kv_heads, titan.head_dim, titan.vocab) == (
+    32, 4096, 14336, 32, 8, 128, 128256,
+  )
+  from tests.helpers import hf
+
+  shape = plan.decoder_shape(hf())
+  assert (shape.layers, shape.dim, shape.kv_heads, shape.vocab) == (2, 64, 2, 256)
+  with pytest.raises(tot.TorchOnTpuError, match="DecoderShape"):
+    plan.decoder_shape(Tiny())

@@ -1,0 +1,156 @@
+"""The recipes end to end on tiny configs, called in-process (the compile cache is shared):
+train, resume, eval, dry run, a plan that does not fit, a run-time OOM, HF + LoRA, --help."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import torch_on_tpu as tot
+from recipes import common, hf, llama3
+from torch_on_tpu import checkpoint, lora
+
+ROOT = pathlib.Path(__file__).parent.parent
+TINY = dict(seqlen=32, global_batch_size=8, lr=1e-2, warmup_steps=2, eval_batches=2)
+
+
+def titan_flags(tmp_path, name="run", **kw):
+  return llama3.Llama3Flags(log_dir=str(tmp_path / name), **{**TINY, **kw})
+
+
+def losses(summary):
+  return [r["loss"] for r in summary["records"] if "loss" in r]
+
+
+def test_train_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch):
+  full = llama3.run(titan_flags(tmp_path, "full", steps=8, save_every=4, eval_every=4))
+  # train and eval loss fall; checkpoints, metrics.jsonl, the plot, the saved config
+  assert np.mean(losses(full)[-3:]) < losses(full)[0] - 0.5
+  assert full["final_eval_loss"] < full["start"]["eval_loss"] - 0.5
+  log_dir = tmp_path / "full"
+  assert sorted(p.name for p in (log_dir / "ckpt").iterdir() if p.name.isdigit()) == ["4", "8"]
+  lines = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in lines if "loss" in r] == list(range(1, 9))
+  assert [r["step"] for r in lines if "eval_loss" in r] == [4, 8]
+  assert (log_dir / "training.png").stat().st_size > 0
+  with checkpoint.Checkpointer(log_dir / "ckpt", read_only=True) as ckpt:
+    saved = ckpt._manager.restore(8, args=checkpoint.ocp.args.Composite(config=checkpoint.ocp.args.JsonRestore()))
+  assert saved["config"]["steps"] == 8 and saved["config"]["ckpt_dir"] == str(log_dir / "ckpt")
+
+  # preempted after step 3 (SIGTERM: save, stop), relaunched with the same flags:
+  # continues at step 4 with the same losses
+  with monkeypatch.context() as patch:
+    patch.setattr(checkpoint.PreemptionGuard, "should_stop", lambda self, step: step == 3)
+    stopped = llama3.run(titan_flags(tmp_path, "split", steps=8, save_every=4, eval_every=4))
+  assert stopped["preempted"] and stopped["steps"] == 3
+  resumed = llama3.run(titan_flags(tmp_path, "split", steps=8, save_every=4, eval_every=4))
+  assert resumed["start"]["step"] == 3
+  assert losses(resumed) == losses(full)[3:]
+  assert resumed["final_eval_loss"] == full["final_eval_loss"]
+
+
+def test_resume_false_refuses_a_used_directory(tmp_path):
+  llama3.run(titan_flags(tmp_path, steps=1, eval_every=0))
+  with pytest.raises(tot.TorchOnTpuError, match="--resume"):
+    llama3.run(titan_flags(tmp_path, steps=2, eval_every=0, resume=False))
+
+
+def test_dry_run_plans_and_compiles_without_allocating(tmp_path, capsys):
+  out = llama3.run(titan_flags(tmp_path, dry_run=True, remat="full", grad_accum=2))
+  printed = capsys.readouterr().out
+  assert "Memory plan per device" in printed and "Compiled step" in printed and "GFLOP" in printed
+  assert out["compile"].flops > 0 and out["compile"].peak_bytes > 0
+  step = out["plan"]._context[0]
+  assert all(type(v).__name__ == "ShapeDtypeStruct" for v in step.model.params.values())
+  assert not (tmp_path / "run").exists()  # no checkpoint, no logs
+
+
+def test_a_plan_that_does_not_fit_fails_with_one_suggestion(tmp_path):
+  with pytest.raises(tot.TorchOnTpuError) as info:
+    llama3.run(titan_flags(tmp_path, memory_gib=0.07, seqlen=64, global_batch_size=64))
+  message = str(info.value)
+  assert message.startswith("The step needs about") and "remat='full'" in message
+  assert message.count(". ") == 0 and message.endswith(".")
+
+
+def test_an_out_of_memory_error_at_run_time_is_reported_with_the_plan(tmp_path, hf_dir, monkeypatch):
+  def out_of_memory(self):
+    raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.\n<long XLA trace>")
+
+  monkeypatch.setattr(tot.Trainer, "run", out_of_memory)
+  with pytest.raises(tot.TorchOnTpuError, match=r"ran out of device memory \(RESOURCE_EXHAUSTED.*GiB per device.*compiled peak") as info:
+    hf.run(hf.HFFlags(config=str(hf_dir), log_dir=str(tmp_path / "oom"), steps=1, **TINY))
+  assert "long XLA trace" not in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+  """A tiny HF Llama: config.json and random weights in model.safetensors."""
+  path = tmp_path_factory.mktemp("tiny-llama")
+  config = transformers.LlamaConfig(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+  )
+  torch.manual_seed(0)
+  transformers.LlamaForCausalLM(config).save_pretrained(path)
+  return path
+
+
+def test_hf_lora_trains_only_the_adapters(tmp_path, hf_dir):
+  from safetensors.torch import load_file
+
+  pretrained = load_file(hf_dir / "model.safetensors")
+  flags = hf.HFFlags(
+    config=str(hf_dir), weights=str(hf_dir), lora_rank=4, log_dir=str(tmp_path / "lora"),
+    steps=10, eval_every=10, **{**TINY, "lr": 1e-1},
+  )
+  summary = hf.run(flags)
+  assert np.mean(losses(summary)[-3:]) < losses(summary)[0]
+  assert summary["final_eval_loss"] < summary["start"]["eval_loss"] - 0.03
+  jm = summary["train_step"].model
+  adapters = [k for k in jm.params if lora.is_adapter(k)]
+  assert adapters and all(k in summary["train_step"].trainable for k in adapters)
+  peft_names = {lora.base_name(n): n for n in jm.state_dict() if not lora.is_adapter(n)}
+  for name, value in pretrained.items():  # the base is the pretrained weights, bit for bit
+    np.testing.assert_array_equal(np.asarray(jm.array_for(peft_names[name])), value.numpy(), err_msg=name)
+  lora_b = [np.asarray(jm.params[k]) for k in adapters if ".lora_B." in k]
+  assert all(np.abs(b).max() > 0 for b in lora_b)  # B starts at zero; training moved it
+
+
+def test_llama3_hf_impl_is_the_same_architecture():
+  from torch_on_tpu.models.hf import build_causal_lm
+  from torch_on_tpu.models.torchtitan import build_llama3
+
+  titan = build_llama3("debugmodel")
+  twin = build_causal_lm(llama3.hf_config("debugmodel"))
+  count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+  assert count(titan) == count(twin)
+  assert twin.config.rope_parameters["rope_type"] == "llama3"
+
+
+def test_bad_flags_are_one_sentence(tmp_path):
+  with pytest.raises(tot.TorchOnTpuError, match="--model='7B' is not a Llama 3 flavor"):
+    llama3.run(titan_flags(tmp_path, model="7B"))
+  with pytest.raises(tot.TorchOnTpuError, match="--dtype='fp8'"):
+    llama3.run(titan_flags(tmp_path, dtype="fp8"))
+  with pytest.raises(tot.TorchOnTpuError, match="--cpu_devices=3 but jax already started with 8"):
+    llama3.run(titan_flags(tmp_path, cpu_devices=3))
+  with pytest.raises(tot.TorchOnTpuError, match="--config='nowhere' does not exist"):
+    hf.run(hf.HFFlags(config="nowhere"))
+
+
+def test_help_lists_every_flag_with_its_default():
+  done = subprocess.run(
+    [sys.executable, "-m", "recipes.llama3", "--help"], cwd=ROOT, capture_output=True, text=True,
+    env={"PAGER": "cat", "PATH": "/usr/bin:/bin"}, timeout=120,
+  )
+  out = done.stdout + done.stderr  # fire writes help to stderr when it is not a terminal
+  for field in common.dataclasses.fields(llama3.Llama3Flags):
+    assert f"--{field.name}=" in out, field.name
+    assert field.metadata["help"].split(" (")[0][:30] in " ".join(out.split())
+  assert "Default: 'debugmodel'" in out and "Default: 128" in out

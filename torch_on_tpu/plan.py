@@ -1,0 +1,314 @@
+"""Memory planning: will this run fit on these devices, before anything compiles?
+
+    shape = plan.decoder_shape(meta_model)                  # before wrapping it
+    step = tot.make_train_step(tot.JittableModule(meta_model, mesh=mesh, abstract=True), ...)
+    memory = plan.plan_memory(step, shape, global_batch_size=8, seqlen=8192, remat="offload_dots")
+    print(memory)                                           # the per-device table
+    memory.check()                                          # TorchOnTpuError with a concrete fix
+
+Compiling a large model takes minutes and an out-of-memory error arrives only
+after that, as a long XLA trace. The plan is arithmetic on shapes and
+shardings, so it answers in milliseconds, and when the run does not fit it
+says what would make it fit.
+
+Per device, it counts:
+
+* params, gradients and optimizer state exactly, from each array's shard shape
+  under its sharding (gradients only for trained params; with `grad_accum > 1`
+  the fp32 accumulator and one microbatch's gradients);
+* activations saved for the backward pass, an estimate per decoder layer and
+  per token of the microbatch on the device (hidden size d, MLP size f, q
+  heads h, kv heads hk, head dim dh, column-parallel tensors divided by `tp`):
+
+  | remat policy | kept per layer (elements per token) |
+  |---|---|
+  | `none` | every intermediate: `dots` + 4·d + (2·h·dh + hk·dh + 2·f)/tp (norms, RoPE, SwiGLU products) |
+  | `dots_saveable`, `dots_with_no_batch_dims_saveable` | the layer input d plus the matmul outputs (h·dh + 2·hk·dh + 2·f)/tp + 2·d |
+  | `offload_dots` | the layer input d on the device; the matmul outputs go to host memory |
+  | `full` | the layer input d |
+
+  plus, while one layer's backward runs, that layer's `none` figure (its
+  recomputed intermediates), and the logits: tokens × vocab/tp × (4 + 4 +
+  compute bytes) for the logits, their fp32 copy and their gradient.
+
+The device's memory is `memory_stats()['bytes_limit']` (TPU, GPU); on the CPU
+it is the host's RAM shared by its (simulated) devices. A plan fits when it
+needs at most `USABLE` of that: XLA needs room of its own for fusion
+temporaries and collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+import psutil
+
+from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.module import _human_bytes
+
+USABLE = 0.9  # fraction of device memory a plan may use
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderShape:
+  """The numbers of a dense decoder that activation memory depends on."""
+
+  layers: int
+  dim: int
+  ffn_dim: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  vocab: int
+
+
+def decoder_shape(module) -> DecoderShape:
+  """From an HF causal LM (or a peft model around one) or torchtitan's Llama 3; meta is fine."""
+  config = getattr(module, "config", None)
+  if config is not None and hasattr(config, "num_hidden_layers"):
+    heads = config.num_attention_heads
+    return DecoderShape(
+      layers=config.num_hidden_layers,
+      dim=config.hidden_size,
+      ffn_dim=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
+      heads=heads,
+      kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+      head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+      vocab=config.vocab_size,
+    )
+  layers = getattr(module, "layers", None)
+  if layers is not None and len(layers) and hasattr(module, "tok_embeddings"):
+    first = next(iter(layers.values() if hasattr(layers, "values") else layers))
+    attention = first.attention
+    return DecoderShape(
+      layers=len(layers),
+      dim=module.tok_embeddings.embedding_dim,
+      ffn_dim=first.feed_forward.w1.out_features,
+      heads=attention.n_heads,
+      kv_heads=attention.n_kv_heads or attention.n_heads,
+      head_dim=attention.head_dim,
+      vocab=module.tok_embeddings.num_embeddings,
+    )
+  raise TorchOnTpuError(
+    f"Cannot read the decoder shape of {type(module).__name__}; pass a plan.DecoderShape(...) "
+    f"with its layers, dims and heads."
+  )
+
+
+def device_memory(device: jax.Device | None = None) -> tuple[int | None, str]:
+  """(bytes one device may hold, where that number comes from)."""
+  device = device or jax.local_devices()[0]
+  if device.platform == "cpu":
+    count = len(jax.local_devices(backend="cpu"))
+    total = psutil.virtual_memory().total
+    return total // count, f"host RAM {_human_bytes(total)} / {count} CPU devices"
+  try:
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+  except Exception:  # some backends do not implement memory_stats
+    limit = None
+  if limit is None:
+    return None, f"{device.device_kind} does not report its memory"
+  return int(limit), f"{device.device_kind} bytes_limit"
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+  """Per-device bytes of one training step; `str()` is the table, `check()` the verdict."""
+
+  params: int
+  grads: int
+  optimizer: int
+  saved_activations: int
+  layer_backward: int
+  logits: int
+  host_offloaded: int
+  device_bytes: int | None
+  device_note: str
+  description: str
+  suggestion: str = ""
+  _context: tuple = dataclasses.field(default=(), repr=False)  # what `suggest` re-plans from
+
+  @property
+  def activations(self) -> int:
+    return self.saved_activations + self.layer_backward + self.logits
+
+  @property
+  def total(self) -> int:
+    return self.params + self.grads + self.optimizer + self.activations
+
+  @property
+  def fits(self) -> bool | None:
+    return None if self.device_bytes is None else self.total <= USABLE * self.device_bytes
+
+  def __str__(self) -> str:
+    rows = [
+      ("params", self.params),
+      ("gradients", self.grads),
+      ("optimizer state", self.optimizer),
+      ("activations saved for backward", self.saved_activations),
+      ("one layer's backward (recomputed)", self.layer_backward),
+      ("logits (+ fp32 copy, gradient)", self.logits),
+      ("total", self.total),
+    ]
+    lines = [f"Memory plan per device ({self.description}):"]
+    lines += [f"  {label:<36}{_human_bytes(n):>12}" for label, n in rows]
+    if self.host_offloaded:
+      lines.append(f"  {'offloaded to host memory':<36}{_human_bytes(self.host_offloaded):>12}")
+    if self.device_bytes is None:
+      lines.append(f"  device memory unknown ({self.device_note}): not checked")
+    else:
+      verdict = "fits" if self.fits else "does NOT fit"
+      lines.append(
+        f"  device memory {_human_bytes(self.device_bytes)} ({self.device_note}); "
+        f"{int(USABLE * 100)}% usable: {verdict}"
+      )
+    return "\n".join(lines)
+
+  def message(self) -> str:
+    """One sentence: what the plan needs, what the device has, and what to change."""
+    return (
+      f"The step needs about {_human_bytes(self.total)} per device but {self.device_note} gives "
+      f"{_human_bytes(self.device_bytes or 0)} ({int(USABLE * 100)}% usable); {self.suggestion}."
+    )
+
+  def suggest(self, limit: float) -> str:
+    """The first change that brings the plan under `limit` bytes per device."""
+    return _suggest(*self._context, self, limit)
+
+  def check(self) -> None:
+    """Raises `TorchOnTpuError` with `message()` when the plan does not fit."""
+    if self.fits is False:
+      raise TorchOnTpuError(self.message())
+
+
+def plan_memory(
+  step,
+  shape: DecoderShape,
+  *,
+  global_batch_size: int,
+  seqlen: int,
+  remat: str | None = None,
+  device_bytes: int | None = None,
+) -> MemoryPlan:
+  """The per-device plan for `step` (a `TrainStep`, abstract or not) on its mesh.
+
+  `remat` is the per-layer policy the model runs with (`JittableModule(remat=)`);
+  `device_bytes` overrides the device's own memory (plan for another device).
+  """
+  plan = _plan(step, shape, global_batch_size, seqlen, remat, step.grad_accum)
+  plan._context = (step, shape, global_batch_size, seqlen, remat)
+  if device_bytes is None:
+    plan.device_bytes, plan.device_note = device_memory(step.model.mesh.devices.flat[0])
+  else:
+    plan.device_bytes, plan.device_note = int(device_bytes), "the given device memory"
+  if plan.fits is False:
+    plan.suggestion = plan.suggest(USABLE * plan.device_bytes)
+  return plan
+
+
+def _plan(step, shape, global_batch_size, seqlen, remat, grad_accum) -> MemoryPlan:
+  model = step.model
+  mesh = model.mesh
+  params = _sharded_bytes(model.params, model.param_shardings)
+  shardings = model.param_shardings
+  trained = {k: v for k, v in model.params.items() if k in step.trainable}
+  grads = _sharded_bytes(trained, {k: shardings[k] for k in trained})
+  if grad_accum > 1:  # an fp32 sum next to one microbatch's gradients
+    grads += _sharded_bytes(trained, {k: shardings[k] for k in trained}, itemsize=4)
+  optimizer = _sharded_bytes(step.opt_state, step.opt_state_shardings)
+
+  data_ways = math.prod(mesh.shape[a] for a in model.data_axes)
+  rows = global_batch_size // grad_accum
+  tokens = rows * seqlen / (data_ways if rows % data_ways == 0 else 1)
+  tp = mesh.shape.get("tp", 1)
+  compute = np.dtype(step.compute_dtype or _float_dtype(model.params)).itemsize
+  s = shape
+  dots = (s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim + 2 * s.ffn_dim) / tp + 2 * s.dim
+  everything = dots + 4 * s.dim + (2 * s.heads * s.head_dim + s.kv_heads * s.head_dim + 2 * s.ffn_dim) / tp
+  policy = remat or "none"
+  kept = {"none": everything, "full": s.dim, "offload_dots": s.dim}.get(policy, s.dim + dots)
+  offloaded = dots if policy == "offload_dots" and _can_offload(mesh) else 0
+  if policy == "offload_dots" and not offloaded:
+    kept = s.dim + dots  # no host memory apart from the device's: kept in place
+  per_token = compute * tokens
+  description = (
+    f"mesh {dict(mesh.shape)}, {global_batch_size} x {seqlen} tokens"
+    + (f" in {grad_accum} microbatches" if grad_accum > 1 else "")
+    + f", remat {policy}, compute {_dtype_name(step, model)}"
+  )
+  return MemoryPlan(
+    params=params,
+    grads=grads,
+    optimizer=optimizer,
+    saved_activations=int(s.layers * kept * per_token),
+    layer_backward=int(0 if policy == "none" else everything * per_token),
+    logits=int(tokens * s.vocab / tp * (8 + compute)),
+    host_offloaded=int(s.layers * offloaded * per_token),
+    device_bytes=None,
+    device_note="",
+    description=description,
+  )
+
+
+def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
+  """The first change under `limit`: remat, then grad_accum, then more devices."""
+  policy = remat or "none"
+  if policy not in ("full", "offload_dots"):
+    alternative = _plan(step, shape, global_batch_size, seqlen, "full", step.grad_accum)
+    if alternative.total <= limit:
+      return f"use remat='full' (recompute each layer in the backward pass: about {_human_bytes(alternative.total)})"
+  mesh = step.model.mesh
+  data_ways = math.prod(mesh.shape[a] for a in step.model.data_axes)
+  best = "full" if policy == "none" else policy
+  accum = step.grad_accum
+  while global_batch_size % (accum * 2) == 0 and (global_batch_size // (accum * 2)) % data_ways == 0:
+    accum *= 2
+    alternative = _plan(step, shape, global_batch_size, seqlen, best, accum)
+    if alternative.total <= limit:
+      extra = "" if best == policy else f" with remat='{best}'"
+      return (
+        f"use grad_accum={accum}{extra} (or a global batch {accum // step.grad_accum}x smaller: "
+        f"about {_human_bytes(alternative.total)})"
+      )
+  state = plan.params + plan.grads + plan.optimizer
+  floor = _plan(step, shape, global_batch_size, seqlen, best, accum).activations
+  if limit > floor:
+    factor = math.ceil(state / (limit - floor))
+    fsdp = mesh.shape.get("fsdp", 1)
+    return (
+      f"shard the params over about {factor}x more devices on fsdp (fsdp={fsdp * factor} or more), "
+      f"since params, gradients and optimizer state alone take {_human_bytes(state)}"
+    )
+  return (
+    f"even one sequence per device with remat='{best}' needs {_human_bytes(floor)} of activations; "
+    f"use a shorter seqlen or shard activations with tp"
+  )
+
+
+def _sharded_bytes(tree, shardings, itemsize: int | None = None) -> int:
+  """Bytes one device holds of `tree`, whose leaves line up with those of `shardings`."""
+  total = 0
+  for x, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+    shard = sharding.shard_shape(tuple(x.shape)) if x.ndim else ()
+    total += math.prod(shard) * (itemsize or np.dtype(x.dtype).itemsize)
+  return total
+
+
+def _float_dtype(params) -> np.dtype:
+  for x in params.values():
+    if np.issubdtype(np.dtype(x.dtype), np.floating) or np.dtype(x.dtype).name == "bfloat16":
+      return np.dtype(x.dtype)
+  return np.dtype(np.float32)
+
+
+def _dtype_name(step, model) -> str:
+  return np.dtype(step.compute_dtype or _float_dtype(model.params)).name
+
+
+def _can_offload(mesh) -> bool:
+  from torch_on_tpu import remat as remat_lib
+
+  return remat_lib.host_offload_supported(mesh.devices.flat[0])
