@@ -433,11 +433,15 @@ def test_to_global_over_named_axes_and_errors(src, tok):
 def test_no_prefetch_thread_outlives_close(src, tok):
   import threading
 
-  before = {t for t in threading.enumerate() if t.name == "tot-data"}
+  def running():  # a joined thread may linger in enumerate() for a moment, stopped
+    return {t for t in threading.enumerate() if t.name == "tot-data" and t.is_alive()}
+
+  before = running()
   it = data.batches(src, tok, seqlen=16, global_batch_size=4, prefetch=2)
   next(it)
+  assert running() - before  # the prefetch thread really ran
   it.close()
-  assert {t for t in threading.enumerate() if t.name == "tot-data"} == before
+  assert running() == before
 
 
 def test_packed_batches_feed_torchtitan_llama3_like_eager(src, tok):
