@@ -69,9 +69,11 @@ def main(argv=None) -> None:
     jm = tot.JittableModule(meta_model, mesh=tot.make_mesh(fsdp=args.devices), sharding="fsdp", scan=scan)
     return tot.make_train_step(jm, loss_fn, optax.adamw(1e-4))
 
-  # The process's first compile also pays one-time tracing and XLA start-up
-  # costs; a throwaway 1-layer compile keeps them out of every measured row.
-  build_step(1, False).compile(*batches[0])
+  # A process's first compile of each kind (scan, loop) also pays one-time
+  # tracing and XLA start-up costs; throwaway 2-layer compiles keep them out
+  # of the measured rows.
+  for scan in (True, False):
+    build_step(2, scan).compile(*batches[0])
   rows = []
   for n_layers in [int(n) for n in args.layers.split(",")]:
     for scan in (True, False):
