@@ -81,9 +81,13 @@ def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
 
   monkeypatch.setattr(metrics, "measure_matmul_flops", must_not_measure)
   assert metrics.cpu_matmul_peak(size=256, repeats=2) == first
+  # A peak measured under load is low: a refresh keeps the best measurement.
   monkeypatch.setattr(metrics, "measure_matmul_flops", lambda **kwargs: 7.0)
-  assert metrics.cpu_matmul_peak(size=256, refresh=True) == 7.0
-  monkeypatch.setattr(metrics, "cpu_matmul_peak", lambda: 8e9)
+  assert metrics.cpu_matmul_peak(size=256, refresh=True) == first
+  monkeypatch.setattr(metrics, "measure_matmul_flops", lambda **kwargs: 10 * first)
+  assert metrics.cpu_matmul_peak(size=256, refresh=True) == 10 * first
+  assert metrics.cpu_matmul_peak(size=256) == 10 * first
+  monkeypatch.setattr(metrics, "cpu_matmul_peak", lambda refresh=False: 8e9)
   # The 8 simulated devices share the host's cores: each gets an eighth.
   assert metrics.peak_flops_per_device() == 1e9
   assert metrics.peak_flops() == 8e9

@@ -2,6 +2,7 @@
 checkpoint / preemption hooks."""
 
 import json
+import types
 
 import numpy as np
 import optax
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import torch_on_tpu as tot
+from torch_on_tpu import metrics
 
 VOCAB = 512
 
@@ -184,3 +186,21 @@ def test_resume_through_the_checkpoint_module_continues_exactly(tmp_path):
     resumed.run()
   assert restored.config == {"lr": 1e-2} and step.step_count == 4
   assert [r["loss"] for r in resumed.records] == losses[2:]
+
+
+def test_cpu_mfu_above_100_percent_remeasures_the_peak_once(monkeypatch):
+  calls = []
+
+  def peak(devices, refresh=False):  # a peak cached while the host was busy, then a quiet one
+    calls.append(refresh)
+    return 1e9 if refresh else 1e8
+
+  monkeypatch.setattr(metrics, "peak_flops", peak)
+  step = types.SimpleNamespace(model=types.SimpleNamespace(mesh=tot.make_mesh(fsdp=8)), step_count=0)
+  trainer = tot.Trainer(step, [], steps=1, flops_per_token=1e6, progress=False)
+  assert trainer._mfu(tokens_per_second=200, seqlen=16) == pytest.approx(0.2)  # 2e8 / 1e9, not 200%
+  assert trainer._mfu(tokens_per_second=2000, seqlen=16) == pytest.approx(2.0)  # remeasured once only
+  assert calls == [False, True]
+  given = tot.Trainer(step, [], steps=1, flops_per_token=1e6, peak_flops=1e8, progress=False)
+  assert given._mfu(tokens_per_second=200, seqlen=16) == pytest.approx(2.0)  # a given peak is kept
+  assert calls == [False, True]
