@@ -30,7 +30,6 @@ import json  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -38,7 +37,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 import numpy as np  # noqa: E402
-import psutil  # noqa: E402
 import torch  # noqa: E402
 
 import torch_on_tpu as tot  # noqa: E402
@@ -46,11 +44,9 @@ from torch_on_tpu import checkpoint  # noqa: E402
 from torch_on_tpu.models.torchtitan import build_llama3  # noqa: E402
 from torchax.interop import jax_view, torch_view  # noqa: E402
 
+from peak_rss import PeakRss, rss  # noqa: E402  (tools/ is on sys.path when run as a script)
+
 MB = 2**20
-
-
-def rss() -> int:
-  return psutil.Process().memory_info().rss
 
 
 def trim() -> None:
@@ -60,30 +56,6 @@ def trim() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
   except OSError:
     pass
-
-
-class PeakRss:
-  """Samples this process's RSS in a thread; `.peak` is the maximum seen."""
-
-  def __init__(self, interval=0.005):
-    self.interval = interval
-    self.peak = rss()
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._run, daemon=True)
-
-  def _run(self):
-    while not self._stop.is_set():
-      self.peak = max(self.peak, rss())
-      time.sleep(self.interval)
-
-  def __enter__(self):
-    self._thread.start()
-    return self
-
-  def __exit__(self, *exc):
-    self._stop.set()
-    self._thread.join()
-    self.peak = max(self.peak, rss())
 
 
 def dir_bytes(path) -> int:

@@ -15,38 +15,9 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 
-
-def _rss() -> int:
-  import psutil
-
-  return psutil.Process().memory_info().rss
-
-
-class PeakRss:
-  """Samples RSS in a thread every few milliseconds."""
-
-  def __init__(self, interval=0.005):
-    self.interval = interval
-    self.peak = _rss()
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._run, daemon=True)
-
-  def _run(self):
-    while not self._stop.is_set():
-      self.peak = max(self.peak, _rss())
-      time.sleep(self.interval)
-
-  def __enter__(self):
-    self._thread.start()
-    return self
-
-  def __exit__(self, *exc):
-    self._stop.set()
-    self._thread.join()
-    self.peak = max(self.peak, _rss())
+from peak_rss import PeakRss, rss  # tools/ is on sys.path when run as a script
 
 
 def main(argv=None) -> int:
@@ -68,7 +39,7 @@ def main(argv=None) -> int:
   mesh = tot.make_mesh(fsdp=-1)
   param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied counted once
   jax.block_until_ready(jax.numpy.zeros(1))
-  baseline = _rss()
+  baseline = rss()
   start = time.perf_counter()
   with PeakRss() as peak:
     jm = tot.JittableModule(model, mesh=mesh, sharding="fsdp", scan=args.scan)
