@@ -1,7 +1,8 @@
 """torch_on_tpu: train unmodified PyTorch models on TPU, GPU and CPU through JAX."""
 
-from torch_on_tpu import _compat
+from torch_on_tpu import _compat, xla_flags
 
+xla_flags.apply_defaults()  # XLA reads XLA_FLAGS once, when jax's backend starts
 if not _compat.started_as_light_tool():  # the doctor and launcher start without torchax
   # The torchax shim must run before anything imports torchax.
   _torchax = _compat.import_torchax()

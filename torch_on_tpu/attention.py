@@ -515,11 +515,18 @@ def dropout_keep_scale(seed, batch_ids, head_ids, rows, cols, rate: float):
   return jnp.where(keep, jnp.float32(kept), jnp.float32(0.0))
 
 
-def _scores(t: _Tiles, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j):
-  """Scaled, masked scores of query tile i against key tile j: (B, K, G, bq, bk) fp32."""
-  s = _einsum32("bkgqd,bksd->bkgqs", qi, kj) * t.scale
-  rows = i * t.block_q + lax.broadcasted_iota(jnp.int32, (t.block_q, t.block_kv), 0)
-  cols = j * t.block_kv + lax.broadcasted_iota(jnp.int32, (t.block_q, t.block_kv), 1)
+def _scores(t: _Tiles, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, *, keys_first=False):
+  """Scaled, masked fp32 scores of query tile i against key tile j: (B, K, G, bq, bk),
+  or with `keys_first` (B, K, bk, G, bq), the layout in which the backward's
+  key-side matmuls (dK, dV) contract the tile without transposing it."""
+  if keys_first:
+    s = _einsum32("bksd,bkgqd->bksgq", kj, qi) * t.scale
+    grid, q_axis, kv_axis = (t.block_kv, 1, t.block_q), 2, 0
+  else:
+    s = _einsum32("bkgqd,bksd->bkgqs", qi, kj) * t.scale
+    grid, q_axis, kv_axis = (t.block_q, t.block_kv), 0, 1
+  rows = i * t.block_q + lax.broadcasted_iota(jnp.int32, grid, q_axis)
+  cols = j * t.block_kv + lax.broadcasted_iota(jnp.int32, grid, kv_axis)
   allowed = None
 
   def both(a, b):
@@ -530,8 +537,14 @@ def _scores(t: _Tiles, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j):
   if t.kv_length % t.block_kv:
     allowed = both(allowed, cols < t.kv_length)
   if q_seg_i is not None:
-    allowed = both(allowed, (q_seg_i[:, :, None] == kv_seg_j[:, None, :])[:, None, None])
+    if keys_first:
+      same = kv_seg_j[:, None, :, None, None] == q_seg_i[:, None, None, None, :]
+    else:
+      same = (q_seg_i[:, :, None] == kv_seg_j[:, None, :])[:, None, None]
+    allowed = both(allowed, same)
   if mask_ij is not None:
+    if keys_first:
+      mask_ij = jnp.moveaxis(mask_ij, 4, 2)
     if mask_ij.dtype == jnp.bool_:
       allowed = both(allowed, mask_ij)
     else:
@@ -541,15 +554,23 @@ def _scores(t: _Tiles, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j):
   return s
 
 
-def _drop(t: _Tiles, seed, offsets, shape, i, j):
-  batch, hkv, groups = shape[:3]
+def _drop(t: _Tiles, seed, offsets, shape, i, j, *, keys_first=False):
+  """Dropout keep-scale for a scores tile of `shape` (laid out as `_scores` makes it)."""
+  batch, hkv = shape[:2]
+  groups = shape[3] if keys_first else shape[2]
+  head_shape = (1, hkv, 1, groups, 1) if keys_first else (1, hkv, groups, 1, 1)
+  group_axis = 3 if keys_first else 2
   b = offsets[0] + lax.broadcasted_iota(jnp.uint32, (batch, 1, 1, 1, 1), 0)
   h = offsets[1] + (
-    lax.broadcasted_iota(jnp.uint32, (1, hkv, groups, 1, 1), 1) * groups
-    + lax.broadcasted_iota(jnp.uint32, (1, hkv, groups, 1, 1), 2)
+    lax.broadcasted_iota(jnp.uint32, head_shape, 1) * groups
+    + lax.broadcasted_iota(jnp.uint32, head_shape, group_axis)
   )
-  rows = i * t.block_q + lax.broadcasted_iota(jnp.int32, (t.block_q, 1), 0)
-  cols = j * t.block_kv + lax.broadcasted_iota(jnp.int32, (1, t.block_kv), 1)
+  if keys_first:
+    rows = i * t.block_q + lax.broadcasted_iota(jnp.int32, (1, 1, t.block_q), 2)
+    cols = j * t.block_kv + lax.broadcasted_iota(jnp.int32, (t.block_kv, 1, 1), 0)
+  else:
+    rows = i * t.block_q + lax.broadcasted_iota(jnp.int32, (t.block_q, 1), 0)
+    cols = j * t.block_kv + lax.broadcasted_iota(jnp.int32, (1, t.block_kv), 1)
   return dropout_keep_scale(seed, b, h, rows, cols, t.rate)
 
 
@@ -653,7 +674,9 @@ def _flash_backward(
   doutp = _pad_to(dout, 3, lp)
   delta = jnp.sum(doutp.astype(jnp.float32) * _pad_to(out, 3, lp).astype(jnp.float32), -1)
   lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
-  dq0 = jnp.zeros(qp.shape, jnp.float32)
+  # dQ accumulates with the query axis last, (B, K, D, G, Lp): the tile matmul that
+  # produces it then reads the keys-first score gradient without transposing it.
+  dq0 = jnp.zeros((batch, hkv, dim, groups, lp), jnp.float32)
   dmask0 = jnp.zeros(maskp.shape, jnp.float32) if mask_grad else None
 
   def key_tile(carry, j):
@@ -667,23 +690,24 @@ def _flash_backward(
       dq, dmask, dk, dv = c
       qi, doi = _tile(qp, 3, i, t.block_q), _tile(doutp, 3, i, t.block_q)
       mask_ij, q_seg_i = _tile(mask_j, 3, i, t.block_q), _tile(q_segp, 1, i, t.block_q)
-      s = _scores(t, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j)
-      p = jnp.exp(s - _tile(lse_safe, 3, i, t.block_q)[..., None])
-      dp = _einsum32("bkgqd,bksd->bkgqs", doi, vj)
+      # Tiles are keys-first, (B, K, bk, G, bq): dK and dV contract their trailing axes.
+      s = _scores(t, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, keys_first=True)
+      p = jnp.exp(s - _tile(lse_safe, 3, i, t.block_q)[:, :, None])
+      dp = _einsum32("bksd,bkgqd->bksgq", vj, doi)
       if t.rate > 0:
-        keep = _drop(t, seed, offsets, s.shape, i, j)
+        keep = _drop(t, seed, offsets, s.shape, i, j, keys_first=True)
         pd, dp = p * keep, dp * keep
       else:
         pd = p
-      dv = dv + _einsum32("bkgqs,bkgqd->bksd", pd.astype(doi.dtype), doi)
-      ds = p * (dp - _tile(delta, 3, i, t.block_q)[..., None])
-      dq_i = _einsum32("bkgqs,bksd->bkgqd", ds.astype(kj.dtype), kj)
+      dv = dv + _einsum32("bksgq,bkgqd->bksd", pd.astype(doi.dtype), doi)
+      ds = p * (dp - _tile(delta, 3, i, t.block_q)[:, :, None])
+      dq_i = _einsum32("bksd,bksgq->bkdgq", kj, ds.astype(kj.dtype))
       dq = lax.dynamic_update_slice_in_dim(
-        dq, _tile(dq, 3, i, t.block_q) + dq_i * t.scale, i * t.block_q, 3
+        dq, _tile(dq, 4, i, t.block_q) + dq_i * t.scale, i * t.block_q, 4
       )
-      dk = dk + _einsum32("bkgqs,bkgqd->bksd", ds.astype(qi.dtype), qi)
+      dk = dk + _einsum32("bksgq,bkgqd->bksd", ds.astype(qi.dtype), qi)
       if dmask is not None:
-        dmask = _accumulate_mask_grad(t, dmask, ds, i, j)
+        dmask = _accumulate_mask_grad(t, dmask, jnp.moveaxis(ds, 2, 4), i, j)
       return dq, dmask, dk, dv
 
     zeros_kv = jnp.zeros((batch, hkv, t.block_kv, dim), jnp.float32)
@@ -692,7 +716,7 @@ def _flash_backward(
     return (dq, dmask), (dk * t.scale, dv)
 
   (dq, dmask), (dks, dvs) = _scan(key_tile, (dq0, dmask0), n_kv)
-  dq = dq[:, :, :, :length].astype(q.dtype)
+  dq = jnp.moveaxis(dq, 2, 4)[:, :, :, :length].astype(q.dtype)
   dk = jnp.moveaxis(dks, 0, 2).reshape(batch, hkv, sp, dim)[:, :, :kv_length].astype(k.dtype)
   dv = jnp.moveaxis(dvs, 0, 2).reshape(batch, hkv, sp, -1)[:, :, :kv_length].astype(v.dtype)
   if dmask is not None:

@@ -1,15 +1,17 @@
 """`python -m torch_on_tpu.doctor`: what this machine's stack is, and what is wrong with it.
 
-Prints versions, the platform and its devices, and which attention kernels can
-run here. Exits non-zero with one line per problem, naming what to install,
-when the stack cannot work (missing package, a torch that is not the pinned
-one, torchax that does not import).
+Prints versions, the platform and its devices, the XLA flags in effect (with
+torch_on_tpu's defaults, `torch_on_tpu/xla_flags.py`), and which attention
+kernels can run here. Exits non-zero with one line per problem, naming what
+to install, when the stack cannot work (missing package, a torch that is not
+the pinned one, torchax that does not import).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 import platform
 import sys
 
@@ -102,6 +104,7 @@ def main() -> int:
     print(f"  {'platform':<{width}}  {info['platform']} ({info['device_kind']})")
     print(f"  {'devices':<{width}}  {info['device_count']} (processes: {info['process_count']})")
     print(f"  {'memory':<{width}}  {info['memory_per_device'] or 'not reported by this platform'}")
+    print(f"  {'XLA_FLAGS':<{width}}  {os.environ.get('XLA_FLAGS', '')}")
     print("  attention kernels:")
     for name, state in attention_paths(info["platform"]).items():
       print(f"    {name:<7} {state}")

@@ -12,16 +12,22 @@ back the way torch users expect.
 `normal_` is written out: torchax routes it through `aten.normal`, whose
 overloads in torch 2.13 no longer accept `(self, mean, std)`, so every
 `nn.init.normal_` (HF's default init) fails.
+
+`split` / `split_with_sizes` (a fused QKV projection's `.split`) lower to
+`jnp.split`, whose gradient is one concatenate; torchax's per-piece slices
+differentiate to a zero-padded full-size array per piece, summed.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from torch_on_tpu import _compat
 
 torchax = _compat.import_torchax()
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 from torchax.ops import op_base, ops_registry  # noqa: E402
 from torchax.tensor import Tensor as TorchaxTensor  # noqa: E402
 from torchax.view import View  # noqa: E402
@@ -67,6 +73,13 @@ def _normal_(self, mean=0.0, std=1.0, *, generator=None, env=None):
   return self
 
 
+def _split(x, sizes, dim=0):
+  """torch.split on a jax array: `sizes` is a piece length (last piece may be shorter) or a list."""
+  if isinstance(sizes, int):
+    sizes = [sizes] * -(-x.shape[dim] // sizes)
+  return jnp.split(x, np.cumsum(sizes)[:-1].tolist(), axis=dim)
+
+
 def register(env) -> list[str]:
   """Registers the missing lowerings into `env`; returns the in-place ops added."""
   env._ops[torch.ops.aten.normal_] = ops_registry.Operator(
@@ -87,6 +100,10 @@ def register(env) -> list[str]:
     needs_env=False,
     is_view_op=False,
   )
+  for packet in (torch.ops.aten.split, torch.ops.aten.split_copy, torch.ops.aten.split_with_sizes):
+    env._ops[packet] = ops_registry.Operator(
+      packet, _split, is_jax_function=True, is_user_defined=False, needs_env=False, is_view_op=False
+    )
   TorchaxTensor.cpu = _to_host
   added = []
   for name, inplace, functional in missing_inplace_variants(env):

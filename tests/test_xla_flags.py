@@ -1,0 +1,56 @@
+"""torch_on_tpu's default XLA flags: added at import, never over a user's own value."""
+
+import logging
+import os
+import subprocess
+import sys
+
+from torch_on_tpu import xla_flags
+
+YNN = "--xla_cpu_experimental_ynn_fusion_type"
+
+
+def test_defaults_are_added_and_user_values_kept():
+  assert xla_flags.with_defaults("") == f"{YNN}="
+  assert xla_flags.with_defaults("--xla_force_host_platform_device_count=8") == (
+    f"--xla_force_host_platform_device_count=8 {YNN}="
+  )
+  mine = f"{YNN}=dot --xla_force_host_platform_device_count=2"
+  assert xla_flags.with_defaults(mine) == mine
+
+
+def _dot_hlo(xla_flags_value):
+  """Compiled HLO of a CPU matmul in a fresh process that imports torch_on_tpu first."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  if xla_flags_value is not None:
+    env["XLA_FLAGS"] = xla_flags_value
+  code = (
+    "import os, torch_on_tpu, jax, jax.numpy as jnp\n"
+    "a = jnp.ones((128, 128))\n"
+    "print(os.environ['XLA_FLAGS'])\n"
+    "print(jax.jit(jnp.dot).lower(a, a).compile().as_text())\n"
+  )
+  run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr
+  flags, hlo = run.stdout.split("\n", 1)
+  return flags, hlo
+
+
+def test_import_switches_cpu_dots_off_ynnpack_unless_the_user_says_otherwise():
+  flags, hlo = _dot_hlo(None)
+  assert flags == f"{YNN}="
+  assert "ynn_fusion" not in hlo and " dot(" in hlo
+  flags, hlo = _dot_hlo(f"{YNN}=dot")  # jax's own default, chosen explicitly
+  assert flags == f"{YNN}=dot"
+  assert "ynn_fusion" in hlo
+
+
+def test_late_import_says_the_defaults_did_not_apply(caplog):
+  import jax
+
+  jax.devices()  # this process's backend is running
+  environ = {}
+  with caplog.at_level(logging.INFO, logger="torch_on_tpu.xla_flags"):
+    xla_flags.apply_defaults(environ)
+  assert environ["XLA_FLAGS"] == f"{YNN}="
+  assert "import torch_on_tpu first" in caplog.text

@@ -1,0 +1,60 @@
+"""XLA flags torch_on_tpu sets by default, before jax's backend starts.
+
+XLA reads `XLA_FLAGS` once, when the first backend is created, so these are
+appended to the environment at `import torch_on_tpu` (and passed on to the
+processes it launches). A flag the user already sets in `XLA_FLAGS` is never
+touched; none of them changes results, only which kernels run.
+
+- `--xla_cpu_experimental_ynn_fusion_type=` (empty: no YNNPACK fusions). On
+  CPU, jax 0.10's default routes every dot through YNNPACK, whose fp32 GEMMs
+  ran the train step's matmuls at 0.7–0.75 × MKL's rate on an AVX-512 Xeon;
+  XLA's own dot kernels match it, and the 4-layer benchmark step of
+  `tools/bench_step.py` drops from about 15 s to 11–12 s
+  (docs/performance.md). Flags named `xla_cpu_*` do nothing on TPU or GPU.
+  `XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=dot` restores jax's default.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+DEFAULTS = {"--xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def _names(flags: str) -> set[str]:
+  return {f.split("=", 1)[0] for f in flags.split()}
+
+
+def with_defaults(flags: str) -> str:
+  """`flags` (an XLA_FLAGS value) plus every default it does not set itself."""
+  present = _names(flags)
+  added = [f"{name}={value}" for name, value in DEFAULTS.items() if name not in present]
+  return " ".join([*flags.split(), *added])
+
+
+def backend_started() -> bool:
+  """True once jax has created a backend: XLA_FLAGS changes no longer apply."""
+  if "jax" not in sys.modules:
+    return False
+  from jax._src import xla_bridge
+
+  return xla_bridge.backends_are_initialized()
+
+
+def apply_defaults(environ=os.environ) -> None:
+  """Adds the defaults to `environ["XLA_FLAGS"]`; says so if jax already started."""
+  current = environ.get("XLA_FLAGS", "")
+  updated = with_defaults(current)
+  if updated == current:
+    return
+  environ["XLA_FLAGS"] = updated
+  if backend_started():
+    logger.info(
+      "jax started its backend before torch_on_tpu was imported, so this process runs without "
+      "torch_on_tpu's default XLA flags (%s); import torch_on_tpu first, or set them in XLA_FLAGS.",
+      ", ".join(DEFAULTS),
+    )
