@@ -163,7 +163,9 @@ def test_launcher_prefixes_output_and_describes_each_process(tmp_path):
   assert len(described) == 2
   for i, line in enumerate(described):
     assert re.fullmatch(
-      rf"\[p{i}\] 127\.0\.0\.1:\d+ 2 {i} --xla_force_host_platform_device_count=3 cpu \['--model=x', '-m', 'y'\]", line
+      rf"\[p{i}\] 127\.0\.0\.1:\d+ 2 {i} --xla_cpu_experimental_ynn_fusion_type= "  # torch_on_tpu's default
+      rf"--xla_force_host_platform_device_count=3 cpu \['--model=x', '-m', 'y'\]",
+      line,
     ), line
 
 

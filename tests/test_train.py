@@ -177,9 +177,10 @@ def test_grad_accum_needs_divisible_batch():
 # ---- remat ------------------------------------------------------------------------------
 
 
-def test_remat_policies_change_memory_not_results(caplog):
-  # Whole-forward remat recomputes the forward inside the backward pass: more FLOPs,
-  # fewer temporaries. (Per-layer remat, which saves far more, is the scanned stack's.)
+def test_whole_forward_remat_recomputes_without_changing_results(caplog):
+  # Whole-forward remat recomputes the forward inside the backward pass: more FLOPs, the
+  # same results. It recomputes the whole forward at once, so its peak is about that of
+  # no remat; the memory savings come from per-layer remat (tests/test_scan.py).
   data = batches(2, batch=16, seqlen=128)
   reports, losses = {}, {}
   for policy in ("none", "full", "offload_dots"):
@@ -188,7 +189,6 @@ def test_remat_policies_change_memory_not_results(caplog):
     with caplog.at_level(logging.WARNING):
       reports[policy] = step.compile(*data[0])
     losses[policy] = [float(step(x, y)) for x, y in data]
-  assert reports["full"].temp_bytes < reports["none"].temp_bytes
   assert reports["full"].flops > reports["offload_dots"].flops > reports["none"].flops
   for policy, values in losses.items():
     np.testing.assert_allclose(values, losses["none"], rtol=1e-6, err_msg=policy)
