@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import torch_on_tpu as tot
 from torch_on_tpu import _compat
 
 torchax = _compat.import_torchax()
@@ -38,3 +39,8 @@ def test_split_matches_torch_and_its_gradient_is_one_concatenate(shape, sizes, d
   if len(torch.split(x, sizes, dim)) > 1:
     assert "concatenate" in jaxpr
   assert "pad[" not in jaxpr and "add_any" not in jaxpr
+
+
+def test_split_sizes_that_miss_the_dimension_are_named():
+  with torchax.default_env(), pytest.raises(tot.TorchOnTpuError, match=r"sum to 14, but dimension -1 has size 20"):
+    torch.split(torch_view(jnp.ones((6, 20))), [4, 10], -1)

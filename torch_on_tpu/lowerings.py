@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from torch_on_tpu import _compat
+from torch_on_tpu.errors import TorchOnTpuError
 
 torchax = _compat.import_torchax()
 import jax  # noqa: E402
@@ -75,8 +76,14 @@ def _normal_(self, mean=0.0, std=1.0, *, generator=None, env=None):
 
 def _split(x, sizes, dim=0):
   """torch.split on a jax array: `sizes` is a piece length (last piece may be shorter) or a list."""
+  length = x.shape[dim]
   if isinstance(sizes, int):
-    sizes = [sizes] * -(-x.shape[dim] // sizes)
+    sizes = [sizes] * -(-length // sizes)
+  elif sum(sizes) != length:
+    raise TorchOnTpuError(
+      f"split sizes {list(sizes)} sum to {sum(sizes)}, but dimension {dim} has size {length}; "
+      "give sizes that add up to it (as torch.split requires)."
+    )
   return jnp.split(x, np.cumsum(sizes)[:-1].tolist(), axis=dim)
 
 

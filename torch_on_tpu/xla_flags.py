@@ -42,7 +42,8 @@ def backend_started() -> bool:
     return False
   from jax._src import xla_bridge
 
-  return xla_bridge.backends_are_initialized()
+  started = getattr(xla_bridge, "backends_are_initialized", None)  # private: may move
+  return bool(started and started())
 
 
 def apply_defaults(environ=os.environ) -> None:
