@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import jax
 import numpy as np
 import torch
@@ -18,6 +21,14 @@ from torchax.interop import jax_view, torch_view  # noqa: E402
 
 SEQ = 16
 BATCH = 8
+
+
+def load_module(path):
+  """A script (tools/*.py) imported as a module, without running its main."""
+  spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def rel(a, b) -> float:

@@ -2,7 +2,6 @@
 preemption with real processes, safetensors export/import, mismatch safety."""
 
 import hashlib
-import importlib.util
 import json
 import os
 import random
@@ -97,13 +96,6 @@ def assert_trees_equal(a, b):
   assert jax.tree.structure(a) == jax.tree.structure(b)
   for x, y in zip(tree_bytes(a), tree_bytes(b)):
     np.testing.assert_array_equal(x, y)
-
-
-def load_module(path):
-  spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def dir_digest(path):
@@ -552,7 +544,7 @@ def test_no_weights_there_is_a_clear_error(tmp_path):
 
 
 def test_convert_orbax_to_safetensors_and_back(tmp_path, hf_run):
-  convert = load_module(TESTS.parent / "tools" / "convert.py")
+  convert = h.load_module(TESTS.parent / "tools" / "convert.py")
   jm, state, run = hf_run
   tiny_hf_config().save_pretrained(tmp_path / "cfg")
   args = ["to_safetensors", str(run), str(tmp_path / "st"), "--hf_config", str(tmp_path / "cfg")]
@@ -581,7 +573,7 @@ def test_convert_orbax_to_safetensors_and_back(tmp_path, hf_run):
 
 
 def test_convert_torchtitan_spec_and_errors(tmp_path, capsys):
-  convert = load_module(TESTS.parent / "tools" / "convert.py")
+  convert = h.load_module(TESTS.parent / "tools" / "convert.py")
   model = convert.build_model("llama3:debugmodel")
   assert "layers.5.attention.qkv_linear.wqkv.weight" in dict(model.named_parameters())
   args = ["to_safetensors", str(tmp_path / "nope"), str(tmp_path / "o"), "--model", "llama3:debugmodel"]

@@ -65,3 +65,44 @@ def test_a_small_model_runs_forward_through_torchax():
   jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=8))
   got = tot.to_cpu(jm(x))
   assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+# ---- torchvision: imported before any torchax mode can see its import-time op ---------------
+
+_FAKE_VISION = '''
+import torch
+
+# torchax's dispatch mode takes every op of the torchvision namespace.
+_lib = torch.library.Library("torchvision", "DEF")
+_lib.define("_cuda_version() -> int")
+_lib.impl("_cuda_version", lambda: -1, "CompositeExplicitAutograd")
+torch.ops.torchvision._cuda_version()  # what torchvision's extension check does on import
+'''
+
+
+def _package(root, name, body):
+  (root / name).mkdir()
+  (root / name / "__init__.py").write_text(body)
+
+
+def test_an_import_time_op_inside_torchax_mode_fails_so_torchvision_goes_first(tmp_path):
+  _package(tmp_path, "late_vision", _FAKE_VISION)
+  code = (
+    f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+    "import torch_on_tpu, torchax\n"
+    "with torchax.default_env():\n"
+    "  import late_vision\n"
+  )
+  late = _run(code)
+  assert late.returncode != 0 and "has no lowering" in late.stderr
+
+
+def test_torchvision_is_imported_with_torch_on_tpu_and_a_broken_one_is_ignored(tmp_path):
+  good, broken = tmp_path / "good", tmp_path / "broken"
+  good.mkdir(), broken.mkdir()
+  _package(good, "torchvision", _FAKE_VISION)
+  _package(broken, "torchvision", "raise RuntimeError('operator torchvision::nms does not exist')\n")
+  check = "import sys; sys.path.insert(0, {!r})\nimport torch_on_tpu\nprint('torchvision' in sys.modules)\n"
+  assert _run(check.format(str(good))).stdout.strip() == "True"
+  ignored = _run(check.format(str(broken)))
+  assert ignored.returncode == 0 and ignored.stdout.strip() == "False"

@@ -100,12 +100,32 @@ def started_as_light_tool() -> bool:
   return False
 
 
+def import_torchvision_outside_torchax() -> None:
+  """Imports torchvision now, where it is installed and not yet imported.
+
+  torchvision's first import checks its CUDA build by calling one of its own torch
+  ops. If that first import happens lazily inside a traced step (seen on the CUDA
+  image with torch 2.11), torchax's mode receives the op, has no lowering for it,
+  and the trace fails with `OperatorNotFound: torchvision::_cuda_version`.
+  """
+  import importlib.util
+  import sys
+
+  if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is None:
+    return
+  try:
+    import torchvision  # noqa: F401
+  except Exception:  # noqa: BLE001 (a broken torchvision is for whoever uses it to report)
+    pass
+
+
 def import_torchax():
   """Imports torchax, applying the shims this stack needs first."""
   import sys
 
   if "torchax" in sys.modules:
     return sys.modules["torchax"]
+  import_torchvision_outside_torchax()
   shim = _tolerate_removed_dimname_overloads if dimname_shim_needed() else contextlib.nullcontext
   with shim():
     import torchax

@@ -1,0 +1,386 @@
+"""GPU benchmark: torch_on_tpu (JAX on the GPU) vs torchtitan's Llama 3 in PyTorch, same GPU.
+
+    python tools/bench_gpu.py                                      # Llama 3 1B, seq 8192 x 1 and 2048 x 4
+    python tools/bench_gpu.py --model=8B --layers=8 --shapes=8192x1
+    python tools/bench_gpu.py --remat=dots_saveable --shapes=8192x2
+    python tools/bench_gpu.py --model=debugmodel --shapes=256x2 --steps=2   # anywhere (CPU: a smoke run)
+
+One model for every runner: torchtitan's own Llama 3 config for `--model` (optionally
+cut to `--layers`), SDPA attention, RoPE sized to the sequence. Training as torchtitan
+does it on one GPU: bf16 compute with fp32 master weights and AdamW state, gradient
+clipping at 1.0, random tokens; every runner gets the same batches and, when
+`torch_on_tpu` runs, the same initial weights (it writes them, the others load them),
+so the losses of the first step agree to bf16 rounding.
+
+- `torch_on_tpu`: the recipe's path (`recipes.llama3 --dtype=bfloat16`): JittableModule
+  with the layer stack as a scan, SDPA on cuDNN flash attention, `make_train_step`.
+- `compile`: torchtitan's model in PyTorch under `torch.autocast(bf16)` (what torchtitan
+  uses when there is no FSDP to do mixed precision), each block and the loss
+  `torch.compile`d as torchtitan's `--compile` does, fused AdamW.
+- `eager`: the same without `torch.compile`.
+
+Every runner uses one device (the first), as torchtitan's single-GPU numbers do.
+Each (runner, shape) runs in its own process, one after another, so JAX and PyTorch
+never hold the GPU's memory at the same time and a runner that runs out of memory
+costs only its own row. Step time is the wall time of `--steps` steps after
+`--warmup` steps, over `--steps`. MFU is model FLOPs per second over the device's
+bf16 dense peak (`torch_on_tpu.metrics.PEAK_BF16_FLOPS`), under torchtitan's
+convention (attention counted non-causal) and the causal one. Peak memory is the
+device allocator's high-water mark (JAX `peak_bytes_in_use`, PyTorch
+`max_memory_allocated`); on CPU ours is the compiled program's own estimate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+RUNNERS = ("torch_on_tpu", "compile", "eager")
+HP = dict(lr=3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0)
+RESULT = "RESULT "  # a worker's last stdout line: RESULT {json}
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--model", default="1B", help="torchtitan Llama 3 flavor (debugmodel, 1B, 3B, 8B, ...)")
+  p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (default: all)")
+  p.add_argument("--shapes", default="8192x1,2048x4", help="comma-separated SEQxBATCH")
+  p.add_argument("--steps", type=int, default=10, help="timed steps per run")
+  p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, allocator)")
+  p.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated subset of " + ", ".join(RUNNERS))
+  p.add_argument("--remat", default="none", help="torch_on_tpu per-layer remat policy (torch_on_tpu.remat.NAMES)")
+  p.add_argument("--attention", default="auto", help="torch_on_tpu attention kernel: auto (cuDNN on GPU), cudnn, xla")
+  p.add_argument("--xla_flags", default="", help="extra XLA_FLAGS for the torch_on_tpu runner")
+  p.add_argument("--timeout", type=float, default=600, help="seconds a run may take before it is stopped")
+  p.add_argument("--json", default=None, help="also write every run's numbers here")
+  p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # RUNNER:SEQxBATCH
+  p.add_argument("--state", default=None, help=argparse.SUPPRESS)  # ours writes its initial params, PyTorch loads them
+  args = p.parse_args(argv)
+  asked = args.runners.split(",")
+  unknown = set(asked) - set(RUNNERS)
+  if unknown:
+    p.error(f"--runners names {', '.join(sorted(unknown))}; choose from {', '.join(RUNNERS)}.")
+  args.runners = [r for r in RUNNERS if r in asked]  # ours first: it writes the shared initial weights
+  for shape in args.shapes.split(","):
+    parse_shape(shape, p.error)
+  if args.warmup < 1 or args.steps < 1:
+    p.error("--warmup and --steps must be at least 1 (the first step compiles).")
+  return args
+
+
+def parse_shape(text: str, error=None) -> tuple[int, int]:
+  try:
+    seq, batch = (int(x) for x in text.lower().split("x"))
+    if seq > 0 and batch > 0:
+      return seq, batch
+  except ValueError:
+    pass
+  (error or SystemExit)(f"shape {text!r} is not SEQxBATCH with positive integers, e.g. 8192x1.")
+
+
+def torchtitan_on_older_torch() -> list[str]:
+  """Imports torchtitan's Llama 3 package, with placeholders for torch names it lacks.
+
+  torchtitan 0.3.0 imports, at module level, names that newer torch added (FSDP's
+  `DataParallelMeshDims`, ...) for parallelisms this benchmark never applies; the
+  GPU image's torch 2.11 lacks some. Each missing name becomes an empty class (a
+  missing module an empty module) and the import is retried; on a torch that has
+  them all this only imports. Returns what it filled in.
+  """
+  import importlib
+  import re
+  import types
+
+  filled = []
+  while len(filled) < 50:
+    try:
+      importlib.import_module("torchtitan.models.llama3")
+      return filled
+    except ImportError as e:
+      missing = re.match(r"cannot import name '(\w+)' from '([\w.]+)'", str(e))
+      if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "torch":
+        sys.modules[e.name] = types.ModuleType(e.name)
+        filled.append(e.name)
+      elif missing and missing.group(2).split(".")[0] == "torch":
+        name, module = missing.groups()
+        setattr(importlib.import_module(module), name, type(name, (), {"__module__": module}))
+        filled.append(f"{module}.{name}")
+      else:
+        raise
+  raise ImportError(f"torchtitan still does not import after placeholders for {', '.join(filled)}")
+
+
+def llama3_config(model: str, *, layers: int | None, seqlen: int):
+  """torchtitan's config for the flavor: SDPA attention, RoPE for `seqlen`, first `layers` layers.
+
+  Built from torchtitan alone (no torch_on_tpu import) so the PyTorch workers never
+  load torchax, whose `jax` device makes torch.compile refuse to run.
+  """
+  import dataclasses
+
+  filled = torchtitan_on_older_torch()
+  if filled:
+    print(f"torch lacks what torchtitan imports; placeholders for: {', '.join(filled)}", flush=True)
+  from torchtitan.models.common.attention import ScaledDotProductAttention
+  from torchtitan.models.llama3 import model_registry
+
+  config = model_registry(model).model
+  if layers is not None:
+    if not 0 < layers <= len(config.layers):
+      raise SystemExit(f"--layers={layers}: Llama 3 {model} has {len(config.layers)} layers; pick 1..{len(config.layers)}.")
+    config.layers = config.layers[:layers]
+  for layer in config.layers:
+    layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=seqlen)
+  return config
+
+
+def make_batches(n: int, seqlen: int, batch: int, vocab: int):
+  import torch
+
+  gen = torch.Generator().manual_seed(0)
+  return [
+    (torch.randint(0, vocab, (batch, seqlen), generator=gen), torch.randint(0, vocab, (batch, seqlen), generator=gen))
+    for _ in range(n)
+  ]
+
+
+def loss_fn(logits, labels):
+  import torch
+
+  return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def timed_steps(step, batches, warmup: int, sync) -> dict:
+  """Runs warm-up then timed steps; `step(x, y)` returns the loss, `sync(loss)` waits for it."""
+  start = time.perf_counter()
+  first = sync(step(*batches[0]))
+  first_step_s = time.perf_counter() - start
+  for x, y in batches[1:warmup]:
+    sync(step(x, y))
+  timed = batches[warmup:]
+  start = time.perf_counter()
+  for x, y in timed:
+    loss = step(x, y)
+  last = sync(loss)
+  return dict(step_s=(time.perf_counter() - start) / len(timed), first_step_s=first_step_s, first_loss=first, last_loss=last)
+
+
+# ---- the workers: one (runner, shape) per process -------------------------------------------
+
+
+def ours_worker(args, seqlen: int, batch: int) -> dict:
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
+  import torch
+
+  import torch_on_tpu as tot  # before jax starts: it adds its XLA flag defaults
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from torch_on_tpu import metrics
+
+  config = llama3_config(args.model, layers=args.layers, seqlen=seqlen)
+  with torch.device("meta"):
+    model = config.build()
+  flops = metrics.flops_per_token(model, seqlen)
+  start = time.perf_counter()
+  jm = tot.JittableModule(
+    model, mesh=tot.make_mesh(jax.devices()[:1], fsdp=1), sharding="fsdp", attention=args.attention,
+    scan=True, remat=None if args.remat == "none" else args.remat,
+  )
+  jax.block_until_ready(jm.params)
+  print(f"torch_on_tpu {seqlen}x{batch}: params initialized on {jax.devices()[0]} in {time.perf_counter() - start:.1f} s", flush=True)
+  optimizer = optax.adamw(HP["lr"], b1=HP["b1"], b2=HP["b2"], eps=HP["eps"], weight_decay=HP["weight_decay"])
+  step = tot.make_train_step(jm, loss_fn, optimizer, clip_norm=HP["clip_norm"], compute_dtype=jnp.bfloat16)
+  batches = make_batches(args.warmup + args.steps, seqlen, batch, config.vocab_size)
+  start = time.perf_counter()
+  report = step.compile(*batches[0])
+  compile_s = time.perf_counter() - start
+  print(f"torch_on_tpu {seqlen}x{batch}: {report}", flush=True)
+  if args.state and not os.path.exists(args.state):  # the PyTorch runners start from these weights
+    import safetensors.torch
+
+    state = {k: v.contiguous() for k, v in jm.state_dict().items()}
+    safetensors.torch.save_file(state, args.state + ".partial")
+    os.replace(args.state + ".partial", args.state)
+  result = timed_steps(step, batches, args.warmup, sync=float)
+  device = jax.devices()[0]
+  stats = device.memory_stats() or {}
+  peak_memory = stats.get("peak_bytes_in_use", report.peak_bytes)
+  return dict(
+    result, compile_s=compile_s, peak_memory=peak_memory, device=device.device_kind,
+    peak_flops=metrics.peak_flops_per_device(device), flops_torchtitan=flops.torchtitan,
+    flops_causal=flops.causal, params=flops.n_params, stack=f"jax {jax.__version__}",
+  )
+
+
+def torch_worker(args, seqlen: int, batch: int, *, compiled: bool) -> dict:
+  import torch
+
+  cuda = torch.cuda.is_available()
+  device = torch.device("cuda" if cuda else "cpu")
+  torch.manual_seed(0)
+  config = llama3_config(args.model, layers=args.layers, seqlen=seqlen)
+  with device:
+    model = config.build()
+  if args.state and os.path.exists(args.state):
+    import safetensors.torch
+
+    missing, unexpected = model.load_state_dict(safetensors.torch.load_file(args.state, device=str(device)), strict=False)
+    buffers = {name for name, _ in model.named_buffers()}
+    if unexpected or set(missing) - buffers:
+      raise SystemExit(f"{args.state} does not hold this model's parameters: missing {missing}, unexpected {unexpected}")
+  if compiled:  # torchtitan's --compile: each block on its own, fullgraph
+    for name, block in model.layers.named_children():
+      model.layers.register_module(name, torch.compile(block, fullgraph=True))
+  loss = torch.compile(loss_fn) if compiled else loss_fn
+  opt = torch.optim.AdamW(
+    model.parameters(), lr=HP["lr"], betas=(HP["b1"], HP["b2"]), eps=HP["eps"],
+    weight_decay=HP["weight_decay"], fused=cuda,
+  )
+
+  def step(x, y):
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+      value = loss(model(x), y)
+    value.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), HP["clip_norm"], foreach=cuda)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return value
+
+  def sync(value):
+    return float(value)  # a device → host copy: waits for the step
+
+  batches = [(x.to(device), y.to(device)) for x, y in make_batches(args.warmup + args.steps, seqlen, batch, config.vocab_size)]
+  if cuda:
+    torch.cuda.reset_peak_memory_stats()
+  result = timed_steps(step, batches, args.warmup, sync)
+  return dict(
+    result, compile_s=None, peak_memory=torch.cuda.max_memory_allocated() if cuda else None,
+    device=torch.cuda.get_device_name() if cuda else "cpu", stack=f"torch {torch.__version__}",
+  )
+
+
+def worker(args) -> None:
+  runner, shape = args.worker.split(":")
+  seqlen, batch = parse_shape(shape)
+  if runner == "torch_on_tpu":
+    result = ours_worker(args, seqlen, batch)
+  else:
+    result = torch_worker(args, seqlen, batch, compiled=runner == "compile")
+  print(RESULT + json.dumps(result), flush=True)
+
+
+# ---- the driver -----------------------------------------------------------------------------
+
+
+def run_one(args, argv, runner: str, shape: str) -> dict:
+  """One worker process, its output streamed; its RESULT line, or the reason it gave none."""
+  import threading
+
+  cmd = [sys.executable, os.path.abspath(__file__), *argv, f"--worker={runner}:{shape}"]
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  timer = threading.Timer(args.timeout, proc.kill)
+  timer.start()
+  lines, result = [], None
+  for line in proc.stdout:
+    line = line.rstrip("\n")
+    if line.startswith(RESULT):
+      result = json.loads(line[len(RESULT):])
+    else:
+      lines.append(line)
+      print(f"  {line}", flush=True)
+  proc.wait()
+  timed_out = not timer.is_alive()
+  timer.cancel()
+  if proc.returncode == 0 and result is not None:
+    return result
+  if timed_out:
+    return dict(error=f"stopped after {args.timeout:.0f} s")
+  text = "\n".join(lines)
+  out_of_memory = any(s in text for s in ("RESOURCE_EXHAUSTED", "OutOfMemoryError", "out of memory"))
+  last = [x for x in lines if x.strip()]
+  return dict(error="out of memory" if out_of_memory else (last[-1][:200] if last else f"exit {proc.returncode}"))
+
+
+def table(rows: list[dict]) -> str:
+  headers = [
+    "shape", "runner", "step s", "tokens/s", "vs compile", "MFU (titan)", "MFU (causal)",
+    "peak mem GiB", "loss first→last", "first step s",
+  ]
+  lines = []
+  for r in rows:
+    if "error" in r:
+      lines.append([r["shape"], r["runner"], r["error"]] + [""] * (len(headers) - 3))
+      continue
+    base = next((o for o in rows if o["shape"] == r["shape"] and o["runner"] == "compile" and "error" not in o), None)
+    mfu = lambda key: f"{100 * r[key] * r['tokens_per_s'] / r['peak_flops']:.1f}%" if r.get("peak_flops") else "-"  # noqa: E731
+    lines.append([
+      r["shape"], r["runner"], f"{r['step_s']:.3f}", f"{r['tokens_per_s']:,.0f}",
+      f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-",
+      mfu("flops_torchtitan"), mfu("flops_causal"),
+      f"{r['peak_memory'] / 2**30:.1f}" if r.get("peak_memory") else "-",
+      f"{r['first_loss']:.3f}→{r['last_loss']:.3f}", f"{r['first_step_s']:.1f}",
+    ])
+  widths = [max(len(str(x[i])) for x in [headers, *lines]) for i in range(len(headers))]
+  fmt = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+  return "\n".join([fmt(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, lines)])
+
+
+def save(args, rows) -> None:
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(args=vars(args), rows=rows), f, indent=1)
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse_args(argv)
+  if args.worker:
+    worker(args)
+    return 0
+  import tempfile
+
+  rows = []
+  workdir = tempfile.TemporaryDirectory()
+  argv = [*argv, f"--state={os.path.join(workdir.name, 'init.safetensors')}"]
+  for shape in args.shapes.split(","):
+    seqlen, batch = parse_shape(shape)
+    for runner in args.runners:
+      print(f"== {runner} {shape}", flush=True)
+      result = run_one(args, argv, runner, shape)
+      result.update(runner=runner, shape=f"{seqlen}x{batch}", tokens=seqlen * batch)
+      if "error" not in result:
+        result["tokens_per_s"] = result["tokens"] / result["step_s"]
+      rows.append(result)
+      save(args, rows)  # after every run, so a stopped benchmark keeps what it measured
+  workdir.cleanup()
+  # The workers on one machine share its device: fill in FLOPs and peak where a
+  # runner (PyTorch's) did not compute them.
+  known = next((r for r in rows if r.get("peak_flops")), None)
+  for r in rows:
+    same = next((o for o in rows if o["shape"] == r["shape"] and "flops_torchtitan" in o), None)
+    if same and "error" not in r:
+      r.setdefault("flops_torchtitan", same["flops_torchtitan"])
+      r.setdefault("flops_causal", same["flops_causal"])
+      if not r.get("peak_flops") and known:
+        r["peak_flops"] = known["peak_flops"]
+  devices = sorted({r["device"] for r in rows if "device" in r})
+  stacks = sorted({r["stack"] for r in rows if "stack" in r})
+  print(
+    f"\nLlama 3 {args.model}" + (f" (first {args.layers} layers)" if args.layers else "")
+    + f", bf16 compute / fp32 master + AdamW, remat {args.remat}, attention {args.attention}"
+    + f"; {', '.join(devices)}; {', '.join(stacks)}; {args.steps} timed steps after {args.warmup}\n"
+  )
+  save(args, rows)
+  print(table(rows), flush=True)
+  return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
