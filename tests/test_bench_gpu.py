@@ -83,3 +83,16 @@ def test_a_run_past_its_timeout_is_stopped_and_reported(tmp_path):
   (row,) = json.loads(out.read_text())["rows"]
   assert row["error"] == "stopped after 2 s"
   assert "stopped after 2 s" in run.stdout
+
+
+def test_pytorch_rows_get_their_mfu_without_our_runner(tmp_path):
+  """FLOPs and peak come from the driver, so a failed or skipped runner leaves the others' MFU."""
+  out = tmp_path / "bench.json"
+  run = subprocess.run(
+    [sys.executable, str(SCRIPT), "--model=debugmodel", "--layers=2", "--shapes=64x1", "--steps=1", "--warmup=1",
+     "--runners=eager", f"--json={out}"],
+    capture_output=True, text=True, timeout=300,
+  )
+  assert run.returncode == 0, run.stdout[-3000:]
+  (row,) = json.loads(out.read_text())["rows"]
+  assert row["flops_torchtitan"] > row["flops_causal"] > 0 and row["peak_flops"] > 0

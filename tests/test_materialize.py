@@ -139,3 +139,46 @@ def test_meta_and_real_tensors_mixed_is_a_clear_error():
   model.proj.to("meta")
   with pytest.raises(tot.TorchOnTpuError, match="mixes meta tensors"):
     tot.JittableModule(model, mesh=tot.make_mesh(fsdp=8))
+
+
+class _Device:
+  def __init__(self, platform, stats):
+    self.platform, self._stats = platform, stats
+
+  def memory_stats(self):
+    return self._stats
+
+
+class _Sharding:
+  def __init__(self, devices):
+    self.device_set = set(devices)
+
+
+def test_init_chunks_grow_with_accelerator_memory_and_stay_small_on_cpu():
+  from torch_on_tpu import materialize
+
+  floor = materialize.INIT_CHUNK_BYTES
+  gpu = [_Device("gpu", {"bytes_limit": 64 * 2**30})]
+  assert materialize.chunk_budget([_Sharding(gpu)]) == 4 * 2**30  # 1/16 of 64 GiB
+  pod = [_Device("tpu", {"bytes_limit": 16 * 2**30}) for _ in range(8)]
+  assert materialize.chunk_budget([_Sharding(pod[:4]), _Sharding(pod)]) == 8 * 2**30  # 1 GiB per device
+  assert materialize.chunk_budget([_Sharding([_Device("gpu", {"bytes_limit": 2**30})])]) == floor
+  assert materialize.chunk_budget([_Sharding([_Device("gpu", None)])]) == floor  # memory unknown
+  assert materialize.chunk_budget([_Sharding(jax.devices())]) == floor  # CPU: host RAM, keep it small
+
+
+def test_chunking_does_not_change_the_values():
+  """One jit per parameter and one jit for all: the same traced program, the same numbers."""
+  from torch_on_tpu import materialize
+
+  budget = materialize.INIT_CHUNK_BYTES
+  try:
+    materialize.INIT_CHUNK_BYTES = 1
+    small = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=5)
+    materialize.INIT_CHUNK_BYTES = 2**40
+    whole = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=5)
+  finally:
+    materialize.INIT_CHUNK_BYTES = budget
+  assert small.params.keys() == whole.params.keys()
+  for name in small.params:
+    assert np.array_equal(np.asarray(small.params[name]), np.asarray(whole.params[name])), name

@@ -68,6 +68,7 @@ def test_flops_of_an_unknown_model_ask_for_explicit_numbers():
 def test_peak_table_by_device_kind(kind, peak):
   device = types.SimpleNamespace(platform="gpu" if "NVIDIA" in kind else "tpu", device_kind=kind)
   assert metrics.peak_flops_per_device(device) == peak
+  assert metrics.peak_flops_for_kind(kind) == peak  # also torch's names: torch.cuda.get_device_name()
 
 
 def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):

@@ -25,7 +25,8 @@ never hold the GPU's memory at the same time and a runner that runs out of memor
 costs only its own row. Step time is the wall time of `--steps` steps after
 `--warmup` steps, over `--steps`. MFU is model FLOPs per second over the device's
 bf16 dense peak (`torch_on_tpu.metrics.PEAK_BF16_FLOPS`), under torchtitan's
-convention (attention counted non-causal) and the causal one. Peak memory is the
+convention (attention counted non-causal) and the causal one (on CPU, over the
+cached measured matmul rate). Peak memory is the
 device allocator's high-water mark (JAX `peak_bytes_in_use`, PyTorch
 `max_memory_allocated`); on CPU ours is the compiled program's own estimate.
 """
@@ -42,6 +43,7 @@ import time
 RUNNERS = ("torch_on_tpu", "compile", "eager")
 HP = dict(lr=3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0)
 RESULT = "RESULT "  # a worker's last stdout line: RESULT {json}
+WORKER_ENV = dict(os.environ)  # as the user started us, before this process sets anything
 
 
 def parse_args(argv=None):
@@ -182,12 +184,9 @@ def ours_worker(args, seqlen: int, batch: int) -> dict:
   import jax.numpy as jnp
   import optax
 
-  from torch_on_tpu import metrics
-
   config = llama3_config(args.model, layers=args.layers, seqlen=seqlen)
   with torch.device("meta"):
     model = config.build()
-  flops = metrics.flops_per_token(model, seqlen)
   start = time.perf_counter()
   jm = tot.JittableModule(
     model, mesh=tot.make_mesh(jax.devices()[:1], fsdp=1), sharding="fsdp", attention=args.attention,
@@ -213,9 +212,7 @@ def ours_worker(args, seqlen: int, batch: int) -> dict:
   stats = device.memory_stats() or {}
   peak_memory = stats.get("peak_bytes_in_use", report.peak_bytes)
   return dict(
-    result, compile_s=compile_s, peak_memory=peak_memory, device=device.device_kind,
-    peak_flops=metrics.peak_flops_per_device(device), flops_torchtitan=flops.torchtitan,
-    flops_causal=flops.causal, params=flops.n_params, stack=f"jax {jax.__version__}",
+    result, compile_s=compile_s, peak_memory=peak_memory, device=device.device_kind, stack=f"jax {jax.__version__}"
   )
 
 
@@ -284,7 +281,7 @@ def run_one(args, argv, runner: str, shape: str) -> dict:
   import threading
 
   cmd = [sys.executable, os.path.abspath(__file__), *argv, f"--worker={runner}:{shape}"]
-  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=WORKER_ENV)
   timer = threading.Timer(args.timeout, proc.kill)
   timer.start()
   lines, result = [], None
@@ -332,6 +329,26 @@ def table(rows: list[dict]) -> str:
   return "\n".join([fmt(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, lines)])
 
 
+def add_flops(args, rows) -> None:
+  """Model FLOPs per token and the device's peak for every row, computed here, after
+  the workers, so a runner that failed leaves the others' MFU intact. This
+  process's jax stays on the CPU: the workers own the GPU."""
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  import torch
+
+  from torch_on_tpu import metrics
+
+  for seqlen in sorted({int(r["shape"].split("x")[0]) for r in rows}):
+    with torch.device("meta"):
+      model = llama3_config(args.model, layers=args.layers, seqlen=seqlen).build()
+    flops = metrics.flops_per_token(model, seqlen)
+    for r in rows:
+      if r["shape"].startswith(f"{seqlen}x") and "error" not in r:
+        r.update(flops_torchtitan=flops.torchtitan, flops_causal=flops.causal, params=flops.n_params)
+        cpu = r["device"] == "cpu"
+        r["peak_flops"] = metrics.cpu_matmul_peak() if cpu else metrics.peak_flops_for_kind(r["device"])
+
+
 def save(args, rows) -> None:
   if args.json:
     with open(args.json, "w") as f:
@@ -360,16 +377,7 @@ def main(argv=None) -> int:
       rows.append(result)
       save(args, rows)  # after every run, so a stopped benchmark keeps what it measured
   workdir.cleanup()
-  # The workers on one machine share its device: fill in FLOPs and peak where a
-  # runner (PyTorch's) did not compute them.
-  known = next((r for r in rows if r.get("peak_flops")), None)
-  for r in rows:
-    same = next((o for o in rows if o["shape"] == r["shape"] and "flops_torchtitan" in o), None)
-    if same and "error" not in r:
-      r.setdefault("flops_torchtitan", same["flops_torchtitan"])
-      r.setdefault("flops_causal", same["flops_causal"])
-      if not r.get("peak_flops") and known:
-        r["peak_flops"] = known["peak_flops"]
+  add_flops(args, rows)
   devices = sorted({r["device"] for r in rows if "device" in r})
   stacks = sorted({r["stack"] for r in rows if "stack" in r})
   print(

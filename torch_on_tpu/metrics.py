@@ -152,7 +152,12 @@ def peak_flops_per_device(device: jax.Device | None = None, *, refresh: bool = F
   device = device or jax.devices()[0]
   if device.platform == "cpu":
     return cpu_matmul_peak(refresh=refresh) / max(1, len(jax.local_devices(backend="cpu")))
-  kind = device.device_kind
+  return peak_flops_for_kind(device.device_kind)
+
+
+def peak_flops_for_kind(kind: str) -> float | None:
+  """The table's bf16 dense peak for a device name (jax's `device_kind`, or
+  `torch.cuda.get_device_name()`); None when the table does not know it."""
   for needle, flops in PEAK_BF16_FLOPS:
     if needle.lower() in kind.lower():
       return flops
