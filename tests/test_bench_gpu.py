@@ -73,6 +73,24 @@ def test_bad_flags_are_named(argv, message, capsys):
   assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    (["--model=9B"], "is not a torchtitan Llama 3 flavor"),
+    (["--model=debugmodel", "--layers=7"], "has 6 layers; pick 1..6"),
+    (["--model=debugmodel", "--shapes=300000x1"], "exceeds Llama 3 debugmodel's 131072 positions"),
+    (["--remat=bogus"], "is not a remat policy"),
+    (["--attention=flash"], "is not a kernel"),
+  ],
+)
+def test_flags_the_workers_would_fail_on_stop_the_driver_first(argv, message, monkeypatch):
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # main() pins its own jax to the CPU; keep the test's env as it was
+  bench = h.load_module(SCRIPT)
+  with pytest.raises(SystemExit) as exit_info:
+    bench.main(argv)
+  assert message in str(exit_info.value.code)
+
+
 def test_a_run_past_its_timeout_is_stopped_and_reported(tmp_path):
   out = tmp_path / "bench.json"
   run = subprocess.run(

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -94,7 +95,6 @@ def torchtitan_on_older_torch() -> list[str]:
   them all this only imports. Returns what it filled in.
   """
   import importlib
-  import re
   import types
 
   filled = []
@@ -136,6 +136,8 @@ def llama3_config(model: str, *, layers: int | None, seqlen: int):
       raise SystemExit(f"--layers={layers}: Llama 3 {model} has {len(config.layers)} layers; pick 1..{len(config.layers)}.")
     config.layers = config.layers[:layers]
   for layer in config.layers:
+    if seqlen > layer.attention.rope.max_seq_len:
+      raise SystemExit(f"seq {seqlen} exceeds Llama 3 {model}'s {layer.attention.rope.max_seq_len} positions; use a shorter one.")
     layer.attention.inner_attention = ScaledDotProductAttention.Config()
     layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=seqlen)
   return config
@@ -301,7 +303,9 @@ def run_one(args, argv, runner: str, shape: str) -> dict:
     return dict(error=f"stopped after {args.timeout:.0f} s")
   text = "\n".join(lines)
   out_of_memory = any(s in text for s in ("RESOURCE_EXHAUSTED", "OutOfMemoryError", "out of memory"))
-  last = [x for x in lines if x.strip()]
+  # The exception's own line (jax appends a note after it), else the last line printed.
+  raised = [x.strip() for x in lines if re.match(r"\s*[\w.]*(Error|Exception|NotFound)\w*: ", x)]
+  last = raised or [x.strip() for x in lines if x.strip()]
   return dict(error="out of memory" if out_of_memory else (last[-1][:200] if last else f"exit {proc.returncode}"))
 
 
@@ -329,11 +333,24 @@ def table(rows: list[dict]) -> str:
   return "\n".join([fmt(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, lines)])
 
 
+def check_flags(args) -> None:
+  """Flags the workers would fail on, refused here in one sentence before any starts."""
+  from torch_on_tpu import attention, remat
+  from torch_on_tpu.models.torchtitan import FLAVORS
+
+  if args.model not in FLAVORS:
+    raise SystemExit(f"--model={args.model!r} is not a torchtitan Llama 3 flavor; choose one of {', '.join(FLAVORS)}.")
+  if args.remat not in remat.NAMES:
+    raise SystemExit(f"--remat={args.remat!r} is not a remat policy; choose one of {', '.join(remat.NAMES)}.")
+  if args.attention not in attention.MODES:
+    raise SystemExit(f"--attention={args.attention!r} is not a kernel; choose one of {', '.join(attention.MODES)}.")
+  for shape in args.shapes.split(","):
+    llama3_config(args.model, layers=args.layers, seqlen=parse_shape(shape)[0])  # flavor, layers, RoPE length
+
+
 def add_flops(args, rows) -> None:
   """Model FLOPs per token and the device's peak for every row, computed here, after
-  the workers, so a runner that failed leaves the others' MFU intact. This
-  process's jax stays on the CPU: the workers own the GPU."""
-  os.environ["JAX_PLATFORMS"] = "cpu"
+  the workers, so a runner that failed leaves the others' MFU intact."""
   import torch
 
   from torch_on_tpu import metrics
@@ -361,6 +378,8 @@ def main(argv=None) -> int:
   if args.worker:
     worker(args)
     return 0
+  os.environ["JAX_PLATFORMS"] = "cpu"  # the driver's jax only checks flags and counts FLOPs: the workers own the GPU
+  check_flags(args)
   import tempfile
 
   rows = []
