@@ -185,6 +185,30 @@ def test_xla_kernel_memory_is_tiles_not_score_matrices():
   assert temp < one_score_matrix / 8, temp
 
 
+@pytest.mark.parametrize("width", [256, 96, 66, 33, 7])
+def test_reduce_last_equals_the_plain_reduction(width):
+  x = jax.random.normal(jax.random.PRNGKey(width), (3, 5, width), jnp.float32)
+  x = x.at[0, 0].set(-jnp.inf).at[1, 2, : width // 2].set(-jnp.inf)  # masked rows
+  got_max = attention._reduce_last(jnp.maximum, jnp.max, x)
+  np.testing.assert_array_equal(got_max, x.max(-1))
+  got_sum = attention._reduce_last(jnp.add, jnp.sum, jnp.exp(x))
+  np.testing.assert_allclose(got_sum, jnp.exp(x).sum(-1), rtol=1e-6)
+
+
+def test_xla_kernel_compiles_without_reduce_window_on_cpu():
+  """The kernel's row max/sum stay fused reductions: XLA CPU turns a reduction over a
+  256-wide tile axis into a slow standalone reduce-window unless it is folded first."""
+  att = attention.Attention("xla")
+  q = jax.ShapeDtypeStruct((1, 2, 512, 16), jnp.float32)
+
+  def loss(q, k, v):
+    return att(q, k, v, causal=True).sum()
+
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q).compile().as_text()
+  assert "reduce-window" not in hlo
+  plain = jax.jit(lambda s: s.max(-1)).lower(jax.ShapeDtypeStruct((4, 256), jnp.float32))
+  assert "reduce-window" in plain.compile().as_text()  # the rewrite the kernel avoids
+
 # ---- dropout ------------------------------------------------------------------------------------
 
 

@@ -482,6 +482,24 @@ def _tile(x, axis: int, index, size: int):
   return lax.dynamic_slice_in_dim(x, index * size, size, axis)
 
 
+# XLA CPU rewrites any reduction over an axis longer than this into a reduce-window
+# plus a reduce, and runs that reduce-window as a separate, slow loop over the tile.
+_CPU_REDUCE_WINDOW = 32
+
+
+def _reduce_last(combine, reduce, x):
+  """`reduce(x, axis=-1)` for a scores tile, folded in halves down to 32 columns.
+
+  The halves combine elementwise, so XLA fuses them with the ops that make `x`
+  and the final 32-wide reduce escapes XLA CPU's tree-reduction rewrite: about
+  15% off the forward of a 256-wide tile on CPU (docs/performance.md).
+  """
+  while x.shape[-1] > _CPU_REDUCE_WINDOW and x.shape[-1] % 2 == 0:
+    half = x.shape[-1] // 2
+    x = combine(x[..., :half], x[..., half:])
+  return reduce(x, axis=-1)
+
+
 def _einsum32(spec, a, b):
   """einsum accumulating in fp32 (inputs may be bf16)."""
   return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
@@ -636,11 +654,11 @@ def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets):
       kj, vj = _tile(kp, 2, j, t.block_kv), _tile(vp, 2, j, t.block_kv)
       mask_ij, kv_seg_j = _tile(mask_i, 4, j, t.block_kv), _tile(kv_segp, 1, j, t.block_kv)
       s = _scores(t, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j)
-      m_new = jnp.maximum(m, s.max(-1))
+      m_new = jnp.maximum(m, _reduce_last(jnp.maximum, jnp.max, s))
       m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
       p = jnp.exp(s - m_safe[..., None])
       correction = jnp.exp(m - m_safe)
-      l = l * correction + p.sum(-1)
+      l = l * correction + _reduce_last(jnp.add, jnp.sum, p)
       if t.rate > 0:
         p = p * _drop(t, seed, offsets, s.shape, i, j)
       pv = _einsum32("bkgqs,bksd->bkgqd", p.astype(vj.dtype), vj)
@@ -672,7 +690,8 @@ def _flash_backward(
   lp, sp = t.padded
   n_q, n_kv = lp // t.block_q, sp // t.block_kv
   doutp = _pad_to(dout, 3, lp)
-  delta = jnp.sum(doutp.astype(jnp.float32) * _pad_to(out, 3, lp).astype(jnp.float32), -1)
+  out_dot_dout = doutp.astype(jnp.float32) * _pad_to(out, 3, lp).astype(jnp.float32)
+  delta = _reduce_last(jnp.add, jnp.sum, out_dot_dout)
   lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
   # dQ accumulates with the query axis last, (B, K, D, G, Lp): the tile matmul that
   # produces it then reads the keys-first score gradient without transposing it.
