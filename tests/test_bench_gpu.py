@@ -81,6 +81,7 @@ def test_bad_flags_are_named(argv, message, capsys):
     (["--model=debugmodel", "--shapes=300000x1"], "exceeds Llama 3 debugmodel's 131072 positions"),
     (["--remat=bogus"], "is not a remat policy"),
     (["--attention=flash"], "is not a kernel"),
+    (["--json=/nonexistent-dir/bench.json"], "its directory does not exist"),
   ],
 )
 def test_flags_the_workers_would_fail_on_stop_the_driver_first(argv, message, monkeypatch):

@@ -488,7 +488,7 @@ _CPU_REDUCE_WINDOW = 32
 
 
 def _reduce_last(combine, reduce, x):
-  """`reduce(x, axis=-1)` for a scores tile, folded in halves down to 32 columns.
+  """`reduce(x, axis=-1)`, folded in halves down to 32 columns first.
 
   The halves combine elementwise, so XLA fuses them with the ops that make `x`
   and the final 32-wide reduce escapes XLA CPU's tree-reduction rewrite: about

@@ -197,9 +197,10 @@ def chunk_budget(shardings) -> int:
   return max(INIT_CHUNK_BYTES, int(min(limits) * INIT_CHUNK_DEVICE_SHARE) * len(devices))
 
 
-def _run_in_chunks(program, key, out_shardings, budget: int | None = None) -> dict[str, jax.Array]:
+def _run_in_chunks(program, key, out_shardings, budget: int) -> dict[str, jax.Array]:
   """Runs the traced init as several jits, largest outputs first, each compiling
-  only the part of the program its outputs need.
+  only the part of the program its outputs need; `budget` bounds each chunk's
+  global output bytes (`chunk_budget`).
 
   One jit for a whole model would hold every random-number temporary at once
   (about 3x the largest tensor per device, on every device); in chunks the
@@ -207,7 +208,6 @@ def _run_in_chunks(program, key, out_shardings, budget: int | None = None) -> di
   itself. The program is traced once; each chunk replays the same jaxpr, so
   values are identical to a single jit.
   """
-  budget = budget or INIT_CHUNK_BYTES
   closed, shapes = jax.make_jaxpr(program, return_shape=True)(key)
   leaves, treedef = jax.tree_util.tree_flatten(shapes)
   names = jax.tree_util.tree_unflatten(treedef, list(range(len(leaves))))
