@@ -115,3 +115,30 @@ def test_pytorch_rows_get_their_mfu_without_our_runner(tmp_path):
   assert run.returncode == 0, run.stdout[-3000:]
   (row,) = json.loads(out.read_text())["rows"]
   assert row["flops_torchtitan"] > row["flops_causal"] > 0 and row["peak_flops"] > 0
+
+
+@pytest.mark.parametrize(
+  "lines, reason",
+  [
+    # jax appends a note after the exception's line: the cell shows the exception, not the note.
+    (
+      ["Traceback (most recent call last):", '  File "x.py", line 3', "ValueError: batch 3 does not divide 8",
+       "--------------------", "For simplicity, JAX has removed its internal frames from the traceback."],
+      "ValueError: batch 3 does not divide 8",
+    ),
+    (["  torch_on_tpu.errors.TorchOnTpuError: no GPU found"], "torch_on_tpu.errors.TorchOnTpuError: no GPU found"),
+    (["compiling", "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB"],
+     "out of memory"),
+    (["step 1", "torch.OutOfMemoryError: CUDA out of memory."], "out of memory"),
+    (["loading weights", "Killed", ""], "Killed"),  # no exception line: the last line printed
+    (["", "  "], "exit -9"),
+  ],
+)
+def test_a_worker_without_a_result_is_given_a_one_cell_reason(lines, reason):
+  bench = h.load_module(SCRIPT)
+  assert bench.failure_reason(lines, -9) == reason
+
+
+def test_the_reason_is_cut_to_one_table_cell():
+  bench = h.load_module(SCRIPT)
+  assert len(bench.failure_reason(["RuntimeError: " + "x" * 500], 1)) == 200

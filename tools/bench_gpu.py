@@ -301,12 +301,18 @@ def run_one(args, argv, runner: str, shape: str) -> dict:
     return result
   if timed_out:
     return dict(error=f"stopped after {args.timeout:.0f} s")
+  return dict(error=failure_reason(lines, proc.returncode))
+
+
+def failure_reason(lines: list[str], returncode: int) -> str:
+  """The table's one-cell reason for a worker that gave no result: out of memory, else the
+  exception's own line (jax appends a note after it), else the last line printed."""
   text = "\n".join(lines)
-  out_of_memory = any(s in text for s in ("RESOURCE_EXHAUSTED", "OutOfMemoryError", "out of memory"))
-  # The exception's own line (jax appends a note after it), else the last line printed.
+  if any(s in text for s in ("RESOURCE_EXHAUSTED", "OutOfMemoryError", "out of memory")):
+    return "out of memory"
   raised = [x.strip() for x in lines if re.match(r"\s*[\w.]*(Error|Exception|NotFound)\w*: ", x)]
   last = raised or [x.strip() for x in lines if x.strip()]
-  return dict(error="out of memory" if out_of_memory else (last[-1][:200] if last else f"exit {proc.returncode}"))
+  return last[-1][:200] if last else f"exit {returncode}"
 
 
 def table(rows: list[dict]) -> str:
