@@ -209,6 +209,7 @@ def test_xla_kernel_compiles_without_reduce_window_on_cpu():
   plain = jax.jit(lambda s: s.max(-1)).lower(jax.ShapeDtypeStruct((4, 256), jnp.float32))
   assert "reduce-window" in plain.compile().as_text()  # the rewrite the kernel avoids
 
+
 # ---- dropout ------------------------------------------------------------------------------------
 
 

@@ -350,6 +350,8 @@ def check_flags(args) -> None:
     raise SystemExit(f"--remat={args.remat!r} is not a remat policy; choose one of {', '.join(remat.NAMES)}.")
   if args.attention not in attention.MODES:
     raise SystemExit(f"--attention={args.attention!r} is not a kernel; choose one of {', '.join(attention.MODES)}.")
+  if args.json and os.path.isdir(args.json):
+    raise SystemExit(f"--json={args.json} is a directory; name a file in it, e.g. {os.path.join(args.json, 'bench.json')}.")
   if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
     raise SystemExit(f"--json={args.json}: its directory does not exist; create it or pick another path.")
   for shape in args.shapes.split(","):
