@@ -1,5 +1,7 @@
 """Scan over layers: same numbers as the layer loop, original names, clear refusals."""
 
+import copy
+
 import jax
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ import torch
 import torch_on_tpu as tot
 from torch_on_tpu import scan as scan_lib
 from tests import helpers as h
+from tests.helpers import jax_view, torch_view
 
 CASES = [
   ("titan", h.titan, dict(fsdp=8), "fsdp"),
@@ -165,3 +168,89 @@ def test_kv_caches_are_refused_under_scan():
   tokens, _ = h.random_batch(256)
   with pytest.raises(tot.TorchOnTpuError, match="use_cache=False"):
     jm(tokens, use_cache=True)
+
+
+class IndexedBlock(torch.nn.Module):
+  """Same class and tensors in every layer, but the computation depends on the layer index."""
+
+  def __init__(self, index, kind):
+    super().__init__()
+    self.proj = torch.nn.Linear(32, 32)
+    self.rotate = kind == "alternate" and index % 2 == 1  # e.g. rotary embedding on odd layers only
+    self.scale = float(index + 1) if kind == "per-layer scale" else 1.0
+
+  def forward(self, x):
+    y = self.proj(x) * self.scale
+    if self.rotate:
+      y = torch.roll(y, 1, dims=-1)
+    return x + torch.tanh(y)
+
+
+class IndexedStack(torch.nn.Module):
+  def __init__(self, kind, n=4):
+    super().__init__()
+    self.blocks = torch.nn.ModuleList([IndexedBlock(i, kind) for i in range(n)])
+
+  def forward(self, x):
+    for b in self.blocks:
+      x = b(x)
+    return x
+
+
+@pytest.mark.parametrize("kind,runs_as", [("alternate", "scan over pairs"), ("per-layer scale", "loop")])
+def test_layers_that_differ_by_index_scan_in_groups_or_loop_never_wrong(kind, runs_as, caplog):
+  torch.manual_seed(0)
+  ref = IndexedStack(kind)
+  x = torch.randn(8, 32)
+  want = ref(x).detach()
+  mesh = tot.make_mesh(fsdp=8)
+  scanned = tot.JittableModule(copy.deepcopy(ref), mesh=mesh, sharding="replicated", scan=True)
+  assert scanned._layout is not None
+  got = tot.to_cpu(scanned(x))
+  assert h.rel(got, want) < 1e-6
+  said = [m for m in caplog.messages if "do not all compute the same function" in m]
+  if runs_as == "loop":
+    assert said and "layer 1 differs from layer 0" in said[0] and "run as a loop" in said[0]
+  else:
+    assert not said
+    text = jax.jit(lambda p, b, x: jax_view(scanned.functional_call(p, b, torch_view(x)))).lower(
+      scanned.params, scanned.buffers, scanned.place(x)
+    ).as_text()
+    assert "stablehlo.while" in text  # a scan over the 2 pairs, not an unrolled loop
+  def total(params):
+    return jax_view(scanned.functional_call(params, scanned.buffers, torch_view(scanned.place(x)))).sum()
+
+  ref.zero_grad()
+  ref(x).sum().backward()
+  grads = h.per_layer(scanned, jax.jit(jax.grad(total))(scanned.params))
+  for name, p in ref.named_parameters():
+    assert h.rel(grads[name], p.grad) < 1e-5, name
+
+
+def test_reading_an_attribute_that_differs_by_layer_off_the_scanned_stack_is_refused():
+  class ReadsKind(IndexedStack):
+    def forward(self, x):
+      for b in self.blocks:
+        x = b(x) if not b.rotate else x
+      return x
+
+  jm = tot.JittableModule(ReadsKind("alternate"), mesh=tot.make_mesh(fsdp=8), sharding="replicated", scan=True)
+  with pytest.raises(tot.TorchOnTpuError, match="reads 'rotate' off its scanned layers"):
+    jm(torch.randn(8, 32))
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm", "pre-norm"])
+def test_torch_transformer_encoder_scans_at_parity(norm_first, caplog):
+  """torch's own stack reads `self.layers[0]` for its fast-path checks."""
+  torch.manual_seed(0)
+  layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=norm_first)
+  ref = torch.nn.TransformerEncoder(layer, num_layers=3, norm=torch.nn.LayerNorm(32), enable_nested_tensor=False)
+  ref.eval()
+  x = torch.randn(8, 10, 32)
+  mask = torch.nn.Transformer.generate_square_subsequent_mask(10)
+  want = ref(x, mask=mask, is_causal=True).detach()
+  jm = tot.JittableModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=8), scan=True)
+  assert jm._layout is not None and not any("do not all compute" in m for m in caplog.messages)
+  assert h.rel(tot.to_cpu(jm(x, mask=mask, is_causal=True)), want) < 1e-5
+  assert jm.module.layers[0].self_attn.batch_first
+  assert tuple(jm.module.layers[2].linear1.weight.shape) == (64, 32)  # its own slice of the stack

@@ -16,6 +16,19 @@ overloads in torch 2.13 no longer accept `(self, mean, std)`, so every
 `split` / `split_with_sizes` (a fused QKV projection's `.split`) lower to
 `jnp.split`, whose gradient is one concatenate; torchax's per-piece slices
 differentiate to a zero-padded full-size array per piece, summed.
+
+`embedding` and `_embedding_bag` are written out. torchax drops the padding
+row's gradient with `grad.at[padding_idx].set(0)`, a single-index scatter that
+XLA miscompiles when the table is sharded (see `xla_flags.compile_options`): the
+pad token's gradient lands on the first row of every other vocabulary shard.
+Here the pad positions' cotangents are masked before the scatter-add instead,
+which is what torch's `embedding_backward` does (it skips them), and
+`scale_grad_by_freq`, which torchax ignores, divides each row's gradient by the
+id's count in the batch. torchax's `_embedding_bag` reads the offsets on the
+host (no jit); ours segments the bags with traced offsets.
+
+`torch.take_along_dim` is lowered as a torch function: torch checks its index
+for int64 before dispatching, and ids are int32 jax arrays here.
 """
 
 from __future__ import annotations
@@ -87,6 +100,93 @@ def _split(x, sizes, dim=0):
   return jnp.split(x, np.cumsum(sizes)[:-1].tolist(), axis=dim)
 
 
+@jax.custom_jvp
+def _scale_gradient(x, scale):
+  """`x`, whose gradient is multiplied by `scale` (a constant, broadcast against x)."""
+  return x
+
+
+@_scale_gradient.defjvp
+def _scale_gradient_jvp(primals, tangents):
+  x, scale = primals
+  return x, tangents[0] * jax.lax.stop_gradient(scale).astype(tangents[0].dtype)
+
+
+def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+  """torch's `aten.embedding`: rows of `weight`; pad ids get no gradient."""
+  rows = jnp.take(weight, indices, axis=0)
+  if padding_idx is not None and padding_idx >= 0:
+    keep = (indices != padding_idx)[..., None]
+    rows = jnp.where(keep, rows, jax.lax.stop_gradient(rows))
+  if scale_grad_by_freq:
+    counts = jnp.zeros(weight.shape[0], jnp.int32).at[indices.reshape(-1)].add(1)
+    rows = _scale_gradient(rows, 1.0 / jnp.maximum(counts[indices], 1)[..., None])
+  return rows
+
+
+_BAG_SUM, _BAG_MEAN, _BAG_MAX = 0, 1, 2
+
+
+def _embedding_bag(
+  weight,
+  indices,
+  offsets,
+  scale_grad_by_freq=False,
+  mode=_BAG_SUM,
+  sparse=False,
+  per_sample_weights=None,
+  include_last_offset=False,
+  padding_idx=-1,
+):
+  """torch's `aten._embedding_bag` with traced offsets: `(output, offset2bag, bag_size, max_indices)`.
+
+  Bag b holds `indices[offsets[b]:offsets[b + 1]]` (the last one runs to the
+  end unless `include_last_offset`); pad ids take no part in any bag; an empty
+  bag gives zeros, as in torch.
+  """
+  if padding_idx is None:
+    padding_idx = -1
+  num_bags = offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
+  positions = jnp.arange(indices.shape[0])
+  bag = jnp.searchsorted(offsets[:num_bags], positions, side="right") - 1
+  if include_last_offset:
+    bag = jnp.where(positions < offsets[-1], bag, num_bags)
+  counted = indices != padding_idx
+  bag = jnp.where(counted & (bag >= 0), bag, num_bags)  # num_bags: dropped by the segment ops
+  rows = _embedding(weight, indices, padding_idx, scale_grad_by_freq)
+  bag_size = jax.ops.segment_sum(jnp.ones_like(indices), bag, num_segments=num_bags)
+  empty = (bag_size == 0)[:, None]
+  if mode == _BAG_MAX:
+    output = jax.ops.segment_max(rows, bag, num_segments=num_bags)
+    output = jnp.where(empty, jnp.zeros_like(output), output)
+    is_max = (rows == output[jnp.minimum(bag, num_bags - 1)]) & (bag < num_bags)[:, None]
+    max_indices = jax.ops.segment_max(
+      jnp.where(is_max, indices[:, None], -1), bag, num_segments=num_bags
+    )
+    max_indices = jnp.where(empty, -1, max_indices)
+  else:
+    if per_sample_weights is not None:
+      rows = rows * per_sample_weights[:, None].astype(rows.dtype)
+    output = jax.ops.segment_sum(rows, bag, num_segments=num_bags)
+    if mode == _BAG_MEAN:
+      output = output / jnp.maximum(bag_size, 1)[:, None].astype(output.dtype)
+    max_indices = jnp.zeros_like(bag_size)
+  offset2bag = jnp.minimum(bag, num_bags - 1).astype(indices.dtype)
+  return output, offset2bag, bag_size.astype(indices.dtype), max_indices.astype(indices.dtype)
+
+
+def _take_along_dim(x, indices, dim=None):
+  if dim is None:
+    return jnp.take_along_axis(x.reshape(-1), indices.reshape(-1), axis=0)
+  return jnp.take_along_axis(x, indices, axis=dim)
+
+
+def _register_jax_lowering(env, packet, fn) -> None:
+  env._ops[packet] = ops_registry.Operator(
+    packet, fn, is_jax_function=True, is_user_defined=False, needs_env=False, is_view_op=False
+  )
+
+
 def register(env) -> list[str]:
   """Registers the missing lowerings into `env`; returns the in-place ops added."""
   env._ops[torch.ops.aten.normal_] = ops_registry.Operator(
@@ -108,9 +208,12 @@ def register(env) -> list[str]:
     is_view_op=False,
   )
   for packet in (torch.ops.aten.split, torch.ops.aten.split_copy, torch.ops.aten.split_with_sizes):
-    env._ops[packet] = ops_registry.Operator(
-      packet, _split, is_jax_function=True, is_user_defined=False, needs_env=False, is_view_op=False
-    )
+    _register_jax_lowering(env, packet, _split)
+  _register_jax_lowering(env, torch.ops.aten.embedding, _embedding)
+  for packet in (torch.ops.aten._embedding_bag, torch.ops.aten._embedding_bag_forward_only):
+    _register_jax_lowering(env, packet, _embedding_bag)
+  for function in (torch.take_along_dim, torch.Tensor.take_along_dim):
+    _register_jax_lowering(env, function, _take_along_dim)
   TorchaxTensor.cpu = _to_host
   added = []
   for name, inplace, functional in missing_inplace_variants(env):

@@ -30,7 +30,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from torch_on_tpu import _compat, materialize, ops
+from torch_on_tpu import _compat, materialize, ops, xla_flags
 from torch_on_tpu import attention as attention_lib
 from torch_on_tpu import scan as scan_lib
 from torch_on_tpu import mesh as mesh_lib
@@ -163,6 +163,11 @@ class JittableModule:
   def buffer_shardings(self) -> dict[str, NamedSharding]:
     return {k: NamedSharding(self.mesh, self._specs[k]) for k in self.buffers}
 
+  @property
+  def compile_options(self) -> dict[str, str]:
+    """XLA options every program over this model's mesh is compiled with (`xla_flags`)."""
+    return xla_flags.compile_options(self.mesh.devices.flat[0].platform)
+
   def batch_sharding(self, ndim: int, batch_size: int | None = None) -> NamedSharding:
     """Dim 0 over the data axes (replicated where they do not divide it)."""
     axes = self.data_axes
@@ -248,7 +253,7 @@ class JittableModule:
       out_spec["statics"] = [None if isinstance(x, torch.Tensor) else x for x in flat]
       return [jax_view(x) for x in flat if isinstance(x, torch.Tensor)]
 
-    return jax.jit(forward), out_spec
+    return jax.jit(forward, compiler_options=self.compile_options), out_spec
 
   @contextlib.contextmanager
   def _activation_constraints(self):

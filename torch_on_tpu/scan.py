@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from jax.sharding import PartitionSpec
 
@@ -60,12 +62,21 @@ class ScannedModule(torch.nn.Module):
   state, or a tuple whose first element is the hidden state and whose other
   elements are None.
 
+  Same class and same tensors do not make the same function: a layer may
+  steer its control flow by its own attributes (rotary embedding on some
+  layers only, a different block every other layer). So at each trace every
+  layer is traced on its own (its own module object, its slice of the stacked
+  tensors) and the jaxprs are compared: identical layers run as one scan;
+  layers that repeat with a period p run as a scan over groups of p; layers
+  with no repeat run as a loop, said once in the log. The loop calls each
+  layer's own module, so it computes exactly what the unscanned model does.
+
   Args:
     layers: the layers, all of one class with the same tensor names, shapes
       and dtypes. Layer 0 becomes the template; its tensors are replaced by
       stacked ones (leading dim N).
     remat: per-layer rematerialisation policy name (see `torch_on_tpu.remat`).
-    unroll: how many layers one scan iteration runs (`lax.scan(unroll=)`).
+    unroll: how many scan iterations run unrolled (`lax.scan(unroll=)`).
     loop: run a Python loop over the layers instead of a scan (same remat),
       for comparison; compile time then grows with depth.
   """
@@ -100,49 +111,151 @@ class ScannedModule(torch.nn.Module):
       else:
         owner._buffers[leaf] = t
     self.add_module(LAYER, template)
+    # Every layer's own module object (a tuple is not registered as submodules, so
+    # their stale per-layer tensors never show in named_parameters()).
+    self._layers = tuple(layers)
+    self._varying = _varying_attributes(layers)
+    self._said_unrolled = False
 
   def __getattr__(self, name):
     # Attributes a model's loop reads off its layers (HF `attention_type`) come
-    # from the template layer.
+    # from the template layer, when every layer has the same value.
     try:
       return super().__getattr__(name)
     except AttributeError:
       if LAYER not in self.__dict__.get("_modules", {}):
         raise
+      if name in self.__dict__.get("_varying", ()):
+        raise TorchOnTpuError(
+          f"The model reads '{name}' off its scanned layers, and it differs from layer to layer; "
+          f"scan runs all layers as one module, so use scan=False."
+        ) from None
       return getattr(self._modules[LAYER], name)
+
+  def train(self, mode: bool = True):
+    super().train(mode)
+    for layer in self._layers:  # the unregistered layers follow train/eval too
+      layer.train(mode)
+    return self
+
+  def _stacked(self) -> dict[str, jax.Array]:
+    return {n: jax_view(t) for n, t in _tensors(self._modules[LAYER])}
+
+  def _run_one(self, index: int, extras: dict, args, kwargs, h, tensors, key):
+    """Layer `index`'s own module on the hidden state `h`, with its slice of the stacked tensors."""
+    layer = self._layers[index]
+    with torchax.default_env().override_property(prng=key), _swapped(layer, tensors):
+      out = layer(torch_view(h), *args, **kwargs)
+    return jax_view(_hidden_of(out, extras))
 
   def forward(self, hidden, *args, **kwargs):
     _refuse_caches(kwargs)
-    template = self._modules[LAYER]
-    stacked = {
-      **{n: jax_view(t) for n, t in template.named_parameters()},
-      **{n: jax_view(t) for n, t in template.named_buffers()},
-    }
+    stacked = self._stacked()
     env = torchax.default_env()
     keys = jax.random.split(env.get_and_rotate_prng_key(), self.num_layers)
     extras = {}
-
-    def one_layer(h, layer_tensors, key):
-      with env.override_property(prng=key), _swapped(template, layer_tensors):
-        out = template(torch_view(h), *args, **kwargs)
-      return jax_view(_hidden_of(out, extras))
-
-    one_layer = remat_lib.checkpoint(one_layer, self.remat)
     h = jax_view(hidden)
-    if self.loop:
+    period = self.num_layers if self.loop else self._period(extras, args, kwargs, h, stacked, keys)
+    run = [
+      remat_lib.checkpoint(functools.partial(self._run_one, j, extras, args, kwargs), self.remat)
+      for j in range(period)
+    ]
+    if period == self.num_layers:
       for i in range(self.num_layers):
-        h = one_layer(h, jax.tree.map(lambda a, i=i: a[i], stacked), keys[i])
+        h = run[i](h, jax.tree.map(lambda a, i=i: a[i], stacked), keys[i])
     else:
+      groups = self.num_layers // period
+      grouped = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), (stacked, keys))
 
       def body(h, xs):
-        layer_tensors, key = xs
-        return one_layer(h, layer_tensors, key), None
+        tensors, group_keys = xs
+        for j in range(period):
+          h = run[j](h, jax.tree.map(lambda a, j=j: a[j], tensors), group_keys[j])
+        return h, None
 
-      h, _ = jax.lax.scan(body, h, (stacked, keys), unroll=self.unroll)
+      h, _ = jax.lax.scan(body, h, grouped, unroll=self.unroll)
     out = torch_view(h)
     if extras.get("tuple_len"):
       return (out, *([None] * (extras["tuple_len"] - 1)))
     return out
+
+  def _period(self, extras, args, kwargs, h, stacked, keys) -> int:
+    """The smallest p dividing N such that layer i computes the same function as layer i mod p."""
+    abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+    per_layer = {n: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for n, a in stacked.items()}
+    signatures = [
+      _jaxpr_signature(
+        jax.make_jaxpr(functools.partial(self._run_one, i, extras, args, kwargs))(
+          abstract(h), per_layer, abstract(keys[i])
+        )
+      )
+      for i in range(self.num_layers)
+    ]
+    n = self.num_layers
+    period = next(p for p in range(1, n + 1) if not n % p and all(signatures[i] == signatures[i % p] for i in range(n)))
+    if period == n and n > 1 and not self._said_unrolled:
+      self._said_unrolled = True
+      logger.warning(
+        "scan: the %d %s layers do not all compute the same function (layer %d differs from layer 0), "
+        "so they run as a loop, one layer after another, exactly as unscanned.",
+        n, type(self._layers[0]).__name__, next(i for i in range(n) if signatures[i] != signatures[0]),
+      )
+    return period
+
+  def run_layer(self, index: int, hidden, *args, **kwargs):
+    """Layer `index` alone (a model that calls `layers[i](...)` itself): it runs unrolled."""
+    _refuse_caches(kwargs)
+    if not self._said_unrolled:
+      self._said_unrolled = True
+      logger.warning(
+        "scan: the model calls its %s layers one at a time by index, so they run unrolled "
+        "(compile time grows with depth).",
+        type(self._layers[0]).__name__,
+      )
+    index = range(self.num_layers)[index]
+    extras = {}
+    key = jax.random.split(torchax.default_env().get_and_rotate_prng_key(), self.num_layers)[index]
+    tensors = jax.tree.map(lambda a: a[index], self._stacked())
+    run = remat_lib.checkpoint(functools.partial(self._run_one, index, extras, args, kwargs), self.remat)
+    out = torch_view(run(jax_view(hidden), tensors, key))
+    if extras.get("tuple_len"):
+      return (out, *([None] * (extras["tuple_len"] - 1)))
+    return out
+
+
+class _LayerView:
+  """`container[i]` of a scanned stack (torch's `TransformerEncoder` reads `layers[0]`):
+  layer i's attributes, its slice of each stacked tensor, and calling it runs layer i."""
+
+  def __init__(self, scanned: ScannedModule, index: int, path: str = ""):
+    self._scanned = scanned
+    self._index = index
+    self._path = path
+
+  def _module(self) -> torch.nn.Module:
+    layer = self._scanned._layers[self._index]
+    return layer.get_submodule(self._path) if self._path else layer
+
+  def __getattr__(self, name):
+    module = self._module()
+    full = f"{self._path}.{name}" if self._path else name
+    if name in module._parameters or name in module._buffers:
+      template = self._scanned._modules[LAYER]
+      owner = template.get_submodule(self._path) if self._path else template
+      stacked = getattr(owner, name)
+      return None if stacked is None else stacked[self._index]
+    value = getattr(module, name)
+    if isinstance(value, torch.nn.Module):
+      return _LayerView(self._scanned, self._index, full)
+    return value
+
+  def __call__(self, *args, **kwargs):
+    if self._path:
+      raise TorchOnTpuError(
+        f"The model calls '{self._path}' of one scanned layer on its own; scan runs whole layers, "
+        f"so use scan=False."
+      )
+    return self._scanned.run_layer(self._index, *args, **kwargs)
 
 
 class ScanContainer(torch.nn.Module):
@@ -170,6 +283,10 @@ class ScanContainer(torch.nn.Module):
     n = self._modules[SCAN].num_layers
     if isinstance(index, slice) and range(n)[index] == range(n):
       return self._only()
+    if isinstance(index, int) and -n <= index < n:
+      return _LayerView(self._modules[SCAN], index % n)
+    if isinstance(index, str) and index.isdigit() and int(index) < n:  # a ModuleDict's key
+      return _LayerView(self._modules[SCAN], int(index))
     raise TorchOnTpuError(
       f"The model indexes its scanned {self._original_type} with [{index!r}]; scan runs all "
       f"{n} layers as one module, so only iteration over every layer works: use scan=False."
@@ -325,6 +442,36 @@ def plan(module: torch.nn.Module, entries) -> ScanLayout | None:
 def _tensors(module):
   yield from module.named_parameters(remove_duplicate=False)
   yield from module.named_buffers(remove_duplicate=False)
+
+
+def _varying_attributes(layers: list[torch.nn.Module]) -> frozenset[str]:
+  """Plain attributes of the layer objects whose values differ between layers (`layer_idx`)."""
+  def plain(layer):
+    return {k: v for k, v in vars(layer).items() if not k.startswith("_") and not isinstance(v, (torch.nn.Module, torch.Tensor))}
+
+  first = plain(layers[0])
+  varying = set()
+  for layer in layers[1:]:
+    for k, v in plain(layer).items():
+      try:
+        same = k in first and bool(first[k] == v)
+      except Exception:  # noqa: BLE001 (values without a plain ==)
+        same = first.get(k) is v
+      if not same:
+        varying.add(k)
+  return frozenset(varying)
+
+
+def _jaxpr_signature(closed) -> tuple:
+  """What makes two traced layers the same function: the program text and its constants."""
+  consts = []
+  for c in closed.consts:
+    if isinstance(c, jax.core.Tracer):
+      consts.append(("tracer", id(c)))
+    else:
+      value = np.asarray(c)
+      consts.append((value.shape, str(value.dtype), value.tobytes()))
+  return str(closed.jaxpr), tuple(consts)
 
 
 def _signature(module) -> dict[str, tuple]:

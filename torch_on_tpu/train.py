@@ -264,6 +264,7 @@ class TrainStep:
     self._reports: dict = {}  # signature → its CompileReport
     self._signature = None  # the signature the last step ran with
     self._eval_fns: dict = {}
+    self._gradient_fns: dict = {}
 
   # ---- running ----------------------------------------------------------------------
 
@@ -302,9 +303,31 @@ class TrainStep:
     fn = self._eval_fns.get(static)
     if fn is None:
       fn = self._eval_fns[static] = jax.jit(
-        functools.partial(self._eval_flat, static), out_shardings=self._replicated
+        functools.partial(self._eval_flat, static),
+        out_shardings=self._replicated,
+        compiler_options=self.model.compile_options,
       )
     return fn(self.model.params, self.model.buffers, leaves)
+
+  def gradients(self, inputs, labels) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The loss and the gradients the next step would apply (before clipping), keyed
+    and sharded like the trained params; nothing is updated. Computed by the same
+    program pieces as the step, so they are what to compare with torch's autograd."""
+    leaves, static = self._split_batch(self._place((inputs, labels)))
+    fn = self._gradient_fns.get(static)
+    if fn is None:
+      trained_shardings, _ = self._split(self.model.param_shardings)
+      fn = self._gradient_fns[static] = jax.jit(
+        functools.partial(self._gradients_flat, static),
+        out_shardings=(self._replicated, trained_shardings),
+        compiler_options=self.model.compile_options,
+      )
+    trained, frozen = self._split(self.model.params)
+    return fn(trained, frozen, self.model.buffers, leaves, self.rng, np.int32(self.step_count))
+
+  def _gradients_flat(self, static, params, frozen, buffers, leaves, rng, step):
+    inputs, labels = _merge_batch(leaves, static)
+    return self._loss_and_grads(params, frozen, buffers, inputs, labels, jax.random.fold_in(rng, step))
 
   def _eval_flat(self, static, params, buffers, leaves):
     inputs, labels = _merge_batch(leaves, static)
@@ -468,7 +491,7 @@ class TrainStep:
         leaves,
         jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=self._replicated),
         jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated),
-      ).compile()
+      ).compile(compiler_options=self.model.compile_options)
     self.last_compile = _report(compiled, time.perf_counter() - start)
     self.compile_seconds += self.last_compile.seconds
     logger.info("Train step %s", self.last_compile)

@@ -12,6 +12,23 @@ touched; none of them changes results, only which kernels run.
   `tools/bench_step.py` drops from about 15 s to 11–12 s
   (docs/performance.md). Flags named `xla_cpu_*` do nothing on TPU or GPU.
   `XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=dot` restores jax's default.
+
+`compile_options(platform)` are per-program options for the programs we
+compile (`jax.jit(compiler_options=...)`); unlike XLA_FLAGS they hold whenever
+jax's backend started. They guard correctness:
+
+- `xla_disable_hlo_passes=scatter_expander` (CPU, GPU). The pass turns a
+  scatter with few indices into dynamic-slice / select / dynamic-update-slice.
+  When the SPMD partitioner has sharded the scattered dim, the start index is
+  out of range on every shard but the owner's, and XLA's algebraic simplifier
+  then folds `dynamic-slice(dynamic-slice(x, a), b)` into one slice at
+  `clamp(a) + b` without clamping `b` (openxla/xla#49121, jax-ml/jax#40849), so
+  the "unchanged" row written back on the other shards is read from the wrong
+  place. Seen as `grad.at[padding_idx].set(0)` on a sharded embedding table
+  moving the pad token's gradient onto the first row of every other shard.
+  Without the pass the scatter stays a scatter, which XLA partitions and runs
+  correctly; the cost is nil (a scatter of a few rows). Not applied on TPU,
+  whose compiler is not open to check the pass names against.
 """
 
 from __future__ import annotations
@@ -23,6 +40,17 @@ import sys
 logger = logging.getLogger(__name__)
 
 DEFAULTS = {"--xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+_COMPILE_OPTIONS = {
+  "cpu": {"xla_disable_hlo_passes": "scatter_expander"},
+  "gpu": {"xla_disable_hlo_passes": "scatter_expander"},
+}
+
+
+def compile_options(platform: str) -> dict[str, str]:
+  """The per-program XLA options for programs compiled for `platform` (a device's `.platform`)."""
+  return dict(_COMPILE_OPTIONS.get(platform, {}))
 
 
 def _names(flags: str) -> set[str]:
