@@ -137,6 +137,10 @@ CASES = {
     lambda: Embeddings(torch.nn.EmbeddingBag, mode="max"),
     lambda: (_ids((48,), 17), torch.tensor([0, 6, 12, 18, 24, 24, 36, 42])),
   ),
+  "EmbeddingBag sum, include_last_offset": (
+    lambda: Embeddings(torch.nn.EmbeddingBag, mode="sum", include_last_offset=True),
+    lambda: (_ids((48,), 19), torch.tensor([0, 2, 9, 9, 17, 30, 31, 40, 44])),
+  ),
   "EmbeddingBag 2-D input": (
     lambda: Embeddings(torch.nn.EmbeddingBag, mode="mean"),
     lambda: (_ids((8, 6), 18),),
