@@ -121,6 +121,49 @@ def test_xla_kernel_matches_torch(case, mesh):
   )
 
 
+# Whatever torch's SDPA accepts, ours accepts with the same result: (q, k, v shapes, mask, kwargs).
+TORCH_ACCEPTS = {
+  "batch-broadcast-kv": (((2, 4, 8, 16), (1, 4, 8, 16), (1, 4, 8, 16)), None, {}),
+  "mqa-without-enable_gqa": (((2, 4, 8, 16), (2, 1, 8, 16), (2, 1, 8, 16)), None, {"is_causal": True}),
+  "mqa-with-enable_gqa": (((2, 4, 8, 16), (2, 1, 8, 16), (2, 1, 8, 16)), None, {"enable_gqa": True}),
+  "gqa": (((2, 8, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16)), None, {"enable_gqa": True, "is_causal": True}),
+  "query-broadcast-over-heads": (((2, 1, 8, 16), (2, 4, 8, 16), (2, 4, 8, 16)), None, {}),
+  "key-one-head-value-four": (((2, 4, 8, 16), (2, 1, 8, 16), (2, 4, 8, 16)), None, {}),
+  "3d-no-batch": (((4, 8, 16), (4, 12, 16), (4, 12, 8)), None, {"scale": 0.3}),
+  "2d-no-heads": (((8, 16), (12, 16), (12, 16)), None, {"is_causal": True}),
+  "5d-extra-lead-dim": (((2, 3, 4, 8, 16), (2, 3, 4, 8, 16), (2, 3, 4, 8, 16)), None, {"is_causal": True}),
+  "bool-mask-per-batch": (((2, 4, 8, 16),) * 3, ("bool", (2, 1, 8, 8)), {}),
+  "bool-mask-fully-masked-rows": (((2, 4, 8, 16),) * 3, ("bool-empty-rows", (8, 8)), {}),
+  "additive-mask-keys-only": (((2, 4, 8, 16),) * 3, ("float", (1, 1, 1, 8)), {"scale": 0.2}),
+  "additive-mask-per-head-mqa": (((2, 4, 8, 16), (2, 1, 8, 16), (2, 1, 8, 16)), ("float", (4, 8, 8)), {}),
+  "causal-L<S": (((2, 4, 6, 16), (2, 4, 10, 16), (2, 4, 10, 16)), None, {"is_causal": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(TORCH_ACCEPTS))
+def test_sdpa_accepts_every_call_torch_accepts_with_torch_results(case, mesh):
+  shapes, mask, kwargs = TORCH_ACCEPTS[case]
+  t = {name: randn(*shape, seed=i) for i, (name, shape) in enumerate(zip("qkv", shapes))}
+  if mask is not None:
+    kind, shape = mask
+    t["mask"] = randn(*shape, seed=7) > -0.3 if kind.startswith("bool") else randn(*shape, seed=7)
+    if kind == "bool-empty-rows":
+      t["mask"][2] = False  # a query row that may attend to nothing
+  ref_out, _ = torch_sdpa(t, 1.0, **kwargs)
+  w = randn(*ref_out.shape, seed=9)
+  theirs = torch_sdpa(t, w, **kwargs)
+  assert_close(bridge_sdpa("auto", mesh, t, w, **kwargs), theirs)
+
+
+def test_sdpa_dropout_runs_and_drops():
+  t = qkv(b=2, hq=4, hkv=1, length=16)
+  w = randn(2, 4, 16, 16, seed=9)
+  plain, _ = bridge_sdpa("auto", None, t, w)
+  dropped, grads = bridge_sdpa("auto", None, t, w, dropout_p=0.5, key=jax.random.key(3))
+  assert dropped.shape == plain.shape and np.isfinite(dropped).all()
+  assert 0.05 < rel(dropped, plain) < 2.0 and all(np.isfinite(g).all() for g in grads.values())
+
+
 @pytest.mark.parametrize(
   "mask_kind", ["bool-2d", "additive-heads", "additive-per-batch-and-head"]
 )

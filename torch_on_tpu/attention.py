@@ -15,7 +15,9 @@ each in `shard_map` over the mesh (batch over the data axes, heads over `tp`).
 masks, L≠S for splash; fp32 or masks for cuDNN) runs the XLA kernel instead,
 said once in the log. Semantics are torch's: top-left causal mask, bool or
 additive `attn_mask`, default scale 1/√d, GQA, dropout on the attention
-weights, and rows with nothing to attend to give 0 (as torch 2.13 eager does).
+weights, and rows with nothing to attend to give 0 (as torch 2.13 eager does);
+query, key and value broadcast as torch's matmuls do (batch dims, one key/value
+head for many query heads without `enable_gqa`, 2-D and 3-D inputs).
 """
 
 from __future__ import annotations
@@ -206,24 +208,11 @@ class Attention:
     `segment_ids` is a (q_ids (B, L), kv_ids (B, S)) pair: only equal ids attend.
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    if q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim:
-      raise TorchOnTpuError(
-        f"attention needs query/key/value of the same rank >= 3 (..., heads, seq, dim); got "
-        f"shapes {q.shape}, {k.shape}, {v.shape}."
-      )
+    out_ndim = max(q.ndim, k.ndim, v.ndim)
+    q, k, v = _broadcast_like_torch(q, k, v, enable_gqa)
     lead = q.shape[:-3]
     hq, length, dim = q.shape[-3:]
     hkv, kv_len = k.shape[-3], k.shape[-2]
-    if k.shape[-1] != dim or v.shape[-2] != kv_len or v.shape[-3] != hkv:
-      raise TorchOnTpuError(
-        f"attention key {k.shape} / value {v.shape} do not fit query {q.shape}; key needs the "
-        f"query's head dim and value the key's heads and length."
-      )
-    if hq != hkv and not (enable_gqa and hq % hkv == 0):
-      raise TorchOnTpuError(
-        f"attention query has {hq} heads but key/value have {hkv}; pass enable_gqa=True "
-        f"(with query heads a multiple of key/value heads) or repeat the key/value heads."
-      )
     batch = math.prod(lead)
     q = q.reshape(batch, hq, length, dim)
     k = k.reshape(batch, hkv, kv_len, dim)
@@ -244,7 +233,8 @@ class Attention:
       self._local, kind=kind, causal=causal, scale=scale, dropout_rate=float(dropout_rate)
     )
     out = self._sharded(call, q, k, v, mask, segment_ids, seed)
-    return out.reshape(*lead, hq, length, v.shape[-1])
+    out = out.reshape(*lead, hq, length, v.shape[-1])
+    return out.reshape(out.shape[len(out.shape) - out_ndim :]) if out_ndim < out.ndim else out
 
   def _kind_for(self, q, k, v, mask, causal, segment_ids, dropout_rate) -> str:
     """The configured kernel, or "xla" (said once) where it cannot express the call."""
@@ -365,6 +355,54 @@ def _resolve(mode: str, platform: str) -> tuple[str, bool, str]:
       f"same arguments, full score matrix)"
     )
   return "xla", True, "blocked XLA attention with a recomputing backward"
+
+
+def _broadcast_like_torch(q, k, v, enable_gqa):
+  """q (..., Hq, L, D), k (..., Hk, S, D), v (..., Hv, S, Dv) broadcast as torch's SDPA
+  does (its matmuls broadcast every dim but the last two): equal leading dims,
+  k and v with the same heads, q's heads a multiple of theirs (GQA; MQA when 1)."""
+  if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
+    raise TorchOnTpuError(
+      f"attention needs query/key/value with a sequence and a feature dim; got shapes "
+      f"{q.shape}, {k.shape}, {v.shape}."
+    )
+  ndim = max(q.ndim, k.ndim, v.ndim, 3)
+  q, k, v = (x.reshape((1,) * (ndim - x.ndim) + x.shape) for x in (q, k, v))
+  if k.shape[-1] != q.shape[-1] or v.shape[-2] != k.shape[-2]:
+    raise TorchOnTpuError(
+      f"attention key {k.shape} / value {v.shape} do not fit query {q.shape}; key needs the "
+      f"query's feature dim and value the key's length."
+    )
+  try:
+    lead = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+  except ValueError:
+    raise TorchOnTpuError(
+      f"attention query {q.shape}, key {k.shape} and value {v.shape} have batch dims that do "
+      f"not broadcast together."
+    ) from None
+  hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+  if enable_gqa:
+    if hk != hv or hq % hk:
+      raise TorchOnTpuError(
+        f"attention with enable_gqa=True needs key and value with the same heads and query heads a "
+        f"multiple of them; got {hq} query, {hk} key and {hv} value heads."
+      )
+    heads_q = heads_kv = None
+  elif hk == hv and (hq == hk or hk == 1):
+    heads_q = heads_kv = None  # one key/value head for all query heads is GQA with one group
+  else:
+    try:
+      heads = jnp.broadcast_shapes((hq,), (hk,), (hv,))[0]
+    except ValueError:
+      raise TorchOnTpuError(
+        f"attention query has {hq} heads but key/value have {hk}/{hv}; pass enable_gqa=True "
+        f"(with query heads a multiple of key/value heads) or repeat the key/value heads."
+      ) from None
+    heads_q = heads_kv = heads
+  q = jnp.broadcast_to(q, (*lead, heads_q or hq, *q.shape[-2:]))
+  k = jnp.broadcast_to(k, (*lead, heads_kv or hk, *k.shape[-2:]))
+  v = jnp.broadcast_to(v, (*lead, heads_kv or hv, *v.shape[-2:]))
+  return q, k, v
 
 
 def _mask_4d(mask, lead, tail):
