@@ -139,7 +139,7 @@ CASES = {
   ),
   "EmbeddingBag sum, include_last_offset": (
     lambda: Embeddings(torch.nn.EmbeddingBag, mode="sum", include_last_offset=True),
-    lambda: (_ids((48,), 19), torch.tensor([0, 2, 9, 9, 17, 30, 31, 40, 44])),
+    lambda: (_ids((48,), 19), torch.tensor([0, 2, 9, 9, 17, 30, 31, 40, 48])),
   ),
   "EmbeddingBag 2-D input": (
     lambda: Embeddings(torch.nn.EmbeddingBag, mode="mean"),

@@ -27,6 +27,11 @@ which is what torch's `embedding_backward` does (it skips them), and
 id's count in the batch. torchax's `_embedding_bag` reads the offsets on the
 host (no jit); ours segments the bags with traced offsets.
 
+`_grouped_mm` (the grouped GEMM transformers 5 runs mixture-of-experts
+experts through) lowers to `jax.lax.ragged_dot`: one static-shape program for
+any routing, dropless, its gradient ragged too. Rows past the last group
+(torch leaves them unwritten) come out zero.
+
 `torch.take_along_dim` is lowered as a torch function: torch checks its index
 for int64 before dispatching, and ids are int32 jax arrays here.
 """
@@ -42,7 +47,7 @@ from torch_on_tpu.errors import TorchOnTpuError
 torchax = _compat.import_torchax()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from torchax.ops import op_base, ops_registry  # noqa: E402
+from torchax.ops import mappings, op_base, ops_registry  # noqa: E402
 from torchax.tensor import Tensor as TorchaxTensor  # noqa: E402
 from torchax.view import View  # noqa: E402
 
@@ -181,6 +186,35 @@ def _take_along_dim(x, indices, dim=None):
   return jnp.take_along_axis(x, indices, axis=dim)
 
 
+def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+  """torch's `_grouped_mm`: `offs` holds the cumulative ends of the groups.
+
+  2-D × 3-D: row group g of `mat_a` times `mat_b[g]` (the MoE forward);
+  2-D × 2-D: contraction group g gives `out[g]` (the weight gradient's form);
+  3-D × 3-D: a batched matmul (no offs).
+  """
+  dtype = mappings.t2j_dtype(out_dtype) if out_dtype is not None else mat_a.dtype
+  accumulate = jnp.promote_types(dtype, jnp.float32)
+  if mat_a.ndim == 2 and mat_b.ndim == 3 and offs is not None:
+    sizes = jnp.diff(offs.astype(jnp.int32), prepend=0)
+    out = jax.lax.ragged_dot(mat_a, mat_b, sizes, preferred_element_type=accumulate)
+  elif mat_a.ndim == 2 and mat_b.ndim == 2 and offs is not None:
+    group = jnp.searchsorted(offs.astype(jnp.int32), jnp.arange(mat_a.shape[1]), side="right")
+    member = (group[None, :] == jnp.arange(offs.shape[0])[:, None]).astype(mat_a.dtype)
+    out = jnp.einsum("mk,gk,kn->gmn", mat_a, member, mat_b, preferred_element_type=accumulate)
+  elif mat_a.ndim == 3 and mat_b.ndim == 3 and offs is None:
+    out = jnp.matmul(mat_a, mat_b, preferred_element_type=accumulate)
+  else:
+    raise TorchOnTpuError(
+      f"_grouped_mm of a {mat_a.ndim}-D by a {mat_b.ndim}-D tensor "
+      f"{'with' if offs is not None else 'without'} offs is not lowered; the 2-D × 3-D (with offs), "
+      f"2-D × 2-D (with offs) and 3-D × 3-D forms are."
+    )
+  if bias is not None:
+    out = out + bias
+  return out.astype(dtype)
+
+
 def _register_jax_lowering(env, packet, fn) -> None:
   env._ops[packet] = ops_registry.Operator(
     packet, fn, is_jax_function=True, is_user_defined=False, needs_env=False, is_view_op=False
@@ -212,6 +246,7 @@ def register(env) -> list[str]:
   _register_jax_lowering(env, torch.ops.aten.embedding, _embedding)
   for packet in (torch.ops.aten._embedding_bag, torch.ops.aten._embedding_bag_forward_only):
     _register_jax_lowering(env, packet, _embedding_bag)
+  _register_jax_lowering(env, torch.ops.aten._grouped_mm, _grouped_mm)
   for function in (torch.take_along_dim, torch.Tensor.take_along_dim):
     _register_jax_lowering(env, function, _take_along_dim)
   TorchaxTensor.cpu = _to_host

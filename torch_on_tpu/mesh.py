@@ -16,7 +16,9 @@ from jax.sharding import AxisType, Mesh
 from torch_on_tpu.errors import TorchOnTpuError
 
 # Mesh axes that carry the batch, in the order a batch dim is split over them.
-DATA_AXIS_NAMES = ("data", "dp", "fsdp", "batch")
+# Expert-parallel devices take their share of the batch too (tokens reach the
+# experts on other devices through XLA's collectives).
+DATA_AXIS_NAMES = ("data", "dp", "fsdp", "ep", "batch")
 
 
 def make_mesh(devices=None, **axes: int) -> Mesh:
@@ -60,7 +62,7 @@ def make_mesh(devices=None, **axes: int) -> Mesh:
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
   """The mesh axes a batch dim is sharded over by default.
 
-  Those named like data axes (`data`, `dp`, `fsdp`, `batch`); a mesh with none of
+  Those named like data axes (`data`, `dp`, `fsdp`, `ep`, `batch`); a mesh with none of
   them (say only `tp`) replicates the batch.
   """
   return tuple(a for a in mesh.axis_names if a in DATA_AXIS_NAMES)

@@ -93,6 +93,8 @@ class JittableModule:
         f"JittableModule wraps a torch.nn.Module, got {type(module).__name__}."
       )
     self.module = module
+    if hf.is_hf(module):
+      hf.use_jittable_experts(module)
     self.mesh = mesh if mesh is not None else mesh_lib.make_mesh(fsdp=-1)
     self.data_axes = tuple(data_axes) if data_axes is not None else mesh_lib.data_axes(self.mesh)
     for axis in self.data_axes:
@@ -456,7 +458,7 @@ def _outermost_hooked_modules(module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def _sharding_map_for(module, sharding):
-  if isinstance(sharding, str) and sharding not in ("fsdp", "replicated"):
+  if isinstance(sharding, str) and sharding not in ("fsdp", "replicated", "ep"):
     from torch_on_tpu import models
 
     return models.sharding_map(module, sharding)

@@ -27,10 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+import torch.utils._pytree as torch_pytree
 from jax.sharding import PartitionSpec
 
 from torch_on_tpu import _compat, remat as remat_lib
 from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.models import hf
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
@@ -142,11 +144,23 @@ class ScannedModule(torch.nn.Module):
     return {n: jax_view(t) for n, t in _tensors(self._modules[LAYER])}
 
   def _run_one(self, index: int, extras: dict, args, kwargs, h, tensors, key):
-    """Layer `index`'s own module on the hidden state `h`, with its slice of the stacked tensors."""
+    """Layer `index`'s own module on the hidden state `h`, with its slice of the stacked
+    tensors: (new hidden state, the arrays of the output-capture calls it recorded)."""
     layer = self._layers[index]
+    template = self._modules[LAYER]
     with torchax.default_env().override_property(prng=key), _swapped(layer, tensors):
-      out = layer(torch_view(h), *args, **kwargs)
-    return jax_view(_hidden_of(out, extras))
+      with hf.deferred_output_capture(layer, template) as records:
+        out = layer(torch_view(h), *args, **kwargs)
+    hidden = jax_view(_hidden_of(out, extras))
+    if not records:
+      return hidden, []
+    leaves, extras.setdefault("records", {})[index] = _split_records(records)
+    return hidden, leaves
+
+  def _replay(self, extras, index: int, leaves) -> None:
+    """Hands layer `index`'s recorded output-capture calls to the model's hooks."""
+    if leaves:
+      hf.replay_output_capture(self._modules[LAYER], _rebuild_records(extras["records"][index], leaves))
 
   def forward(self, hidden, *args, **kwargs):
     _refuse_caches(kwargs)
@@ -162,18 +176,24 @@ class ScannedModule(torch.nn.Module):
     ]
     if period == self.num_layers:
       for i in range(self.num_layers):
-        h = run[i](h, jax.tree.map(lambda a, i=i: a[i], stacked), keys[i])
+        h, recorded = run[i](h, jax.tree.map(lambda a, i=i: a[i], stacked), keys[i])
+        self._replay(extras, i, recorded)
     else:
       groups = self.num_layers // period
       grouped = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), (stacked, keys))
 
       def body(h, xs):
         tensors, group_keys = xs
+        recorded = []
         for j in range(period):
-          h = run[j](h, jax.tree.map(lambda a, j=j: a[j], tensors), group_keys[j])
-        return h, None
+          h, r = run[j](h, jax.tree.map(lambda a, j=j: a[j], tensors), group_keys[j])
+          recorded.append(r)
+        return h, recorded
 
-      h, _ = jax.lax.scan(body, h, grouped, unroll=self.unroll)
+      h, recorded = jax.lax.scan(body, h, grouped, unroll=self.unroll)
+      for g in range(groups):
+        for j in range(period):
+          self._replay(extras, j, [a[g] for a in recorded[j]])
     out = torch_view(h)
     if extras.get("tuple_len"):
       return (out, *([None] * (extras["tuple_len"] - 1)))
@@ -217,7 +237,9 @@ class ScannedModule(torch.nn.Module):
     key = jax.random.split(torchax.default_env().get_and_rotate_prng_key(), self.num_layers)[index]
     tensors = jax.tree.map(lambda a: a[index], self._stacked())
     run = remat_lib.checkpoint(functools.partial(self._run_one, index, extras, args, kwargs), self.remat)
-    out = torch_view(run(jax_view(hidden), tensors, key))
+    h, recorded = run(jax_view(hidden), tensors, key)
+    self._replay(extras, index, recorded)
+    out = torch_view(h)
     if extras.get("tuple_len"):
       return (out, *([None] * (extras["tuple_len"] - 1)))
     return out
@@ -343,9 +365,6 @@ def homogeneity_problem(layers: list[torch.nn.Module]) -> str | None:
     if shared:
       return f"layer {i} shares its tensor '{shared[0]}' with another layer"
     seen.update(id(t) for _, t in _tensors(layer))
-  types = getattr(getattr(first, "config", None), "layer_types", None)
-  if types and len(set(types[: len(layers)])) > 1:
-    return f"the config's layer_types differ across layers ({sorted(set(types))})"
   return None
 
 
@@ -432,7 +451,7 @@ def plan(module: torch.nn.Module, entries) -> ScanLayout | None:
   if stack is None:
     logger.warning("scan=True: found no stack of two or more identical blocks; running unscanned.")
     return None
-  problem = homogeneity_problem(stack.layers)
+  problem = homogeneity_problem(stack.layers) or hf.per_layer_inputs_problem(module, stack.layers)
   if problem:
     logger.warning("scan=True: cannot scan '%s' because %s; running unscanned.", stack.path, problem)
     return None
@@ -460,6 +479,22 @@ def _varying_attributes(layers: list[torch.nn.Module]) -> frozenset[str]:
       if not same:
         varying.add(k)
   return frozenset(varying)
+
+
+def _split_records(records) -> tuple[list, tuple]:
+  """Recorded (path, args, output) calls → (their tensors as jax arrays, what rebuilds them)."""
+  flat, tree = torch_pytree.tree_flatten([(args, output) for _, args, output in records])
+  is_tensor = [isinstance(x, torch.Tensor) for x in flat]
+  leaves = [jax_view(x) for x, t in zip(flat, is_tensor) if t]
+  static = [None if t else x for x, t in zip(flat, is_tensor)]
+  return leaves, (tree, is_tensor, static, [path for path, _, _ in records])
+
+
+def _rebuild_records(spec, leaves) -> list:
+  tree, is_tensor, static, paths = spec
+  it = iter(leaves)
+  flat = [torch_view(next(it)) if t else s for t, s in zip(is_tensor, static)]
+  return [(path, args, output) for path, (args, output) in zip(paths, torch_pytree.tree_unflatten(flat, tree))]
 
 
 def _jaxpr_signature(closed) -> tuple:

@@ -17,8 +17,12 @@ A map is a dict `{pattern: spec}`:
   e.g. `{"layers.*": ("fsdp", None, None)}` pins the hidden state between blocks.
 
 Parameters no pattern covers are replicated and listed once (a `strict=True`
-resolution makes that an error). Presets: `"fsdp"`, `"replicated"`, and the
+resolution makes that an error). Presets: `"fsdp"`, `"replicated"`, `"ep"`
+(expert parallel: the leading expert dim of every stacked expert tensor, a
+parameter under a module named `experts`, over the `ep` mesh axis, or over
+`fsdp` where the mesh has no `ep`; everything else as `"fsdp"`), and the
 FSDP+TP maps for known model families (`"fsdp_tp"`, see `torch_on_tpu.models`).
+In a glob map the same is `{"**.experts.*": ("ep", None, None)}`.
 """
 
 from __future__ import annotations
@@ -226,9 +230,31 @@ def _resolve_preset(name: str, tensors: Sequence[TensorInfo], mesh: Mesh) -> Res
       t.name: PartitionSpec(*(fsdp_spec(t.shape, mesh) if t.is_param else [None] * len(t.shape)))
       for t in tensors
     }
+  elif name == "ep":
+    specs = {t.name: _expert_parallel_spec(t, mesh) for t in tensors}
   else:
     raise TorchOnTpuError(
-      f"Unknown sharding preset '{name}'; use 'fsdp', 'replicated', 'fsdp_tp' (known model "
+      f"Unknown sharding preset '{name}'; use 'fsdp', 'replicated', 'ep', 'fsdp_tp' (known model "
       f"families) or a dict {{pattern: spec}}."
     )
   return Resolved(specs=specs, activations={}, uncovered=[])
+
+
+def _expert_parallel_spec(t: TensorInfo, mesh: Mesh) -> PartitionSpec:
+  """The "ep" preset for one tensor: expert dim over `ep` (or `fsdp`), the rest as "fsdp"."""
+  axis = "ep" if "ep" in mesh.shape else "fsdp"
+  if axis not in mesh.shape:
+    raise TorchOnTpuError(
+      f"The 'ep' sharding preset needs an 'ep' (or 'fsdp') mesh axis but the mesh is {_fmt_mesh(mesh)}; "
+      f"build it with make_mesh(ep=..., fsdp=...)."
+    )
+  is_expert = "experts" in t.name.split(".")[:-1] and len(t.shape) >= 2
+  rest = (
+    fsdp_spec(t.shape, mesh) if t.is_param and "fsdp" in mesh.shape else (None,) * len(t.shape)
+  )
+  if not is_expert:
+    return PartitionSpec(*rest)
+  if axis == "fsdp":
+    return check_spec(t.name, t.shape, ("fsdp",) + (None,) * (len(t.shape) - 1), mesh)
+  inner = fsdp_spec(t.shape[1:], mesh) if "fsdp" in mesh.shape else (None,) * (len(t.shape) - 1)
+  return check_spec(t.name, t.shape, ("ep", *inner), mesh)

@@ -3,9 +3,15 @@ for the Llama family's parameter names (Llama, Mistral, Qwen2/3, Gemma, Phi-3...
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
+
 import torch
 
 from torch_on_tpu.models._maps import present_rules
+
+logger = logging.getLogger(__name__)
 
 _FSDP_TP = {
   "**.embed_tokens.weight": ("tp", "fsdp"),
@@ -51,6 +57,92 @@ def fsdp_tp_map(module: torch.nn.Module) -> dict | None:
   if not any("tp" in spec for spec in rules.values()):
     return None
   return rules
+
+
+def use_jittable_experts(module: torch.nn.Module) -> None:
+  """Mixture-of-experts models asked to run HF's "eager" experts loop run "grouped_mm".
+
+  The eager loop builds per-expert token lists whose lengths depend on the
+  routing (`nonzero`, `where`), which no static-shape program can hold; the
+  grouped path computes the same per-token sum of the chosen experts' outputs
+  with one ragged matmul (`_grouped_mm`), dropless, in one compiled shape.
+  """
+  for sub in module.modules():
+    config = getattr(sub, "config", None)
+    if getattr(config, "_experts_implementation", None) == "eager":
+      config._experts_implementation = "grouped_mm"
+      logger.info(
+        "%s: experts run through HF's grouped_mm path instead of its eager loop (same sums; the "
+        "loop's routing-dependent shapes cannot be compiled).",
+        type(module).__name__,
+      )
+
+
+def per_layer_inputs_problem(module: torch.nn.Module, layers) -> str | None:
+  """Why an HF model's loop feeds its layers different inputs by index, or None.
+
+  HF models with mixed attention (`config.layer_types`: sliding and full) pick
+  each layer's mask by its index in the loop; a scan sees one iteration, so it
+  would give every layer layer 0's mask."""
+  for owner in (module, layers[0]):
+    types = getattr(getattr(owner, "config", None), "layer_types", None)
+    if types and len(set(types[: len(layers)])) > 1:
+      return f"the config's layer_types differ across layers ({sorted(set(types))})"
+  return None
+
+
+def _capture_hook_paths(template: torch.nn.Module) -> list[str]:
+  """Paths (within a layer) of the modules carrying HF's output-capture hooks."""
+  return [
+    path
+    for path, module in template.named_modules()
+    if any(getattr(fn, "__name__", "") == "output_capturing_hook" for fn in module._forward_hooks.values())
+  ]
+
+
+@contextlib.contextmanager
+def deferred_output_capture(layer: torch.nn.Module, template: torch.nn.Module):
+  """HF's output capture (`output_router_logits`, `output_hidden_states`, ...) appends
+  each layer's values to a list from forward hooks; inside a scan those values are
+  traced and must leave as scan outputs instead. While active (and only when a
+  capture is requested), the hooks of `template` (the hooked layer) are silenced
+  and the calls of the same modules of `layer` are recorded as (path, args,
+  output); `replay_output_capture` feeds them to the hooks later, in order.
+  Yields the record list, or None when nothing is being captured."""
+  try:
+    from transformers.utils import output_capturing
+  except ImportError:
+    yield None
+    return
+  collector = output_capturing._active_collector
+  paths = _capture_hook_paths(template) if collector.get() is not None else []
+  if not paths:
+    yield None
+    return
+  records: list = []
+
+  def record(path, module, args, output):
+    records.append((path, args, output))
+
+  handles = [
+    (layer.get_submodule(p) if p else layer).register_forward_hook(functools.partial(record, p)) for p in paths
+  ]
+  token = collector.set(None)
+  try:
+    yield records
+  finally:
+    collector.reset(token)
+    for handle in handles:
+      handle.remove()
+
+
+def replay_output_capture(template: torch.nn.Module, records) -> None:
+  """Runs HF's capture hooks of `template` on recorded (path, args, output) calls, in order."""
+  for path, args, output in records:
+    module = template.get_submodule(path) if path else template
+    for fn in list(module._forward_hooks.values()):
+      if getattr(fn, "__name__", "") == "output_capturing_hook":
+        fn(module, args, output)
 
 
 def build_causal_lm(config, *, device="meta") -> torch.nn.Module:
