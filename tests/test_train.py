@@ -341,7 +341,7 @@ def test_pure_step_under_the_users_own_jit_matches_the_stateful_step():
   step = tot.make_train_step(jm, ce_loss, adamw(), donate=False)
   x, y = (jnp.asarray(t.numpy()) for t in tiny_batch())  # on one device: the step places them
   opt_state = adamw().init(jm.params)
-  loss, new_params, _, metrics = jax.jit(step.pure)(jm.params, jm.buffers, opt_state, x, y)
+  loss, new_params, _, _, metrics = jax.jit(step.pure)(jm.params, jm.buffers, opt_state, x, y)
   ours = step(x, y)
   assert float(loss) == pytest.approx(float(ours), rel=1e-6)
   assert set(metrics) == {"loss", "grad_norm"}

@@ -16,6 +16,12 @@ overloads in torch 2.13 no longer accept `(self, mean, std)`, so every
 `split` / `split_with_sizes` (a fused QKV projection's `.split`) lower to
 `jnp.split`, whose gradient is one concatenate; torchax's per-piece slices
 differentiate to a zero-padded full-size array per piece, summed.
+
+Batch norm in training updates `running_mean` / `running_var` in place as
+torch does (torchax computes them and drops them, and with the biased
+variance): the momentum average with the unbiased batch variance. Under jit
+the batch statistics are over the whole global batch, whatever its sharding
+(torch's `SyncBatchNorm`, not DDP's per-device statistics).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from torch_on_tpu.errors import TorchOnTpuError
 torchax = _compat.import_torchax()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from torchax.interop import torch_view  # noqa: E402
 from torchax.ops import op_base, ops_registry  # noqa: E402
 from torchax.tensor import Tensor as TorchaxTensor  # noqa: E402
 from torchax.view import View  # noqa: E402
@@ -87,6 +94,26 @@ def _split(x, sizes, dim=0):
   return jnp.split(x, np.cumsum(sizes)[:-1].tolist(), axis=dim)
 
 
+def _batch_norm(input, weight, bias, running_mean, running_var, training=False, momentum=0.1, eps=1e-5):
+  """`aten.native_batch_norm` with torch's in-place running-statistics update."""
+  from torchax.ops import jaten
+
+  x = input.jax()
+  view = lambda t: None if t is None else t.jax()  # noqa: E731
+  out = jaten._aten__native_batch_norm_legit(
+    x, view(weight), view(bias), view(running_mean), view(running_var), training, momentum, eps
+  )
+  if training and running_mean is not None:
+    axes = (0, *range(2, x.ndim))
+    count = x.size // x.shape[1]
+    mean = jnp.mean(x, axis=axes)
+    unbiased = jnp.var(x, axis=axes) * (count / max(count - 1, 1))
+    for stat, batch in ((running_mean, mean), (running_var, unbiased)):
+      old = stat.jax()
+      stat._elem = ((1 - momentum) * old + momentum * batch).astype(old.dtype)
+  return tuple(torch_view(o) for o in out)
+
+
 def register(env) -> list[str]:
   """Registers the missing lowerings into `env`; returns the in-place ops added."""
   env._ops[torch.ops.aten.normal_] = ops_registry.Operator(
@@ -110,6 +137,10 @@ def register(env) -> list[str]:
   for packet in (torch.ops.aten.split, torch.ops.aten.split_copy, torch.ops.aten.split_with_sizes):
     env._ops[packet] = ops_registry.Operator(
       packet, _split, is_jax_function=True, is_user_defined=False, needs_env=False, is_view_op=False
+    )
+  for packet in (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default):
+    env._ops[packet] = ops_registry.Operator(
+      packet, _batch_norm, is_jax_function=False, is_user_defined=False, needs_env=False, is_view_op=False
     )
   TorchaxTensor.cpu = _to_host
   added = []

@@ -188,10 +188,19 @@ class JittableModule:
 
     Values may be jax arrays or torch tensors viewing them; the call must be
     traced or run where torchax may compute (we enter its environment).
+    Buffer updates the forward makes land in the torch tensors passed in (as
+    with `torch.func.functional_call`); `functional_call_with_buffers` returns them.
     """
+    return self.functional_call_with_buffers(params, buffers, *args, **kwargs)[0]
+
+  def functional_call_with_buffers(self, params: Mapping, buffers: Mapping, *args, **kwargs):
+    """`functional_call` that also returns the buffers the forward changed, in place
+    or by rebinding (BatchNorm's running statistics, counters, EMA buffers):
+    `(output, {name: new jax array})`, each in the buffer's stored dtype and sharding."""
     env = torchax.default_env()
     tensors = {**dict(buffers), **dict(params)}
     tensors = {k: torch_view(v) if isinstance(v, jax.Array) else v for k, v in tensors.items()}
+    before = {n: jax_view(tensors[n]) for n in buffers}
     for alias, name in self._aliases.items():
       if name in tensors:
         tensors[alias] = tensors[name]
@@ -203,14 +212,28 @@ class JittableModule:
     with env, env.override_property(prng=env.param.prng):
       with self._activation_constraints(), self._attention_kernels():
         with torch.nn.utils.stateless._reparametrize_module(self.module, tensors):
-          return self.module(*args, **kwargs)
+          out = self.module(*args, **kwargs)
+          after = {n: jax_view(self.module.get_buffer(n)) for n in before}
+    changed = {n: self._as_stored(n, a, before[n]) for n, a in after.items() if a is not before[n]}
+    return out, changed
+
+  def _as_stored(self, name: str, new, old):
+    """A buffer's new value in its old dtype and its sharding (under jit: a constraint)."""
+    if tuple(new.shape) != tuple(old.shape):
+      raise TorchOnTpuError(
+        f"The forward changed buffer '{name}' from shape {tuple(old.shape)} to {tuple(new.shape)}; "
+        f"a buffer keeps its shape in a compiled step, so update it in place with the same shape."
+      )
+    sharding = NamedSharding(self.mesh, self._specs[name])
+    return jax.lax.with_sharding_constraint(new.astype(old.dtype), sharding)
 
   def _attention_kernels(self):
     return attention_lib.installed(self._attention) if self._attention else contextlib.nullcontext()
 
   def __call__(self, *args, **kwargs):
     """Jitted forward. Tensors are traced (CPU ones placed on the mesh); every
-    other argument (flags like `use_cache=False`) is static."""
+    other argument (flags like `use_cache=False`) is static. Buffers the forward
+    changes (BatchNorm's running statistics in train mode) are written back."""
     leaves, treedef = torch_pytree.tree_flatten((args, kwargs))
     is_tensor = tuple(isinstance(x, torch.Tensor) for x in leaves)
     statics = tuple(None if t else x for x, t in zip(leaves, is_tensor))
@@ -228,7 +251,8 @@ class JittableModule:
       entry = self._compiled[key] = self._build_forward(treedef, is_tensor, statics)
     jitted, out_spec = entry
     self._rng, rng = jax.random.split(self._rng)
-    out_leaves = jitted(self.params, self.buffers, dynamic, rng)
+    out_leaves, changed = jitted(self.params, self.buffers, dynamic, rng)
+    self.buffers.update(changed)
     return _unflatten_output(out_spec, out_leaves)
 
   def _build_forward(self, treedef, is_tensor, statics):
@@ -240,13 +264,13 @@ class JittableModule:
       args, kwargs = torch_pytree.tree_unflatten(leaves, treedef)
       env = torchax.default_env()
       with env.override_property(prng=rng):
-        out = self.functional_call(params, buffers, *args, **kwargs)
+        out, changed = self.functional_call_with_buffers(params, buffers, *args, **kwargs)
       flat, out_tree = torch_pytree.tree_flatten(out)
       _check_output_leaves(flat)
       out_spec["tree"] = out_tree
       out_spec["is_tensor"] = [isinstance(x, torch.Tensor) for x in flat]
       out_spec["statics"] = [None if isinstance(x, torch.Tensor) else x for x in flat]
-      return [jax_view(x) for x in flat if isinstance(x, torch.Tensor)]
+      return [jax_view(x) for x in flat if isinstance(x, torch.Tensor)], changed
 
     return jax.jit(forward), out_spec
 

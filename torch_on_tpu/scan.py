@@ -125,6 +125,7 @@ class ScannedModule(torch.nn.Module):
     def one_layer(h, layer_tensors, key):
       with env.override_property(prng=key), _swapped(template, layer_tensors):
         out = template(torch_view(h), *args, **kwargs)
+        _refuse_buffer_updates(template, layer_tensors)
       return jax_view(_hidden_of(out, extras))
 
     one_layer = remat_lib.checkpoint(one_layer, self.remat)
@@ -336,6 +337,16 @@ def _swapped(layer: torch.nn.Module, tensors: Mapping[str, jax.Array]):
   views = {n: torch_view(a) for n, a in tensors.items()}
   with torch.nn.utils.stateless._reparametrize_module(layer, views):
     yield
+
+
+def _refuse_buffer_updates(layer: torch.nn.Module, tensors: Mapping[str, jax.Array]):
+  """Scan carries only the hidden state: a layer's buffer update would be lost."""
+  for name, buffer in layer.named_buffers():
+    if jax_view(buffer) is not tensors[name]:
+      raise TorchOnTpuError(
+        f"A scanned layer updates its buffer '{name}' in the forward (running statistics, a "
+        f"counter); scan does not carry buffer updates, so use scan=False for this model."
+      )
 
 
 def _hidden_of(out, extras: dict):
