@@ -34,7 +34,9 @@ def load_config(path: str):
 
   from torch_on_tpu.errors import TorchOnTpuError
 
-  if path is None or not os.path.exists(path):
+  if path is None:
+    raise TorchOnTpuError("recipes.hf needs --config=PATH: a config.json or a model directory holding one.")
+  if not os.path.exists(path):
     raise TorchOnTpuError(f"--config={path!r} does not exist; pass a config.json or a directory holding one.")
   directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
   if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):

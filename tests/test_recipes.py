@@ -142,6 +142,8 @@ def test_bad_flags_are_one_sentence(tmp_path):
     llama3.run(titan_flags(tmp_path, cpu_devices=3))
   with pytest.raises(tot.TorchOnTpuError, match="--config='nowhere' does not exist"):
     hf.run(hf.HFFlags(config="nowhere"))
+  with pytest.raises(tot.TorchOnTpuError, match="recipes.hf needs --config=PATH"):
+    hf.run(hf.HFFlags())
 
 
 def test_help_lists_every_flag_with_its_default():
@@ -154,3 +156,31 @@ def test_help_lists_every_flag_with_its_default():
     assert f"--{field.name}=" in out, field.name
     assert field.metadata["help"].split(" (")[0][:30] in " ".join(out.split())
   assert "Default: 'debugmodel'" in out and "Default: 128" in out
+
+
+def test_command_line_mistakes_exit_2_in_one_sentence_before_anything_is_built():
+  done = subprocess.run(
+    [sys.executable, "-m", "recipes.llama3", "--seqln=512", "--steps=3"], cwd=ROOT, capture_output=True,
+    text=True, timeout=120,
+  )
+  assert done.returncode == 2
+  assert done.stderr.strip() == "error: Unknown flag --seqln; did you mean --seqlen?"
+  for argv, message in [
+    (["--scan=maybe"], "--scan=maybe is not a boolean"),
+    (["--steps=3.5"], "--steps=3.5 is not an integer"),
+    (["--lr", "fast"], "--lr=fast is not a number"),
+    (["train"], "Unexpected argument 'train'"),
+  ]:
+    with pytest.raises(common.FlagError, match=message):
+      common.parse_argv(argv, llama3.Llama3Flags)
+  with pytest.raises(common.FlagError, match="Unknown flag --lora_rnak; did you mean --lora_rank"):
+    common.parse_argv(["--lora_rnak=4"], hf.HFFlags)
+
+
+def test_flags_reach_the_recipe_with_their_types():
+  seen = []
+  main = common.cli(hf.HFFlags, seen.append, "test")
+  common.fire_main(main, ["--scan=false", "--noresume", "--global-batch-size", "4", "--lora_targets=q_proj,v_proj", "--data=None", "--lr=1e-3"])
+  flags = seen[0]
+  assert (flags.scan, flags.resume, flags.global_batch_size) == (False, False, 4)
+  assert (flags.lora_targets, flags.data, flags.lr) == ("q_proj,v_proj", None, 1e-3)
