@@ -6,8 +6,9 @@ in-place op `aten.X_` whose functional twin `aten.X` has a lowering gets one:
 compute `X`, write the result back into the mutated tensor.
 
 `.cpu()` on a jax-backed tensor returns a plain CPU tensor even outside the
-torchax environment (torchax only allows it inside), so model outputs come
-back the way torch users expect.
+torchax environment (torchax only allows it inside), and `.item()`, `float()`
+and `int()` give Python numbers, so model outputs and the train step's loss
+come back the way torch users expect (the device is waited on only then).
 
 `normal_` is written out: torchax routes it through `aten.normal`, whose
 overloads in torch 2.13 no longer accept `(self, mean, std)`, so every
@@ -143,6 +144,9 @@ def register(env) -> list[str]:
       packet, _batch_norm, is_jax_function=False, is_user_defined=False, needs_env=False, is_view_op=False
     )
   TorchaxTensor.cpu = _to_host
+  TorchaxTensor.item = _item
+  TorchaxTensor.__float__ = lambda self: float(_item(self))
+  TorchaxTensor.__int__ = lambda self: int(_item(self))
   added = []
   for name, inplace, functional in missing_inplace_variants(env):
     op = ops_registry.Operator(
@@ -156,6 +160,11 @@ def register(env) -> list[str]:
     env._ops[inplace] = op
     added.append(name)
   return added
+
+
+def _item(self):
+  """`.item()` on a jax-backed tensor, inside torchax's environment or not."""
+  return np.asarray(jax.device_get(self.jax())).item()
 
 
 def _to_host(self, *args, **kwargs):

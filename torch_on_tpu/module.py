@@ -16,11 +16,13 @@ runs torch code.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import logging
 import math
+import weakref
 from collections.abc import Callable, Mapping
 
 import jax
@@ -152,6 +154,8 @@ class JittableModule:
     self.buffers: dict[str, jax.Array] = {n: a for n, a in arrays.items() if not is_param[n]}
     self._rng = jax.random.key(seed + 1)
     self._compiled: dict = {}
+    self._running = False  # inside our own call of the module
+    module.register_forward_pre_hook(_refuse_direct_calls(weakref.ref(self)))
 
   # ---- the jax world ---------------------------------------------------------------
 
@@ -163,11 +167,16 @@ class JittableModule:
   def buffer_shardings(self) -> dict[str, NamedSharding]:
     return {k: NamedSharding(self.mesh, self._specs[k]) for k in self.buffers}
 
+  @property
+  def batch_ways(self) -> int:
+    """How many ways the data axes split a batch."""
+    return math.prod(self.mesh.shape[a] for a in self.data_axes)
+
   def batch_sharding(self, ndim: int, batch_size: int | None = None) -> NamedSharding:
-    """Dim 0 over the data axes (replicated where they do not divide it)."""
+    """Dim 0 over the data axes (replicated where they do not divide it: the
+    forward takes any batch; the train step refuses one that does not split)."""
     axes = self.data_axes
-    ways = math.prod(self.mesh.shape[a] for a in axes)
-    if not axes or (batch_size is not None and batch_size % ways):
+    if not axes or (batch_size is not None and batch_size % self.batch_ways):
       return NamedSharding(self.mesh, PartitionSpec(*([None] * ndim)))
     lead = axes[0] if len(axes) == 1 else axes
     return NamedSharding(self.mesh, PartitionSpec(lead, *([None] * (ndim - 1))))
@@ -211,11 +220,19 @@ class JittableModule:
       kwargs = {**hf.CALL_DEFAULTS_WITH_LAYER_STACK, **kwargs}
     with env, env.override_property(prng=env.param.prng):
       with self._activation_constraints(), self._attention_kernels():
-        with torch.nn.utils.stateless._reparametrize_module(self.module, tensors):
+        with torch.nn.utils.stateless._reparametrize_module(self.module, tensors), self._running_module():
           out = self.module(*args, **kwargs)
           after = {n: jax_view(self.module.get_buffer(n)) for n in before}
     changed = {n: self._as_stored(n, a, before[n]) for n, a in after.items() if a is not before[n]}
     return out, changed
+
+  @contextlib.contextmanager
+  def _running_module(self):
+    running, self._running = self._running, True
+    try:
+      yield
+    finally:
+      self._running = running
 
   def _as_stored(self, name: str, new, old):
     """A buffer's new value in its old dtype and its sharding (under jit: a constraint)."""
@@ -368,7 +385,10 @@ class LazyStateDict(Mapping):
     for prefix, mod in self._hooked:
       if name.startswith(prefix + "."):
         return to_cpu(self._from_hooked_module(prefix, mod)[name])
-    return to_cpu(self._jm.array_for(name))
+    tensor = to_cpu(self._jm.array_for(name))
+    dtype = self._jm._entries[self._jm.canonical_name(name)].dtype
+    # jax keeps integers in 32 bits: give back torch's own (num_batches_tracked is int64)
+    return tensor if dtype.is_floating_point or tensor.dtype == dtype else tensor.to(dtype)
 
   def _from_hooked_module(self, prefix, mod):
     own = {n: torch_view(self._jm.array_for(f"{prefix}.{n}")) for n, _ in _named_state(mod)}
@@ -380,6 +400,11 @@ class LazyStateDict(Mapping):
 
   def __len__(self):
     return len(self._names)
+
+  def __reduce__(self):
+    """`torch.save(jm.state_dict())` / pickle: saved as an OrderedDict of CPU tensors, as
+    torch's own state_dict (what `torch.load`'s weights_only unpickler accepts)."""
+    return (collections.OrderedDict, (list(self.items()),))
 
 
 def _named_state(mod):
@@ -472,6 +497,21 @@ def _outermost_hooked_modules(module) -> list[tuple[str, torch.nn.Module]]:
     if not any(prefix.startswith(outer + ".") for outer, _ in found):
       found.append((prefix, mod))
   return found
+
+
+def _refuse_direct_calls(jm_ref):
+  """A forward pre-hook: the wrapped module holds only meta tensors, so calling it is a mistake."""
+
+  def hook(module, args):
+    jm = jm_ref()
+    if jm is None or not jm._running:
+      raise TorchOnTpuError(
+        "This module was wrapped by JittableModule, which moved its parameters and buffers onto "
+        "the mesh and left the module itself on the meta device; call the JittableModule "
+        "(jm(x)) instead, or for eager CPU use load jm.state_dict() into a fresh copy of the model."
+      )
+
+  return hook
 
 
 def _sharding_map_for(module, sharding):

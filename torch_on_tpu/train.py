@@ -267,8 +267,10 @@ class TrainStep:
 
   # ---- running ----------------------------------------------------------------------
 
-  def __call__(self, inputs, labels) -> jax.Array:
-    """One optimizer step on a global batch; returns the loss (fp32, on device)."""
+  def __call__(self, inputs, labels) -> torch.Tensor:
+    """One optimizer step on a global batch; returns the loss as a torch scalar
+    tensor (fp32, on device, like the forward's outputs: `.item()` or `float()`
+    waits for it; `step.metrics` holds it as a jax array)."""
     if self._abstract:
       raise TorchOnTpuError(
         "This train step's model is abstract (JittableModule(..., abstract=True)); it can "
@@ -285,7 +287,7 @@ class TrainStep:
     self.opt_state = opt_state
     self.metrics = metrics
     self.step_count += 1
-    return loss
+    return torch_view(loss)
 
   def compile(self, inputs, labels) -> CompileReport:
     """Lowers and compiles the step for these inputs ahead of time.
@@ -297,15 +299,15 @@ class TrainStep:
     self._executable(leaves, static)
     return self._reports[self._signature]
 
-  def evaluate(self, inputs, labels) -> jax.Array:
-    """The loss on a batch with the current params: no gradients, no update."""
+  def evaluate(self, inputs, labels) -> torch.Tensor:
+    """The loss on a batch with the current params (a torch scalar tensor, as `__call__`): no gradients, no update."""
     leaves, static = self._split_batch(self._place((inputs, labels)))
     fn = self._eval_fns.get(static)
     if fn is None:
       fn = self._eval_fns[static] = jax.jit(
         functools.partial(self._eval_flat, static), out_shardings=self._replicated
       )
-    return fn(self.model.params, self.model.buffers, leaves)
+    return torch_view(fn(self.model.params, self.model.buffers, leaves))
 
   def _eval_flat(self, static, params, buffers, leaves):
     inputs, labels = _merge_batch(leaves, static)
@@ -488,7 +490,9 @@ class TrainStep:
   def _place(self, batch):
     """Host leaves → global arrays on the mesh; jax arrays on the mesh stay as they are."""
 
-    def place(x):
+    def place(path, x):
+      if isinstance(x, (torch.Tensor, np.ndarray)) or (isinstance(x, jax.Array) and not _on_mesh(x, self.model.mesh)):
+        self._check_splits(path, x.shape)
       if isinstance(x, torch.Tensor):
         return self.model.place(x)
       if isinstance(x, np.ndarray):
@@ -497,12 +501,21 @@ class TrainStep:
         return jax.device_put(x, self.model.batch_sharding(x.ndim, x.shape[0] if x.ndim else None))
       return x
 
-    return jax.tree.map(place, batch)
+    return jax.tree_util.tree_map_with_path(place, batch)
+
+  def _check_splits(self, path, shape) -> None:
+    """A leaf the step places must split over the data devices (not be replicated on each)."""
+    ways = self.model.batch_ways
+    if len(shape) and shape[0] % ways:
+      raise TorchOnTpuError(
+        f"{_path_name(path)} has {shape[0]} rows, which do not split over the {ways} data devices "
+        f"({', '.join(self.model.data_axes)}); make the global batch a multiple of {ways}."
+      )
 
   def _abstract_batch(self, batch):
     """Any leaves → `ShapeDtypeStruct`s with the sharding `_place` would give them."""
 
-    def abstract(x):
+    def abstract(path, x):
       if not isinstance(x, _ARRAY_TYPES):
         return x
       if isinstance(x, torch.Tensor):
@@ -512,10 +525,11 @@ class TrainStep:
       shape = tuple(x.shape)
       sharding = getattr(x, "sharding", None)
       if sharding is None or (isinstance(x, jax.Array) and not _on_mesh(x, self.model.mesh)):
+        self._check_splits(path, shape)
         sharding = self.model.batch_sharding(len(shape), shape[0] if shape else None)
       return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype), sharding=sharding)
 
-    return jax.tree.map(abstract, batch)
+    return jax.tree_util.tree_map_with_path(abstract, batch)
 
   def _split_batch(self, batch):
     """(inputs, labels) → (array leaves, hashable static part: structure, flags, leaf names)."""
