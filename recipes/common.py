@@ -78,6 +78,7 @@ class Flags:
   dry_run: bool = flag(False, "plan memory and compile on abstract params, print both, allocate nothing, exit")
   memory_gib: float | None = flag(None, "plan against this much memory per device (default: the device's own)")
   seed: int = flag(0, "init, data order and dropout seed")
+  compile_cache: str | None = flag(None, "jax's persistent compilation cache, so a relaunch skips the compile (default: $XDG_CACHE_HOME/torch_on_tpu/jax; off: none)")
 
 
 @dataclasses.dataclass
@@ -89,6 +90,7 @@ class Recipe:
   family: str  # "titan" or "hf": how the model is called
   weights: str | None = None  # safetensors to start from
   lora: dict | None = None  # lora.wrap keyword arguments (rank, alpha, targets)
+  convert_model: str | None = None  # how tools/convert.py names the model (--model=... / --hf_config=...)
 
 
 # ---- the command line -------------------------------------------------------------------
@@ -291,6 +293,9 @@ def resolve(flags: Flags, recipe: Recipe) -> dict:
   config = dataclasses.asdict(flags)
   config["log_dir"] = flags.log_dir or os.path.join("runs", recipe.name)
   config["ckpt_dir"] = flags.ckpt_dir or os.path.join(config["log_dir"], "ckpt")
+  cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  default_cache = os.path.join(cache_home, "torch_on_tpu", "jax")
+  config["compile_cache"] = None if flags.compile_cache == "off" else flags.compile_cache or default_cache
   return config
 
 
@@ -306,9 +311,46 @@ def run(flags: Flags, recipe: Recipe) -> dict:
   _check_flags(flags, TorchOnTpuError)
   config = resolve(flags, recipe)
   main = jax.process_index() == 0
+  latest = None if flags.dry_run else _latest_checkpoint(flags, config, TorchOnTpuError)
+  if latest is not None and latest >= flags.steps:
+    if main:
+      print(
+        f"Nothing to train: {config['ckpt_dir']} already holds step {latest} of --steps={flags.steps}; "
+        f"raise --steps to train further or pass another --ckpt_dir.", flush=True,
+      )
+    return {"finished": True, "steps": 0, "last_step": latest, "ckpt_dir": config["ckpt_dir"], "log_dir": config["log_dir"]}
+  config["compile_cache"] = _use_compile_cache(config["compile_cache"])
   if main:
     print("Run config:\n" + json.dumps(config, indent=1), flush=True)
   return _run(flags, recipe, config, main)
+
+
+def _latest_checkpoint(flags: Flags, config: dict, error) -> int | None:
+  """The newest step in --ckpt_dir, read before anything is built (a used directory
+  needs --resume; a finished run has nothing to do)."""
+  if not os.path.isdir(config["ckpt_dir"]):
+    return None
+  from torch_on_tpu import checkpoint
+
+  with checkpoint.Checkpointer(config["ckpt_dir"]) as ckpt:  # read_only would log a warning
+    latest = ckpt.latest_step()
+  if latest is not None and not flags.resume:
+    raise error(
+      f"{config['ckpt_dir']} already holds checkpoints up to step {latest}; pass "
+      f"--resume to continue from it or another --ckpt_dir to start afresh."
+    )
+  return latest
+
+
+def _use_compile_cache(directory: str | None) -> str | None:
+  """Points jax's persistent compilation cache at `directory` unless this process
+  already chose one (a test session, the user's JAX_COMPILATION_CACHE_DIR); returns
+  the directory in use."""
+  import jax
+
+  if directory and not jax.config.jax_compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", directory)
+  return jax.config.jax_compilation_cache_dir
 
 
 def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
@@ -383,13 +425,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   )
   ckpt = checkpoint.Checkpointer(config["ckpt_dir"], save_every=flags.save_every)
   restored = None
-  if ckpt.latest_step() is not None:
-    if not flags.resume:
-      ckpt.close()
-      raise tot.TorchOnTpuError(
-        f"{config['ckpt_dir']} already holds checkpoints up to step {ckpt.latest_step()}; pass "
-        f"--resume to continue from it or another --ckpt_dir to start afresh."
-      )
+  if ckpt.latest_step() is not None:  # --resume (checked in `run`)
     restored = ckpt.restore(step.abstract_state())
     step.state = restored.state
     if main:
@@ -405,11 +441,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   report = step.compile(*split(abstract_batch))
   if main:
     print(f"Compiled step: {report}", flush=True)
-  start = {"step": step.step_count}
-  if evals:
-    start["eval_loss"] = _eval_loss(step, evals, split, to_global)
-    if main:
-      print(f"step {step.step_count}: eval loss {start['eval_loss']:.4f}", flush=True)
+  first_step = step.step_count
   try:
     with checkpoint.PreemptionGuard() as guard:
       trainer = tot.Trainer(
@@ -436,11 +468,33 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
     train.close()
     ckpt.close()
   losses = [r["loss"] for r in trainer.records if "loss" in r]
+  start_eval = [r["eval_loss"] for r in trainer.records if r["step"] == first_step and "eval_loss" in r]
   summary.update(
-    start=start, first_loss=losses[0] if losses else None, records=trainer.records,
+    start={"step": first_step, "eval_loss": start_eval[0] if start_eval else None},
+    first_loss=losses[0] if losses else None, records=trainer.records,
     ckpt_dir=config["ckpt_dir"], log_dir=config["log_dir"], plan=memory, compile=report, train_step=step,
+    last_checkpoint=os.path.join(config["ckpt_dir"], str(summary["steps"])),
   )
+  if main:
+    print(where_things_are(summary, recipe), flush=True)
   return summary
+
+
+def where_things_are(summary: dict, recipe: Recipe) -> str:
+  """The end of a run: where its logs, last checkpoint and plot are, and how to export it."""
+  lines = [
+    f"Run directory: {summary['log_dir']} (metrics.jsonl, TensorBoard)",
+    f"Last checkpoint: {summary['last_checkpoint']}",
+  ]
+  if summary.get("plot"):
+    lines.append(f"Plot: {summary['plot']}")
+  if recipe.convert_model:
+    out = os.path.join(summary["log_dir"], "export")
+    lines.append(
+      f"Export to safetensors: python tools/convert.py to_safetensors {summary['ckpt_dir']} {out} "
+      f"{recipe.convert_model} --step={summary['steps']}"
+    )
+  return "\n".join(lines)
 
 
 def _check_flags(flags: Flags, error) -> None:
@@ -497,11 +551,6 @@ def _splitter(recipe: Recipe, flags: Flags) -> Callable:
   # torchtitan's flex attention, document-causal: where its trainer passes
   # get_attention_masks(positions), we pass the documents' ids.
   return lambda b: ((b["input_ids"], b["positions"], FlexMasks(b["segment_ids"])), b["labels"])
-
-
-def _eval_loss(step, batches, split, to_global) -> float:
-  losses = [float(step.evaluate(*split(to_global(b)))) for b in batches]
-  return sum(losses) / len(losses)
 
 
 def _profile_steps(spec) -> tuple[int, int] | None:

@@ -63,13 +63,15 @@ def recipe(flags: HFFlags) -> common.Recipe:
   if flags.lora_rank:
     targets = flags.lora_targets if flags.lora_targets == "all-linear" else [t.strip() for t in str(flags.lora_targets).split(",")]
     lora = dict(rank=flags.lora_rank, alpha=flags.lora_alpha, targets=targets)
-  name = os.path.basename(os.path.normpath(os.path.dirname(flags.config) if os.path.isfile(flags.config) else flags.config))
+  directory = (os.path.dirname(flags.config) or ".") if os.path.isfile(flags.config) else flags.config
+  name = os.path.basename(os.path.normpath(directory))
   return common.Recipe(
     name=f"hf-{name or config.model_type}" + ("-lora" if lora else ""),
     build=lambda: build_causal_lm(config),
     family="hf",
     weights=flags.weights,
     lora=lora,
+    convert_model=None if lora else f"--hf_config={directory}",
   )
 
 
