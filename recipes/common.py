@@ -78,6 +78,7 @@ class Flags:
   dry_run: bool = flag(False, "plan memory and compile on abstract params, print both, allocate nothing, exit")
   memory_gib: float | None = flag(None, "plan against this much memory per device (default: the device's own)")
   seed: int = flag(0, "init, data order and dropout seed")
+  sample: str | None = flag(None, "after training, print a greedy completion of this prompt from the final weights")
   compile_cache: str | None = flag(None, "jax's persistent compilation cache, so a relaunch skips the compile (default: $XDG_CACHE_HOME/torch_on_tpu/jax; off: none)")
 
 
@@ -312,7 +313,7 @@ def run(flags: Flags, recipe: Recipe) -> dict:
   config = resolve(flags, recipe)
   main = jax.process_index() == 0
   latest = None if flags.dry_run else _latest_checkpoint(flags, config, TorchOnTpuError)
-  if latest is not None and latest >= flags.steps:
+  if latest is not None and latest >= flags.steps and flags.sample is None:
     if main:
       print(
         f"Nothing to train: {config['ckpt_dir']} already holds step {latest} of --steps={flags.steps}; "
@@ -475,9 +476,35 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
     ckpt_dir=config["ckpt_dir"], log_dir=config["log_dir"], plan=memory, compile=report, train_step=step,
     last_checkpoint=os.path.join(config["ckpt_dir"], str(summary["steps"])),
   )
+  if flags.sample is not None:
+    summary["sample"] = _sample(step, tokenizer, split, flags)  # every process runs the program
+    if main:
+      print(f"Sample: {flags.sample!r} → {summary['sample']!r}", flush=True)
   if main:
     print(where_things_are(summary, recipe), flush=True)
   return summary
+
+
+SAMPLE_TOKENS = 32  # what --sample adds to the prompt (fewer if --seqlen leaves less room)
+
+
+def _sample(step, tokenizer, split: Callable, flags: Flags) -> str:
+  """A greedy completion of `--sample` from the step's current weights."""
+  import jax.numpy as jnp
+  import torch
+
+  import torch_on_tpu as tot
+
+  ids = tokenizer.encode_batch([flags.sample])[0][-(flags.seqlen // 2):] or [0]
+  new = min(SAMPLE_TOKENS, flags.seqlen - len(ids))
+
+  def inputs(tokens):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    batch = {"input_ids": tokens, "labels": tokens, "positions": positions, "segment_ids": jnp.zeros_like(tokens)}
+    return split(batch)[0]
+
+  out = tot.generate(step.model, torch.tensor([ids]), new, inputs_fn=inputs)
+  return tokenizer.decode(out[0, len(ids):].tolist())
 
 
 def where_things_are(summary: dict, recipe: Recipe) -> str:

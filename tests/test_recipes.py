@@ -65,8 +65,9 @@ def test_train_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch, c
 
 
 def test_a_used_directory_is_refused_or_finished_before_anything_is_built(tmp_path, monkeypatch, capsys):
-  llama3.run(titan_flags(tmp_path, steps=1, eval_every=0))
-  capsys.readouterr()
+  first = llama3.run(titan_flags(tmp_path, steps=1, eval_every=0, sample="The cat"))
+  assert f"Sample: 'The cat' → {first['sample']!r}" in capsys.readouterr().out
+  assert len(first["sample"]) > 10  # 32 greedy tokens of text
   monkeypatch.setattr(common, "_run", lambda *args: pytest.fail("built the model"))
   with pytest.raises(tot.TorchOnTpuError, match="--resume"):
     llama3.run(titan_flags(tmp_path, steps=2, eval_every=0, resume=False))

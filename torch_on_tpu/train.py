@@ -411,7 +411,7 @@ class TrainStep:
       params = {k: _cast_floating(v, self.compute_dtype) for k, v in params.items()}
     env = torchax.default_env()
     with env, env.override_property(prng=rng), _linear_lowering(self.model.mesh):
-      outputs, changed = _call(self.model, params, buffers, inputs)
+      outputs, changed = call_model(self.model, params, buffers, inputs)
       outputs = _to_fp32(outputs)
       loss = self.loss_fn(outputs, _torch_tree(labels))
     if not isinstance(loss, torch.Tensor):
@@ -735,7 +735,7 @@ def _torch_tree(tree):
   return jax.tree.map(lambda x: torch_view(x) if isinstance(x, jax.Array) else x, tree)
 
 
-def _call(model: JittableModule, params, buffers, inputs):
+def call_model(model: JittableModule, params, buffers, inputs):
   """`(outputs, changed buffers)` of the model called on `inputs` (see the module docstring)."""
   viewed = _torch_tree(inputs)
   if isinstance(viewed, dict):
