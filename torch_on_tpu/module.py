@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
 import math
-import weakref
 from collections.abc import Callable, Mapping
 
 import jax
@@ -154,8 +154,9 @@ class JittableModule:
     self.buffers: dict[str, jax.Array] = {n: a for n, a in arrays.items() if not is_param[n]}
     self._rng = jax.random.key(seed + 1)
     self._compiled: dict = {}
-    self._running = False  # inside our own call of the module
-    module.register_forward_pre_hook(_refuse_direct_calls(weakref.ref(self)))
+    if not getattr(module, "_tot_wrapped", False):
+      module.register_forward_pre_hook(_refuse_direct_call)
+      module._tot_wrapped = True
 
   # ---- the jax world ---------------------------------------------------------------
 
@@ -220,19 +221,11 @@ class JittableModule:
       kwargs = {**hf.CALL_DEFAULTS_WITH_LAYER_STACK, **kwargs}
     with env, env.override_property(prng=env.param.prng):
       with self._activation_constraints(), self._attention_kernels():
-        with torch.nn.utils.stateless._reparametrize_module(self.module, tensors), self._running_module():
+        with torch.nn.utils.stateless._reparametrize_module(self.module, tensors), _running_wrapped():
           out = self.module(*args, **kwargs)
           after = {n: jax_view(self.module.get_buffer(n)) for n in before}
     changed = {n: self._as_stored(n, a, before[n]) for n, a in after.items() if a is not before[n]}
     return out, changed
-
-  @contextlib.contextmanager
-  def _running_module(self):
-    running, self._running = self._running, True
-    try:
-      yield
-    finally:
-      self._running = running
 
   def _as_stored(self, name: str, new, old):
     """A buffer's new value in its old dtype and its sharding (under jit: a constraint)."""
@@ -499,19 +492,27 @@ def _outermost_hooked_modules(module) -> list[tuple[str, torch.nn.Module]]:
   return found
 
 
-def _refuse_direct_calls(jm_ref):
+_RUNNING_WRAPPED = contextvars.ContextVar("running_wrapped", default=False)
+
+
+@contextlib.contextmanager
+def _running_wrapped():
+  """Marks a JittableModule's own call of its module (which `_refuse_direct_call` lets through)."""
+  token = _RUNNING_WRAPPED.set(True)
+  try:
+    yield
+  finally:
+    _RUNNING_WRAPPED.reset(token)
+
+
+def _refuse_direct_call(module, args):
   """A forward pre-hook: the wrapped module holds only meta tensors, so calling it is a mistake."""
-
-  def hook(module, args):
-    jm = jm_ref()
-    if jm is None or not jm._running:
-      raise TorchOnTpuError(
-        "This module was wrapped by JittableModule, which moved its parameters and buffers onto "
-        "the mesh and left the module itself on the meta device; call the JittableModule "
-        "(jm(x)) instead, or for eager CPU use load jm.state_dict() into a fresh copy of the model."
-      )
-
-  return hook
+  if not _RUNNING_WRAPPED.get():
+    raise TorchOnTpuError(
+      "This module was wrapped by JittableModule, which moved its parameters and buffers onto "
+      "the mesh and left the module itself on the meta device; call the JittableModule "
+      "(jm(x)) instead, or for eager CPU use load jm.state_dict() into a fresh copy of the model."
+    )
 
 
 def _sharding_map_for(module, sharding):
