@@ -14,12 +14,14 @@ field's default and help text (`cli`).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import glob
 import importlib.util
 import inspect
 import json
 import os
 import sys
+import typing
 from collections.abc import Callable
 
 # Flags for FSDP on TPU (v5e/v5p/v6e) set when the recipe runs on a TPU and
@@ -76,6 +78,8 @@ class Flags:
   dry_run: bool = flag(False, "plan memory and compile on abstract params, print both, allocate nothing, exit")
   memory_gib: float | None = flag(None, "plan against this much memory per device (default: the device's own)")
   seed: int = flag(0, "init, data order and dropout seed")
+  sample: str | None = flag(None, "after training, print a greedy completion of this prompt from the final weights")
+  compile_cache: str | None = flag(None, "jax's persistent compilation cache, so a relaunch skips the compile (default: $XDG_CACHE_HOME/torch_on_tpu/jax; off: none)")
 
 
 @dataclasses.dataclass
@@ -87,6 +91,7 @@ class Recipe:
   family: str  # "titan" or "hf": how the model is called
   weights: str | None = None  # safetensors to start from
   lora: dict | None = None  # lora.wrap keyword arguments (rank, alpha, targets)
+  convert_model: str | None = None  # how tools/convert.py names the model (--model=... / --hf_config=...)
 
 
 # ---- the command line -------------------------------------------------------------------
@@ -115,6 +120,7 @@ def cli(flags_cls, run_fn: Callable, summary: str) -> Callable:
   )
   args = "\n".join(f"    {f.name}: {f.metadata['help']}" for f in fields)
   main.__doc__ = f"{summary}\n\n  Args:\n{args}\n"
+  main.flags_cls = flags_cls
   return main
 
 
@@ -123,10 +129,106 @@ def _no_output(result):
   return None
 
 
-def fire_main(main: Callable) -> None:
+def fire_main(main: Callable, argv: list[str] | None = None) -> None:
+  """Checks the command line, then hands it to fire (which runs `main` and serves --help).
+
+  fire alone reports a flag it could not use only after the run, and guesses
+  each value's type from its text (`--scan=false` is the string "false"), so
+  every flag is checked against `main`'s flags first and passed on as a
+  Python literal of the flag's type. A mistake exits with status 2 and one
+  sentence, before anything is built.
+  """
   import fire
 
-  fire.Fire(main, serialize=_no_output)
+  argv = sys.argv[1:] if argv is None else argv
+  try:
+    command = parse_argv(argv, main.flags_cls)
+  except FlagError as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+  fire.Fire(main, command=command, serialize=_no_output)
+
+
+class FlagError(ValueError):
+  """A command-line mistake: one sentence for the user."""
+
+
+_HELP = ("-h", "--help", "--helpfull")
+_TRUE = ("true", "1", "yes")
+_FALSE = ("false", "0", "no")
+
+
+def parse_argv(argv: list[str], flags_cls) -> list[str]:
+  """The command line checked against `flags_cls`'s fields → `--name=<literal>` args for fire.
+
+  Takes `--name=value`, `--name value`, `--flag` / `--noflag` for booleans
+  (true/false, 1/0, yes/no in any case), `-` for `_` in names, and `None` for
+  optional flags. `--help` and fire's own flags after a bare `--` pass through.
+  """
+  if any(a in _HELP for a in argv):
+    return list(argv)
+  if "--" in argv:
+    cut = argv.index("--")
+    return parse_argv(argv[:cut], flags_cls) + argv[cut:]
+  types = typing.get_type_hints(flags_cls)
+  names = [f.name for f in dataclasses.fields(flags_cls)]
+  out, i = [], 0
+  while i < len(argv):
+    arg = argv[i]
+    i += 1
+    if not arg.startswith("--"):
+      raise FlagError(f"Unexpected argument {arg!r}; the recipe takes only --name=value flags (see --help).")
+    name, has_value, value = arg[2:].partition("=")
+    name = name.replace("-", "_")
+    if name not in types and name.startswith("no") and _kind(types.get(name[2:])) is bool and not has_value:
+      name, has_value, value = name[2:], True, "false"
+    if name not in types:
+      near = difflib.get_close_matches(name, names, n=1)
+      hint = f"did you mean --{near[0]}?" if near else "see --help for the flags."
+      raise FlagError(f"Unknown flag --{name}; {hint}")
+    kind = _kind(types[name])
+    if not has_value:
+      if kind is bool and (i == len(argv) or argv[i].lower() not in (*_TRUE, *_FALSE)):
+        value = "true"
+      elif i < len(argv) and not argv[i].startswith("--"):
+        value, i = argv[i], i + 1
+      else:
+        raise FlagError(f"--{name} needs a value: write --{name}=VALUE.")
+    out.append(f"--{name}={_literal(name, value, kind, _optional(types[name]))!r}")
+  return out
+
+
+def _kind(hint) -> type | None:
+  """`int`, `float`, `bool` or `str` of a field's type (`int | None` → int)."""
+  args = [a for a in typing.get_args(hint) if a is not type(None)]
+  return args[0] if args else hint
+
+
+def _optional(hint) -> bool:
+  return type(None) in typing.get_args(hint)
+
+
+def _literal(name: str, text: str, kind: type, optional: bool):
+  """A flag's text as a value of its type, or a FlagError naming what to write."""
+  if optional and text == "None":
+    return None
+  if kind is bool:
+    if text.lower() in _TRUE:
+      return True
+    if text.lower() in _FALSE:
+      return False
+    raise FlagError(f"--{name}={text} is not a boolean; write --{name}=true or --{name}=false.")
+  if kind is int:
+    try:
+      return int(text)
+    except ValueError:
+      raise FlagError(f"--{name}={text} is not an integer; give a whole number, e.g. --{name}=8.") from None
+  if kind is float:
+    try:
+      return float(text)
+    except ValueError:
+      raise FlagError(f"--{name}={text} is not a number; give one like --{name}=0.001.") from None
+  return text
 
 
 # ---- before jax -------------------------------------------------------------------------
@@ -192,6 +294,9 @@ def resolve(flags: Flags, recipe: Recipe) -> dict:
   config = dataclasses.asdict(flags)
   config["log_dir"] = flags.log_dir or os.path.join("runs", recipe.name)
   config["ckpt_dir"] = flags.ckpt_dir or os.path.join(config["log_dir"], "ckpt")
+  cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  default_cache = os.path.join(cache_home, "torch_on_tpu", "jax")
+  config["compile_cache"] = None if flags.compile_cache == "off" else flags.compile_cache or default_cache
   return config
 
 
@@ -207,9 +312,46 @@ def run(flags: Flags, recipe: Recipe) -> dict:
   _check_flags(flags, TorchOnTpuError)
   config = resolve(flags, recipe)
   main = jax.process_index() == 0
+  latest = None if flags.dry_run else _latest_checkpoint(flags, config, TorchOnTpuError)
+  if latest is not None and latest >= flags.steps and flags.sample is None:
+    if main:
+      print(
+        f"Nothing to train: {config['ckpt_dir']} already holds step {latest} of --steps={flags.steps}; "
+        f"raise --steps to train further or pass another --ckpt_dir.", flush=True,
+      )
+    return {"finished": True, "steps": 0, "last_step": latest, "ckpt_dir": config["ckpt_dir"], "log_dir": config["log_dir"]}
+  config["compile_cache"] = _use_compile_cache(config["compile_cache"])
   if main:
     print("Run config:\n" + json.dumps(config, indent=1), flush=True)
   return _run(flags, recipe, config, main)
+
+
+def _latest_checkpoint(flags: Flags, config: dict, error) -> int | None:
+  """The newest step in --ckpt_dir, read before anything is built (a used directory
+  needs --resume; a finished run has nothing to do)."""
+  if not os.path.isdir(config["ckpt_dir"]):
+    return None
+  from torch_on_tpu import checkpoint
+
+  with checkpoint.Checkpointer(config["ckpt_dir"]) as ckpt:  # read_only would log a warning
+    latest = ckpt.latest_step()
+  if latest is not None and not flags.resume:
+    raise error(
+      f"{config['ckpt_dir']} already holds checkpoints up to step {latest}; pass "
+      f"--resume to continue from it or another --ckpt_dir to start afresh."
+    )
+  return latest
+
+
+def _use_compile_cache(directory: str | None) -> str | None:
+  """Points jax's persistent compilation cache at `directory` unless this process
+  already chose one (a test session, the user's JAX_COMPILATION_CACHE_DIR); returns
+  the directory in use."""
+  import jax
+
+  if directory and not jax.config.jax_compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", directory)
+  return jax.config.jax_compilation_cache_dir
 
 
 def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
@@ -284,13 +426,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   )
   ckpt = checkpoint.Checkpointer(config["ckpt_dir"], save_every=flags.save_every)
   restored = None
-  if ckpt.latest_step() is not None:
-    if not flags.resume:
-      ckpt.close()
-      raise tot.TorchOnTpuError(
-        f"{config['ckpt_dir']} already holds checkpoints up to step {ckpt.latest_step()}; pass "
-        f"--resume to continue from it or another --ckpt_dir to start afresh."
-      )
+  if ckpt.latest_step() is not None:  # --resume (checked in `run`)
     restored = ckpt.restore(step.abstract_state())
     step.state = restored.state
     if main:
@@ -306,11 +442,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   report = step.compile(*split(abstract_batch))
   if main:
     print(f"Compiled step: {report}", flush=True)
-  start = {"step": step.step_count}
-  if evals:
-    start["eval_loss"] = _eval_loss(step, evals, split, to_global)
-    if main:
-      print(f"step {step.step_count}: eval loss {start['eval_loss']:.4f}", flush=True)
+  first_step = step.step_count
   try:
     with checkpoint.PreemptionGuard() as guard:
       trainer = tot.Trainer(
@@ -337,11 +469,59 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
     train.close()
     ckpt.close()
   losses = [r["loss"] for r in trainer.records if "loss" in r]
+  start_eval = [r["eval_loss"] for r in trainer.records if r["step"] == first_step and "eval_loss" in r]
   summary.update(
-    start=start, first_loss=losses[0] if losses else None, records=trainer.records,
+    start={"step": first_step, "eval_loss": start_eval[0] if start_eval else None},
+    first_loss=losses[0] if losses else None, records=trainer.records,
     ckpt_dir=config["ckpt_dir"], log_dir=config["log_dir"], plan=memory, compile=report, train_step=step,
+    last_checkpoint=os.path.join(config["ckpt_dir"], str(summary["steps"])),
   )
+  if flags.sample is not None:
+    summary["sample"] = _sample(step, tokenizer, split, flags)  # every process runs the program
+    if main:
+      print(f"Sample: {flags.sample!r} → {summary['sample']!r}", flush=True)
+  if main:
+    print(where_things_are(summary, recipe), flush=True)
   return summary
+
+
+SAMPLE_TOKENS = 32  # what --sample adds to the prompt (fewer if --seqlen leaves less room)
+
+
+def _sample(step, tokenizer, split: Callable, flags: Flags) -> str:
+  """A greedy completion of `--sample` from the step's current weights."""
+  import jax.numpy as jnp
+  import torch
+
+  import torch_on_tpu as tot
+
+  ids = tokenizer.encode_batch([flags.sample])[0][-(flags.seqlen // 2):] or [0]
+  new = min(SAMPLE_TOKENS, flags.seqlen - len(ids))
+
+  def inputs(tokens):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    batch = {"input_ids": tokens, "labels": tokens, "positions": positions, "segment_ids": jnp.zeros_like(tokens)}
+    return split(batch)[0]
+
+  out = tot.generate(step.model, torch.tensor([ids]), new, inputs_fn=inputs)
+  return tokenizer.decode(out[0, len(ids):].tolist())
+
+
+def where_things_are(summary: dict, recipe: Recipe) -> str:
+  """The end of a run: where its logs, last checkpoint and plot are, and how to export it."""
+  lines = [
+    f"Run directory: {summary['log_dir']} (metrics.jsonl, TensorBoard)",
+    f"Last checkpoint: {summary['last_checkpoint']}",
+  ]
+  if summary.get("plot"):
+    lines.append(f"Plot: {summary['plot']}")
+  if recipe.convert_model:
+    out = os.path.join(summary["log_dir"], "export")
+    lines.append(
+      f"Export to safetensors: python tools/convert.py to_safetensors {summary['ckpt_dir']} {out} "
+      f"{recipe.convert_model} --step={summary['steps']}"
+    )
+  return "\n".join(lines)
 
 
 def _check_flags(flags: Flags, error) -> None:
@@ -349,6 +529,10 @@ def _check_flags(flags: Flags, error) -> None:
     raise error(f"--dtype={flags.dtype!r} is not one of {', '.join(DTYPES)}; pick one of those.")
   if flags.attention not in ATTENTION:
     raise error(f"--attention={flags.attention!r} is not one of {', '.join(ATTENTION)}; pick one of those.")
+  try:
+    _profile_steps(flags.profile)
+  except ValueError:
+    raise error(f"--profile={flags.profile!r} is not FIRST,LAST step numbers; write e.g. --profile=10,12.") from None
   if flags.global_batch_size % flags.grad_accum:
     raise error(
       f"--global_batch_size={flags.global_batch_size} does not divide into --grad_accum={flags.grad_accum} "
@@ -396,18 +580,14 @@ def _splitter(recipe: Recipe, flags: Flags) -> Callable:
   return lambda b: ((b["input_ids"], b["positions"], FlexMasks(b["segment_ids"])), b["labels"])
 
 
-def _eval_loss(step, batches, split, to_global) -> float:
-  losses = [float(step.evaluate(*split(to_global(b)))) for b in batches]
-  return sum(losses) / len(losses)
-
-
 def _profile_steps(spec) -> tuple[int, int] | None:
+  """`--profile`: 'FIRST,LAST', or one step N (traces N to N+2)."""
   if spec is None:
     return None
-  if isinstance(spec, int):
-    return (spec, spec + 2)
-  first, last = (int(x) for x in (spec if isinstance(spec, (tuple, list)) else str(spec).split(",")))
-  return (first, last)
+  steps = [int(x) for x in (spec if isinstance(spec, (tuple, list)) else str(spec).split(","))]
+  if len(steps) not in (1, 2):
+    raise ValueError(spec)
+  return (steps[0], steps[0] + 2) if len(steps) == 1 else (steps[0], steps[1])
 
 
 def _oom_message(error, memory, report) -> str:

@@ -34,7 +34,9 @@ def load_config(path: str):
 
   from torch_on_tpu.errors import TorchOnTpuError
 
-  if path is None or not os.path.exists(path):
+  if path is None:
+    raise TorchOnTpuError("recipes.hf needs --config=PATH: a config.json or a model directory holding one.")
+  if not os.path.exists(path):
     raise TorchOnTpuError(f"--config={path!r} does not exist; pass a config.json or a directory holding one.")
   directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
   if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
@@ -61,13 +63,15 @@ def recipe(flags: HFFlags) -> common.Recipe:
   if flags.lora_rank:
     targets = flags.lora_targets if flags.lora_targets == "all-linear" else [t.strip() for t in str(flags.lora_targets).split(",")]
     lora = dict(rank=flags.lora_rank, alpha=flags.lora_alpha, targets=targets)
-  name = os.path.basename(os.path.normpath(os.path.dirname(flags.config) if os.path.isfile(flags.config) else flags.config))
+  directory = (os.path.dirname(flags.config) or ".") if os.path.isfile(flags.config) else flags.config
+  name = os.path.basename(os.path.normpath(directory))
   return common.Recipe(
     name=f"hf-{name or config.model_type}" + ("-lora" if lora else ""),
     build=lambda: build_causal_lm(config),
     family="hf",
     weights=flags.weights,
     lora=lora,
+    convert_model=None if lora else f"--hf_config={directory}",
   )
 
 

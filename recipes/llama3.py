@@ -67,7 +67,9 @@ def recipe(flags: Llama3Flags) -> common.Recipe:
 
     inner = "sdpa" if flags.attention == "none" else "flex"
     build = lambda: build_llama3(flags.model, attention=inner, max_seq_len=flags.seqlen)  # noqa: E731
-    return common.Recipe(name=f"llama3-{flags.model}", build=build, family="titan")
+    return common.Recipe(
+      name=f"llama3-{flags.model}", build=build, family="titan", convert_model=f"--model=llama3:{flags.model}"
+    )
   if flags.model_impl == "hf":
     from torch_on_tpu.models.hf import build_causal_lm
 

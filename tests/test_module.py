@@ -159,6 +159,20 @@ def test_an_initialised_cpu_model_is_uploaded_unchanged():
   ref.load_state_dict(expected)
   got = tot.to_cpu(jm(tokens, use_cache=False).logits)
   assert h.rel(got, ref(tokens, use_cache=False).logits.detach()) < 1e-5
+  with pytest.raises(tot.TorchOnTpuError, match="moved its parameters and buffers onto the mesh"):
+    cpu_model(tokens)  # the wrapped module is meta now: one sentence, not a meta-device trace
+
+
+def test_state_dict_survives_torch_save_with_torch_dtypes(tmp_path):
+  torch.manual_seed(0)
+  net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+  expected = {k: v.clone() for k, v in net.state_dict().items()}
+  jm = tot.JittableModule(net, mesh=tot.make_mesh(fsdp=8))
+  torch.save(jm.state_dict(), tmp_path / "sd.pt")
+  loaded = torch.load(tmp_path / "sd.pt")
+  assert loaded["1.num_batches_tracked"].dtype == torch.int64
+  assert {k: v.dtype for k, v in loaded.items()} == {k: v.dtype for k, v in expected.items()}
+  assert all(torch.equal(loaded[k], expected[k]) for k in expected)
 
 
 def test_wrapping_something_else_is_a_clear_error():

@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -27,16 +28,25 @@ def losses(summary):
   return [r["loss"] for r in summary["records"] if "loss" in r]
 
 
-def test_train_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch):
+def test_train_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch, capsys):
   full = llama3.run(titan_flags(tmp_path, "full", steps=8, save_every=4, eval_every=4))
+  log_dir = tmp_path / "full"
+  printed = capsys.readouterr()
+  assert "lr=" in printed.err  # the progress bar shows the learning rate
+  assert printed.out.splitlines()[-4:] == [
+    f"Run directory: {log_dir} (metrics.jsonl, TensorBoard)",
+    f"Last checkpoint: {log_dir / 'ckpt' / '8'}",
+    f"Plot: {log_dir / 'training.png'}",
+    f"Export to safetensors: python tools/convert.py to_safetensors {log_dir / 'ckpt'} {log_dir / 'export'} "
+    "--model=llama3:debugmodel --step=8",
+  ]
   # train and eval loss fall; checkpoints, metrics.jsonl, the plot, the saved config
   assert np.mean(losses(full)[-3:]) < losses(full)[0] - 0.5
   assert full["final_eval_loss"] < full["start"]["eval_loss"] - 0.5
-  log_dir = tmp_path / "full"
   assert sorted(p.name for p in (log_dir / "ckpt").iterdir() if p.name.isdigit()) == ["4", "8"]
   lines = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in lines if "loss" in r] == list(range(1, 9))
-  assert [r["step"] for r in lines if "eval_loss" in r] == [4, 8]
+  assert [r["step"] for r in lines if "eval_loss" in r] == [0, 4, 8]  # from step 0: where the curve starts
   assert (log_dir / "training.png").stat().st_size > 0
   with checkpoint.Checkpointer(log_dir / "ckpt", read_only=True) as ckpt:
     saved = ckpt._manager.restore(8, args=checkpoint.ocp.args.Composite(config=checkpoint.ocp.args.JsonRestore()))
@@ -54,10 +64,19 @@ def test_train_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch):
   assert resumed["final_eval_loss"] == full["final_eval_loss"]
 
 
-def test_resume_false_refuses_a_used_directory(tmp_path):
-  llama3.run(titan_flags(tmp_path, steps=1, eval_every=0))
+def test_a_used_directory_is_refused_or_finished_before_anything_is_built(tmp_path, monkeypatch, capsys):
+  first = llama3.run(titan_flags(tmp_path, steps=1, eval_every=0, sample="The cat"))
+  assert f"Sample: 'The cat' → {first['sample']!r}" in capsys.readouterr().out
+  assert len(first["sample"]) > 10  # 32 greedy tokens of text
+  monkeypatch.setattr(common, "_run", lambda *args: pytest.fail("built the model"))
   with pytest.raises(tot.TorchOnTpuError, match="--resume"):
     llama3.run(titan_flags(tmp_path, steps=2, eval_every=0, resume=False))
+  done = llama3.run(titan_flags(tmp_path, steps=1, eval_every=0))  # relaunched after it finished
+  assert done["finished"] and done["last_step"] == 1
+  assert capsys.readouterr().out.splitlines() == [
+    f"Nothing to train: {tmp_path / 'run' / 'ckpt'} already holds step 1 of --steps=1; raise --steps to "
+    "train further or pass another --ckpt_dir."
+  ]
 
 
 def test_dry_run_plans_and_compiles_without_allocating(tmp_path, capsys):
@@ -142,6 +161,8 @@ def test_bad_flags_are_one_sentence(tmp_path):
     llama3.run(titan_flags(tmp_path, cpu_devices=3))
   with pytest.raises(tot.TorchOnTpuError, match="--config='nowhere' does not exist"):
     hf.run(hf.HFFlags(config="nowhere"))
+  with pytest.raises(tot.TorchOnTpuError, match="recipes.hf needs --config=PATH"):
+    hf.run(hf.HFFlags())
 
 
 def test_help_lists_every_flag_with_its_default():
@@ -154,3 +175,45 @@ def test_help_lists_every_flag_with_its_default():
     assert f"--{field.name}=" in out, field.name
     assert field.metadata["help"].split(" (")[0][:30] in " ".join(out.split())
   assert "Default: 'debugmodel'" in out and "Default: 128" in out
+
+
+def test_command_line_mistakes_exit_2_in_one_sentence_before_anything_is_built():
+  done = subprocess.run(
+    [sys.executable, "-m", "recipes.llama3", "--seqln=512", "--steps=3"], cwd=ROOT, capture_output=True,
+    text=True, timeout=120,
+  )
+  assert done.returncode == 2
+  assert done.stderr.strip() == "error: Unknown flag --seqln; did you mean --seqlen?"
+  for argv, message in [
+    (["--scan=maybe"], "--scan=maybe is not a boolean"),
+    (["--steps=3.5"], "--steps=3.5 is not an integer"),
+    (["--lr", "fast"], "--lr=fast is not a number"),
+    (["train"], "Unexpected argument 'train'"),
+  ]:
+    with pytest.raises(common.FlagError, match=message):
+      common.parse_argv(argv, llama3.Llama3Flags)
+  with pytest.raises(common.FlagError, match="Unknown flag --lora_rnak; did you mean --lora_rank"):
+    common.parse_argv(["--lora_rnak=4"], hf.HFFlags)
+
+
+def test_flags_reach_the_recipe_with_their_types():
+  seen = []
+  main = common.cli(hf.HFFlags, seen.append, "test")
+  common.fire_main(main, ["--scan=false", "--noresume", "--global-batch-size", "4", "--lora_targets=q_proj,v_proj", "--data=None", "--lr=1e-3"])
+  flags = seen[0]
+  assert (flags.scan, flags.resume, flags.global_batch_size) == (False, False, 4)
+  assert (flags.lora_targets, flags.data, flags.lr) == ("q_proj,v_proj", None, 1e-3)
+
+
+def test_compile_cache_is_on_by_default_and_can_be_turned_off(tmp_path, monkeypatch):
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  recipe = common.Recipe(name="r", build=None, family="titan")
+  assert common.resolve(llama3.Llama3Flags(), recipe)["compile_cache"] == str(tmp_path / "torch_on_tpu" / "jax")
+  assert common.resolve(llama3.Llama3Flags(compile_cache="off"), recipe)["compile_cache"] is None
+  session = jax.config.jax_compilation_cache_dir  # the test session's own cache (conftest)
+  assert common._use_compile_cache(str(tmp_path / "c")) == session  # a cache already chosen wins
+  jax.config.update("jax_compilation_cache_dir", None)
+  try:
+    assert common._use_compile_cache(str(tmp_path / "c")) == str(tmp_path / "c")
+  finally:
+    jax.config.update("jax_compilation_cache_dir", session)

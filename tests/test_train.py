@@ -341,7 +341,7 @@ def test_pure_step_under_the_users_own_jit_matches_the_stateful_step():
   step = tot.make_train_step(jm, ce_loss, adamw(), donate=False)
   x, y = (jnp.asarray(t.numpy()) for t in tiny_batch())  # on one device: the step places them
   opt_state = adamw().init(jm.params)
-  loss, new_params, _, metrics = jax.jit(step.pure)(jm.params, jm.buffers, opt_state, x, y)
+  loss, new_params, _, _, metrics = jax.jit(step.pure)(jm.params, jm.buffers, opt_state, x, y)
   ours = step(x, y)
   assert float(loss) == pytest.approx(float(ours), rel=1e-6)
   assert set(metrics) == {"loss", "grad_norm"}
@@ -386,3 +386,15 @@ def test_evaluate_gives_the_loss_without_updating():
   before = float(step.evaluate(x, y))
   assert float(step(x, y)) == pytest.approx(before, rel=1e-6)
   assert float(step.evaluate(x, y)) < before
+
+
+def test_step_returns_a_torch_scalar_and_refuses_a_batch_that_does_not_split():
+  jm = tiny()
+  step = tot.make_train_step(jm, ce_loss, adamw())
+  x, y = tiny_batch()
+  loss = step(x, y)
+  assert isinstance(loss, torch.Tensor) and loss.shape == () and loss.dtype == torch.float32
+  assert float(loss) == loss.item() == loss.cpu().item() == pytest.approx(float(step.metrics["loss"]))
+  assert isinstance(step.evaluate(x, y), torch.Tensor)
+  with pytest.raises(tot.TorchOnTpuError, match=r"inputs has 6 rows, which do not split over the 8 data devices \(fsdp\)"):
+    step(x[:6], y[:6])

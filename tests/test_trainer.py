@@ -83,7 +83,7 @@ def test_trainer_writes_jsonl_tensorboard_png_and_a_profile(tmp_path, capsys):
     steps=6,
     log_dir=tmp_path,
     eval_data=validation,
-    eval_every=3,
+    eval_every=4,
     profile_steps=(2, 3),
     flops_per_token=6 * 2 * VOCAB * 64,
     peak_flops=1e12,
@@ -97,7 +97,7 @@ def test_trainer_writes_jsonl_tensorboard_png_and_a_profile(tmp_path, capsys):
   assert {"loss", "grad_norm", "step_time", "tokens_per_second", "mfu"} <= set(train[0])
   assert train[-1]["loss"] < train[0]["loss"]
   assert train[2]["tokens_per_second"] == pytest.approx(8 * 16 / train[2]["step_time"])
-  assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
+  assert [r["step"] for r in records if "eval_loss" in r] == [0, 4, 6]  # at the start, every 4, at the end
   assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
   assert (tmp_path / "training.png").read_bytes()[:4] == b"\x89PNG"
   assert list((tmp_path / "profile").rglob("*.xplane.pb"))

@@ -14,6 +14,7 @@ if not _compat.started_as_light_tool():  # the doctor and launcher start without
   lowerings.register(_torchax.default_env())
 
   from torch_on_tpu.errors import TorchOnTpuError  # noqa: E402
+  from torch_on_tpu.generate import generate  # noqa: E402
   from torch_on_tpu.mesh import make_mesh  # noqa: E402
   from torch_on_tpu.module import JittableModule, to_cpu  # noqa: E402
   from torch_on_tpu.ops import override_op  # noqa: E402
@@ -30,6 +31,7 @@ __all__ = [
   "TrainState",
   "TrainStep",
   "Trainer",
+  "generate",
   "initialize_distributed",
   "make_mesh",
   "make_train_step",

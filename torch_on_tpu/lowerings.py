@@ -6,8 +6,9 @@ in-place op `aten.X_` whose functional twin `aten.X` has a lowering gets one:
 compute `X`, write the result back into the mutated tensor.
 
 `.cpu()` on a jax-backed tensor returns a plain CPU tensor even outside the
-torchax environment (torchax only allows it inside), so model outputs come
-back the way torch users expect.
+torchax environment (torchax only allows it inside), and `.item()`, `float()`
+and `int()` give Python numbers, so model outputs and the train step's loss
+come back the way torch users expect (the device is waited on only then).
 
 `normal_` is written out: torchax routes it through `aten.normal`, whose
 overloads in torch 2.13 no longer accept `(self, mean, std)`, so every
@@ -28,12 +29,18 @@ id's count in the batch. torchax's `_embedding_bag` reads the offsets on the
 host (no jit); ours segments the bags with traced offsets.
 
 `_grouped_mm` (the grouped GEMM transformers 5 runs mixture-of-experts
-experts through) lowers to `jax.lax.ragged_dot`: one static-shape program for
-any routing, dropless, its gradient ragged too. Rows past the last group
-(torch leaves them unwritten) come out zero.
+experts through) lowers to `ragged.ragged_matmul` (`jax.lax.ragged_dot` on
+TPU): one static-shape program for any routing, dropless, its gradient ragged
+too. Rows past the last group (torch leaves them unwritten) come out zero.
 
 `torch.take_along_dim` is lowered as a torch function: torch checks its index
 for int64 before dispatching, and ids are int32 jax arrays here.
+
+Batch norm in training updates `running_mean` / `running_var` in place as
+torch does (torchax computes them and drops them, and with the biased
+variance): the momentum average with the unbiased batch variance. Under jit
+the batch statistics are over the whole global batch, whatever its sharding
+(torch's `SyncBatchNorm`, not DDP's per-device statistics).
 """
 
 from __future__ import annotations
@@ -41,12 +48,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from torch_on_tpu import _compat
+from torch_on_tpu import _compat, ragged
 from torch_on_tpu.errors import TorchOnTpuError
 
 torchax = _compat.import_torchax()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from torchax.interop import torch_view  # noqa: E402
 from torchax.ops import mappings, op_base, ops_registry  # noqa: E402
 from torchax.tensor import Tensor as TorchaxTensor  # noqa: E402
 from torchax.view import View  # noqa: E402
@@ -197,7 +205,7 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
   accumulate = jnp.promote_types(dtype, jnp.float32)
   if mat_a.ndim == 2 and mat_b.ndim == 3 and offs is not None:
     sizes = jnp.diff(offs.astype(jnp.int32), prepend=0)
-    out = jax.lax.ragged_dot(mat_a, mat_b, sizes, preferred_element_type=accumulate)
+    out = ragged.ragged_matmul(mat_a, mat_b, sizes, preferred_element_type=accumulate)
   elif mat_a.ndim == 2 and mat_b.ndim == 2 and offs is not None:
     group = jnp.searchsorted(offs.astype(jnp.int32), jnp.arange(mat_a.shape[1]), side="right")
     member = (group[None, :] == jnp.arange(offs.shape[0])[:, None]).astype(mat_a.dtype)
@@ -219,6 +227,26 @@ def _register_jax_lowering(env, packet, fn) -> None:
   env._ops[packet] = ops_registry.Operator(
     packet, fn, is_jax_function=True, is_user_defined=False, needs_env=False, is_view_op=False
   )
+
+
+def _batch_norm(input, weight, bias, running_mean, running_var, training=False, momentum=0.1, eps=1e-5):
+  """`aten.native_batch_norm` with torch's in-place running-statistics update."""
+  from torchax.ops import jaten
+
+  x = input.jax()
+  view = lambda t: None if t is None else t.jax()  # noqa: E731
+  out = jaten._aten__native_batch_norm_legit(
+    x, view(weight), view(bias), view(running_mean), view(running_var), training, momentum, eps
+  )
+  if training and running_mean is not None:
+    axes = (0, *range(2, x.ndim))
+    count = x.size // x.shape[1]
+    mean = jnp.mean(x, axis=axes)
+    unbiased = jnp.var(x, axis=axes) * (count / max(count - 1, 1))
+    for stat, batch in ((running_mean, mean), (running_var, unbiased)):
+      old = stat.jax()
+      stat._elem = ((1 - momentum) * old + momentum * batch).astype(old.dtype)
+  return tuple(torch_view(o) for o in out)
 
 
 def register(env) -> list[str]:
@@ -249,7 +277,14 @@ def register(env) -> list[str]:
   _register_jax_lowering(env, torch.ops.aten._grouped_mm, _grouped_mm)
   for function in (torch.take_along_dim, torch.Tensor.take_along_dim):
     _register_jax_lowering(env, function, _take_along_dim)
+  for packet in (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default):
+    env._ops[packet] = ops_registry.Operator(
+      packet, _batch_norm, is_jax_function=False, is_user_defined=False, needs_env=False, is_view_op=False
+    )
   TorchaxTensor.cpu = _to_host
+  TorchaxTensor.item = _item
+  TorchaxTensor.__float__ = lambda self: float(_item(self))
+  TorchaxTensor.__int__ = lambda self: int(_item(self))
   added = []
   for name, inplace, functional in missing_inplace_variants(env):
     op = ops_registry.Operator(
@@ -263,6 +298,11 @@ def register(env) -> list[str]:
     env._ops[inplace] = op
     added.append(name)
   return added
+
+
+def _item(self):
+  """`.item()` on a jax-backed tensor, inside torchax's environment or not."""
+  return np.asarray(jax.device_get(self.jax())).item()
 
 
 def _to_host(self, *args, **kwargs):

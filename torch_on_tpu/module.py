@@ -16,7 +16,9 @@ runs torch code.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -154,6 +156,9 @@ class JittableModule:
     self.buffers: dict[str, jax.Array] = {n: a for n, a in arrays.items() if not is_param[n]}
     self._rng = jax.random.key(seed + 1)
     self._compiled: dict = {}
+    if not getattr(module, "_tot_wrapped", False):
+      module.register_forward_pre_hook(_refuse_direct_call)
+      module._tot_wrapped = True
 
   # ---- the jax world ---------------------------------------------------------------
 
@@ -170,11 +175,16 @@ class JittableModule:
     """XLA options every program over this model's mesh is compiled with (`xla_flags`)."""
     return xla_flags.compile_options(self.mesh.devices.flat[0].platform)
 
+  @property
+  def batch_ways(self) -> int:
+    """How many ways the data axes split a batch."""
+    return math.prod(self.mesh.shape[a] for a in self.data_axes)
+
   def batch_sharding(self, ndim: int, batch_size: int | None = None) -> NamedSharding:
-    """Dim 0 over the data axes (replicated where they do not divide it)."""
+    """Dim 0 over the data axes (replicated where they do not divide it: the
+    forward takes any batch; the train step refuses one that does not split)."""
     axes = self.data_axes
-    ways = math.prod(self.mesh.shape[a] for a in axes)
-    if not axes or (batch_size is not None and batch_size % ways):
+    if not axes or (batch_size is not None and batch_size % self.batch_ways):
       return NamedSharding(self.mesh, PartitionSpec(*([None] * ndim)))
     lead = axes[0] if len(axes) == 1 else axes
     return NamedSharding(self.mesh, PartitionSpec(lead, *([None] * (ndim - 1))))
@@ -195,10 +205,19 @@ class JittableModule:
 
     Values may be jax arrays or torch tensors viewing them; the call must be
     traced or run where torchax may compute (we enter its environment).
+    Buffer updates the forward makes land in the torch tensors passed in (as
+    with `torch.func.functional_call`); `functional_call_with_buffers` returns them.
     """
+    return self.functional_call_with_buffers(params, buffers, *args, **kwargs)[0]
+
+  def functional_call_with_buffers(self, params: Mapping, buffers: Mapping, *args, **kwargs):
+    """`functional_call` that also returns the buffers the forward changed, in place
+    or by rebinding (BatchNorm's running statistics, counters, EMA buffers):
+    `(output, {name: new jax array})`, each in the buffer's stored dtype and sharding."""
     env = torchax.default_env()
     tensors = {**dict(buffers), **dict(params)}
     tensors = {k: torch_view(v) if isinstance(v, jax.Array) else v for k, v in tensors.items()}
+    before = {n: jax_view(tensors[n]) for n in buffers}
     for alias, name in self._aliases.items():
       if name in tensors:
         tensors[alias] = tensors[name]
@@ -209,15 +228,29 @@ class JittableModule:
       kwargs = {**hf.CALL_DEFAULTS_WITH_LAYER_STACK, **kwargs}
     with env, env.override_property(prng=env.param.prng):
       with self._activation_constraints(), self._attention_kernels():
-        with torch.nn.utils.stateless._reparametrize_module(self.module, tensors):
-          return self.module(*args, **kwargs)
+        with torch.nn.utils.stateless._reparametrize_module(self.module, tensors), _running_wrapped():
+          out = self.module(*args, **kwargs)
+          after = {n: jax_view(self.module.get_buffer(n)) for n in before}
+    changed = {n: self._as_stored(n, a, before[n]) for n, a in after.items() if a is not before[n]}
+    return out, changed
+
+  def _as_stored(self, name: str, new, old):
+    """A buffer's new value in its old dtype and its sharding (under jit: a constraint)."""
+    if tuple(new.shape) != tuple(old.shape):
+      raise TorchOnTpuError(
+        f"The forward changed buffer '{name}' from shape {tuple(old.shape)} to {tuple(new.shape)}; "
+        f"a buffer keeps its shape in a compiled step, so update it in place with the same shape."
+      )
+    sharding = NamedSharding(self.mesh, self._specs[name])
+    return jax.lax.with_sharding_constraint(new.astype(old.dtype), sharding)
 
   def _attention_kernels(self):
     return attention_lib.installed(self._attention) if self._attention else contextlib.nullcontext()
 
   def __call__(self, *args, **kwargs):
     """Jitted forward. Tensors are traced (CPU ones placed on the mesh); every
-    other argument (flags like `use_cache=False`) is static."""
+    other argument (flags like `use_cache=False`) is static. Buffers the forward
+    changes (BatchNorm's running statistics in train mode) are written back."""
     leaves, treedef = torch_pytree.tree_flatten((args, kwargs))
     is_tensor = tuple(isinstance(x, torch.Tensor) for x in leaves)
     statics = tuple(None if t else x for x, t in zip(leaves, is_tensor))
@@ -235,7 +268,8 @@ class JittableModule:
       entry = self._compiled[key] = self._build_forward(treedef, is_tensor, statics)
     jitted, out_spec = entry
     self._rng, rng = jax.random.split(self._rng)
-    out_leaves = jitted(self.params, self.buffers, dynamic, rng)
+    out_leaves, changed = jitted(self.params, self.buffers, dynamic, rng)
+    self.buffers.update(changed)
     return _unflatten_output(out_spec, out_leaves)
 
   def _build_forward(self, treedef, is_tensor, statics):
@@ -247,13 +281,13 @@ class JittableModule:
       args, kwargs = torch_pytree.tree_unflatten(leaves, treedef)
       env = torchax.default_env()
       with env.override_property(prng=rng):
-        out = self.functional_call(params, buffers, *args, **kwargs)
+        out, changed = self.functional_call_with_buffers(params, buffers, *args, **kwargs)
       flat, out_tree = torch_pytree.tree_flatten(out)
       _check_output_leaves(flat)
       out_spec["tree"] = out_tree
       out_spec["is_tensor"] = [isinstance(x, torch.Tensor) for x in flat]
       out_spec["statics"] = [None if isinstance(x, torch.Tensor) else x for x in flat]
-      return [jax_view(x) for x in flat if isinstance(x, torch.Tensor)]
+      return [jax_view(x) for x in flat if isinstance(x, torch.Tensor)], changed
 
     return jax.jit(forward, compiler_options=self.compile_options), out_spec
 
@@ -351,7 +385,10 @@ class LazyStateDict(Mapping):
     for prefix, mod in self._hooked:
       if name.startswith(prefix + "."):
         return to_cpu(self._from_hooked_module(prefix, mod)[name])
-    return to_cpu(self._jm.array_for(name))
+    tensor = to_cpu(self._jm.array_for(name))
+    dtype = self._jm._entries[self._jm.canonical_name(name)].dtype
+    # jax keeps integers in 32 bits: give back torch's own (num_batches_tracked is int64)
+    return tensor if dtype.is_floating_point or tensor.dtype == dtype else tensor.to(dtype)
 
   def _from_hooked_module(self, prefix, mod):
     own = {n: torch_view(self._jm.array_for(f"{prefix}.{n}")) for n, _ in _named_state(mod)}
@@ -363,6 +400,11 @@ class LazyStateDict(Mapping):
 
   def __len__(self):
     return len(self._names)
+
+  def __reduce__(self):
+    """`torch.save(jm.state_dict())` / pickle: saved as an OrderedDict of CPU tensors, as
+    torch's own state_dict (what `torch.load`'s weights_only unpickler accepts)."""
+    return (collections.OrderedDict, (list(self.items()),))
 
 
 def _named_state(mod):
@@ -455,6 +497,29 @@ def _outermost_hooked_modules(module) -> list[tuple[str, torch.nn.Module]]:
     if not any(prefix.startswith(outer + ".") for outer, _ in found):
       found.append((prefix, mod))
   return found
+
+
+_RUNNING_WRAPPED = contextvars.ContextVar("running_wrapped", default=False)
+
+
+@contextlib.contextmanager
+def _running_wrapped():
+  """Marks a JittableModule's own call of its module (which `_refuse_direct_call` lets through)."""
+  token = _RUNNING_WRAPPED.set(True)
+  try:
+    yield
+  finally:
+    _RUNNING_WRAPPED.reset(token)
+
+
+def _refuse_direct_call(module, args):
+  """A forward pre-hook: the wrapped module holds only meta tensors, so calling it is a mistake."""
+  if not _RUNNING_WRAPPED.get():
+    raise TorchOnTpuError(
+      "This module was wrapped by JittableModule, which moved its parameters and buffers onto "
+      "the mesh and left the module itself on the meta device; call the JittableModule "
+      "(jm(x)) instead, or for eager CPU use load jm.state_dict() into a fresh copy of the model."
+    )
 
 
 def _sharding_map_for(module, sharding):

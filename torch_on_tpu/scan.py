@@ -151,6 +151,7 @@ class ScannedModule(torch.nn.Module):
     with torchax.default_env().override_property(prng=key), _swapped(layer, tensors):
       with hf.deferred_output_capture(layer, template) as records:
         out = layer(torch_view(h), *args, **kwargs)
+      _refuse_buffer_updates(layer, tensors)
     hidden = jax_view(_hidden_of(out, extras))
     if not records:
       return hidden, []
@@ -518,6 +519,16 @@ def _swapped(layer: torch.nn.Module, tensors: Mapping[str, jax.Array]):
   views = {n: torch_view(a) for n, a in tensors.items()}
   with torch.nn.utils.stateless._reparametrize_module(layer, views):
     yield
+
+
+def _refuse_buffer_updates(layer: torch.nn.Module, tensors: Mapping[str, jax.Array]):
+  """Scan carries only the hidden state: a layer's buffer update would be lost."""
+  for name, buffer in layer.named_buffers():
+    if jax_view(buffer) is not tensors[name]:
+      raise TorchOnTpuError(
+        f"A scanned layer updates its buffer '{name}' in the forward (running statistics, a "
+        f"counter); scan does not carry buffer updates, so use scan=False for this model."
+      )
 
 
 def _hidden_of(out, extras: dict):

@@ -268,8 +268,10 @@ class TrainStep:
 
   # ---- running ----------------------------------------------------------------------
 
-  def __call__(self, inputs, labels) -> jax.Array:
-    """One optimizer step on a global batch; returns the loss (fp32, on device)."""
+  def __call__(self, inputs, labels) -> torch.Tensor:
+    """One optimizer step on a global batch; returns the loss as a torch scalar
+    tensor (fp32, on device, like the forward's outputs: `.item()` or `float()`
+    waits for it; `step.metrics` holds it as a jax array)."""
     if self._abstract:
       raise TorchOnTpuError(
         "This train step's model is abstract (JittableModule(..., abstract=True)); it can "
@@ -278,14 +280,15 @@ class TrainStep:
     leaves, static = self._split_batch(self._place((inputs, labels)))
     compiled = self._executable(leaves, static)
     trained, frozen = self._split(self.model.params)
-    loss, trained, opt_state, metrics = compiled(
+    loss, trained, opt_state, metrics, changed = compiled(
       trained, frozen, self.model.buffers, self.opt_state, leaves, self.rng, np.int32(self.step_count)
     )
     self.model.params.update(trained)
+    self.model.buffers.update(changed)
     self.opt_state = opt_state
     self.metrics = metrics
     self.step_count += 1
-    return loss
+    return torch_view(loss)
 
   def compile(self, inputs, labels) -> CompileReport:
     """Lowers and compiles the step for these inputs ahead of time.
@@ -297,8 +300,8 @@ class TrainStep:
     self._executable(leaves, static)
     return self._reports[self._signature]
 
-  def evaluate(self, inputs, labels) -> jax.Array:
-    """The loss on a batch with the current params: no gradients, no update."""
+  def evaluate(self, inputs, labels) -> torch.Tensor:
+    """The loss on a batch with the current params (a torch scalar tensor, as `__call__`): no gradients, no update."""
     leaves, static = self._split_batch(self._place((inputs, labels)))
     fn = self._eval_fns.get(static)
     if fn is None:
@@ -307,7 +310,7 @@ class TrainStep:
         out_shardings=self._replicated,
         compiler_options=self.model.compile_options,
       )
-    return fn(self.model.params, self.model.buffers, leaves)
+    return torch_view(fn(self.model.params, self.model.buffers, leaves))
 
   def gradients(self, inputs, labels) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The loss and the gradients the next step would apply (before clipping), keyed
@@ -327,7 +330,8 @@ class TrainStep:
 
   def _gradients_flat(self, static, params, frozen, buffers, leaves, rng, step):
     inputs, labels = _merge_batch(leaves, static)
-    return self._loss_and_grads(params, frozen, buffers, inputs, labels, jax.random.fold_in(rng, step))
+    (loss, _), grads = self._loss_and_grads(params, frozen, buffers, inputs, labels, jax.random.fold_in(rng, step))
+    return loss, grads
 
   def _eval_flat(self, static, params, buffers, leaves):
     inputs, labels = _merge_batch(leaves, static)
@@ -335,27 +339,29 @@ class TrainStep:
     was_training = module.training
     module.eval()  # traced once: dropout and friends off in this program
     try:
-      return self._loss(params, buffers, inputs, labels, jax.random.PRNGKey(0))
+      return self._loss(params, buffers, inputs, labels, jax.random.PRNGKey(0))[0]
     finally:
       module.train(was_training)
 
   # ---- the pure step ----------------------------------------------------------------
 
   def pure(self, params, buffers, opt_state, inputs, labels, rng=None):
-    """`(params, buffers, opt_state, inputs, labels[, rng]) → (loss, params, opt_state, metrics)`.
+    """`(params, buffers, opt_state, inputs, labels[, rng]) → (loss, params, buffers, opt_state, metrics)`.
 
     For callers who hold the state themselves; trace it under their own
     `jax.jit`. `inputs`/`labels` are jax arrays (pytrees as in `__call__`);
-    `rng` is this step's PRNG key (default: a fixed key).
+    `rng` is this step's PRNG key (default: a fixed key). The buffers come
+    back with the forward's updates (BatchNorm's running statistics).
     """
     rng = jax.random.PRNGKey(0) if rng is None else rng
     trained, frozen = self._split(params)
-    loss, trained, opt_state, metrics = self._update(trained, frozen, buffers, opt_state, inputs, labels, rng)
-    return loss, {**params, **trained}, opt_state, metrics
+    loss, trained, opt_state, metrics, changed = self._update(trained, frozen, buffers, opt_state, inputs, labels, rng)
+    return loss, {**params, **trained}, {**buffers, **changed}, opt_state, metrics
 
   def _update(self, params, frozen, buffers, opt_state, inputs, labels, rng):
-    """`pure` on the trained params alone; `frozen` only feeds the forward."""
-    loss, grads = self._loss_and_grads(params, frozen, buffers, inputs, labels, rng)
+    """`pure` on the trained params alone; `frozen` only feeds the forward; returns
+    the buffers the forward changed rather than all of them."""
+    (loss, changed), grads = self._loss_and_grads(params, frozen, buffers, inputs, labels, rng)
     grad_norm = optax.global_norm(grads)
     if self.clip_norm is not None:
       scale = jnp.minimum(1.0, self.clip_norm / (grad_norm + 1e-6))
@@ -369,7 +375,7 @@ class TrainStep:
     lr = self._learning_rate(new_opt_state, opt_state)
     if lr is not None:
       metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
-    return loss, new_params, new_opt_state, metrics
+    return loss, new_params, new_opt_state, metrics, changed
 
   def _flat_step(self, static, params, frozen, buffers, opt_state, leaves, rng, step):
     inputs, labels = _merge_batch(leaves, static)
@@ -384,7 +390,7 @@ class TrainStep:
     def loss_fn(params, frozen, buffers, inputs, labels, rng):
       return self._loss({**frozen, **params}, buffers, inputs, labels, rng)
 
-    value_and_grad = jax.value_and_grad(remat_lib.checkpoint(loss_fn, self.remat))
+    value_and_grad = jax.value_and_grad(remat_lib.checkpoint(loss_fn, self.remat), has_aux=True)
     if self.grad_accum == 1:
       return value_and_grad(params, frozen, buffers, inputs, labels, rng)
 
@@ -393,18 +399,23 @@ class TrainStep:
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     zeros = jax.lax.with_sharding_constraint(zeros, self._split(self.model.param_shardings)[0])
 
+    changed_names = set()
+
     def accumulate(carry, xs):
+      # Microbatches run one after another, as k torch forwards would: each
+      # sees the buffers (running statistics) the previous one left.
       index, micro_leaves = xs
       mi, ml = _merge_batch(micro_leaves, static)
-      loss, grads = value_and_grad(params, frozen, buffers, mi, ml, jax.random.fold_in(rng, index))
-      loss_sum, grad_sum = carry
+      loss_sum, grad_sum, now = carry
+      (loss, changed), grads = value_and_grad(params, frozen, now, mi, ml, jax.random.fold_in(rng, index))
+      changed_names.update(changed)
       grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
-      return (loss_sum + loss, grad_sum), None
+      return (loss_sum + loss, grad_sum, {**now, **changed}), None
 
-    init = (jnp.zeros((), jnp.float32), zeros)
-    (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, init, (jnp.arange(self.grad_accum), micro))
+    init = (jnp.zeros((), jnp.float32), zeros, dict(buffers))
+    (loss_sum, grad_sum, final), _ = jax.lax.scan(accumulate, init, (jnp.arange(self.grad_accum), micro))
     grads = jax.tree.map(lambda g, p: (g / self.grad_accum).astype(p.dtype), grad_sum, params)
-    return loss_sum / self.grad_accum, grads
+    return (loss_sum / self.grad_accum, {n: final[n] for n in changed_names}), grads
 
   def _microbatches(self, x, index, static):
     """(B, ...) → (k, B/k, ...), microbatch i holding rows i, i+k, i+2k, ..."""
@@ -424,7 +435,7 @@ class TrainStep:
       params = {k: _cast_floating(v, self.compute_dtype) for k, v in params.items()}
     env = torchax.default_env()
     with env, env.override_property(prng=rng), _linear_lowering(self.model.mesh):
-      outputs = _call(self.model, params, buffers, inputs)
+      outputs, changed = call_model(self.model, params, buffers, inputs)
       outputs = _to_fp32(outputs)
       loss = self.loss_fn(outputs, _torch_tree(labels))
     if not isinstance(loss, torch.Tensor):
@@ -437,7 +448,7 @@ class TrainStep:
         f"loss_fn must return a scalar; it returned shape {tuple(loss.shape)}; reduce it "
         f"(e.g. .mean())."
       )
-    return loss.astype(jnp.float32)
+    return loss.astype(jnp.float32), changed
 
   def _learning_rate(self, new_opt_state, opt_state):
     """The lr this step used: from `inject_hyperparams` state, else `learning_rate=`."""
@@ -478,7 +489,8 @@ class TrainStep:
         self._replicated,
         self._replicated,
       ),
-      out_shardings=(self._replicated, trained_shardings, self.opt_state_shardings, self._replicated),
+      # Changed buffers: constrained to their own shardings inside the step.
+      out_shardings=(self._replicated, trained_shardings, self.opt_state_shardings, self._replicated, None),
       donate_argnums=(0, 3) if self.donate else (),
     )
     start = time.perf_counter()
@@ -502,7 +514,9 @@ class TrainStep:
   def _place(self, batch):
     """Host leaves → global arrays on the mesh; jax arrays on the mesh stay as they are."""
 
-    def place(x):
+    def place(path, x):
+      if isinstance(x, (torch.Tensor, np.ndarray)) or (isinstance(x, jax.Array) and not _on_mesh(x, self.model.mesh)):
+        self._check_splits(path, x.shape)
       if isinstance(x, torch.Tensor):
         return self.model.place(x)
       if isinstance(x, np.ndarray):
@@ -511,12 +525,22 @@ class TrainStep:
         return jax.device_put(x, self.model.batch_sharding(x.ndim, x.shape[0] if x.ndim else None))
       return x
 
-    return jax.tree.map(place, batch)
+    return jax.tree_util.tree_map_with_path(place, batch)
+
+  def _check_splits(self, path, shape) -> None:
+    """A leaf the step places must split over the data devices (not be replicated on each)."""
+    ways = self.model.batch_ways
+    if len(shape) and shape[0] % ways:
+      raise TorchOnTpuError(
+        f"{_path_name(path)} has {shape[0]} rows, which do not split over the {ways} data devices "
+        f"({', '.join(self.model.data_axes)}); make the global batch a multiple of {ways} (an input "
+        f"that is not per example, like bag offsets, can be put on the mesh replicated first)."
+      )
 
   def _abstract_batch(self, batch):
     """Any leaves → `ShapeDtypeStruct`s with the sharding `_place` would give them."""
 
-    def abstract(x):
+    def abstract(path, x):
       if not isinstance(x, _ARRAY_TYPES):
         return x
       if isinstance(x, torch.Tensor):
@@ -526,10 +550,11 @@ class TrainStep:
       shape = tuple(x.shape)
       sharding = getattr(x, "sharding", None)
       if sharding is None or (isinstance(x, jax.Array) and not _on_mesh(x, self.model.mesh)):
+        self._check_splits(path, shape)
         sharding = self.model.batch_sharding(len(shape), shape[0] if shape else None)
       return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype), sharding=sharding)
 
-    return jax.tree.map(abstract, batch)
+    return jax.tree_util.tree_map_with_path(abstract, batch)
 
   def _split_batch(self, batch):
     """(inputs, labels) → (array leaves, hashable static part: structure, flags, leaf names)."""
@@ -735,13 +760,14 @@ def _torch_tree(tree):
   return jax.tree.map(lambda x: torch_view(x) if isinstance(x, jax.Array) else x, tree)
 
 
-def _call(model: JittableModule, params, buffers, inputs):
+def call_model(model: JittableModule, params, buffers, inputs):
+  """`(outputs, changed buffers)` of the model called on `inputs` (see the module docstring)."""
   viewed = _torch_tree(inputs)
   if isinstance(viewed, dict):
-    return model.functional_call(params, buffers, **viewed)
+    return model.functional_call_with_buffers(params, buffers, **viewed)
   if isinstance(viewed, (tuple, list)):
-    return model.functional_call(params, buffers, *viewed)
-  return model.functional_call(params, buffers, viewed)
+    return model.functional_call_with_buffers(params, buffers, *viewed)
+  return model.functional_call_with_buffers(params, buffers, viewed)
 
 
 def _linear_lowering(mesh):

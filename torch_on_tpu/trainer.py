@@ -8,8 +8,11 @@ compiled program and only then reads the *previous* step's metrics, so the
 host never stalls the device between steps; it reads the current step at once
 when something depends on it (a checkpoint, an eval, a stop, the last step).
 
-Process 0 alone prints and writes logs: a progress bar (loss, tokens/s, MFU,
-step time), `metrics.jsonl` and TensorBoard scalars, an optional `jax.profiler`
+With `eval_data`, a fresh run (step 0) is evaluated before its first step,
+then every `eval_every` steps and at the last step.
+
+Process 0 alone prints and writes logs: a progress bar (loss, learning rate,
+tokens/s, MFU, step time), `metrics.jsonl` and TensorBoard scalars, an optional `jax.profiler`
 trace of steps N..M under `log_dir/profile`, and at the end `training.png` and
 a one-line summary.
 
@@ -127,7 +130,10 @@ class Trainer:
     data = iter(self.data)
     pending = None  # (step, metrics, labels) dispatched but not read yet
     preempted = False
+    evaluating = self.eval_data is not None and bool(self.eval_every)
     try:
+      if evaluating and step == 0:
+        self._evaluate(step)  # where the curves start
       while step < self.steps:
         batch = next(data, None)
         if batch is None:
@@ -142,7 +148,7 @@ class Trainer:
         pending = (step, self.train_step.metrics, labels)
 
         save_due = self.checkpointer is not None and self.checkpointer.should_save(step)
-        eval_due = self.eval_data is not None and self.eval_every and step % self.eval_every == 0
+        eval_due = evaluating and (step % self.eval_every == 0 or step == self.steps)
         profile_ends = self._profiling_ends(step)
         stop = self.stop_requested(step)
         if save_due or eval_due or profile_ends or stop or step == self.steps:
@@ -186,7 +192,10 @@ class Trainer:
     values["mfu"] = self._mfu(values["tokens_per_second"], shape[-1])
     self._write(step, values)
     self._bar.update(step - self._bar.n)
-    postfix = {"loss": f"{values['loss']:.4f}", "tok/s": f"{values['tokens_per_second']:,.0f}"}
+    postfix = {"loss": f"{values['loss']:.4f}"}
+    if "learning_rate" in values:
+      postfix["lr"] = f"{values['learning_rate']:.2e}"
+    postfix["tok/s"] = f"{values['tokens_per_second']:,.0f}"
     if values["mfu"] is not None:
       postfix["mfu"] = f"{100 * values['mfu']:.1f}%"
     postfix["step"] = f"{seconds:.3f}s"

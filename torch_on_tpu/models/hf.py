@@ -4,6 +4,7 @@ for the Llama family's parameter names (Llama, Mistral, Qwen2/3, Gemma, Phi-3...
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 
@@ -67,15 +68,20 @@ def use_jittable_experts(module: torch.nn.Module) -> None:
   grouped path computes the same per-token sum of the chosen experts' outputs
   with one ragged matmul (`_grouped_mm`), dropless, in one compiled shape.
   """
+  switched = False
   for sub in module.modules():
     config = getattr(sub, "config", None)
-    if getattr(config, "_experts_implementation", None) == "eager":
-      config._experts_implementation = "grouped_mm"
-      logger.info(
-        "%s: experts run through HF's grouped_mm path instead of its eager loop (same sums; the "
-        "loop's routing-dependent shapes cannot be compiled).",
-        type(module).__name__,
-      )
+    is_experts = hasattr(sub, "_is_expert_parallel")  # set by HF's `use_experts_implementation`
+    if is_experts and getattr(config, "_experts_implementation", None) == "eager":
+      sub.config = copy.copy(config)  # the user's config object stays as it was
+      sub.config._experts_implementation = "grouped_mm"
+      switched = True
+  if switched:
+    logger.info(
+      "%s: experts run through HF's grouped_mm path instead of its eager loop (same sums; the "
+      "loop's routing-dependent shapes cannot be compiled).",
+      type(module).__name__,
+    )
 
 
 def per_layer_inputs_problem(module: torch.nn.Module, layers) -> str | None:
