@@ -131,6 +131,30 @@ def test_grouped_mm_lowering_matches_torch_values_and_gradients(dtype):
   assert h.rel(np.asarray(db, np.float32), b_.grad.numpy()) < tol
 
 
+@pytest.mark.parametrize("sizes", [[3, 0, 7, 11, 0], [40, 0, 0, 0, 1, 25, 30, 8]], ids=["empty-groups", "skewed"])
+def test_blocked_ragged_matmul_matches_ragged_dot_and_pads_at_most_a_block_per_group(sizes):
+  """The CPU/GPU form of the grouped matmul against jax's dense-masked `ragged_dot`."""
+  import jax
+  import jax.numpy as jnp
+
+  from torch_on_tpu import ragged
+
+  rows, groups = sum(sizes) + 4, len(sizes)  # 4 rows past the last group
+  rng = np.random.RandomState(0)
+  a = jnp.asarray(rng.randn(rows, 16), jnp.float32)
+  b = jnp.asarray(rng.randn(groups, 16, 8), jnp.float32)
+  w = jnp.asarray(rng.randn(rows, 8), jnp.float32)
+  gs = jnp.asarray(sizes, jnp.int32)
+  ours = jax.value_and_grad(lambda a, b: (ragged.ragged_matmul(a, b, gs) * w).sum(), (0, 1))(a, b)
+  theirs = jax.value_and_grad(lambda a, b: (jax.lax.ragged_dot(a, b, gs) * w).sum(), (0, 1))(a, b)
+  assert abs(float(ours[0]) - float(theirs[0])) < 1e-5 * float(jnp.abs(w).sum())
+  for mine, ref in zip(ours[1], theirs[1]):
+    assert h.rel(np.asarray(mine), np.asarray(ref)) < 1e-6
+  assert not np.asarray(ragged.ragged_matmul(a, b, gs)[sum(sizes):]).any()
+  block = ragged.block_rows(rows, groups)
+  assert 8 <= block <= max(8, rows // (4 * groups))
+
+
 # ---- the families ------------------------------------------------------------------------------
 
 
@@ -209,3 +233,34 @@ def test_expert_parallel_preset_names_an_expert_count_the_axis_does_not_divide()
     model = transformers.AutoModelForCausalLM.from_config(config)
   with pytest.raises(tot.TorchOnTpuError, match=r"experts.gate_up_proj.*dim 0 has size 6, which ep=4 does not divide"):
     tot.JittableModule(model, mesh=tot.make_mesh(ep=4, fsdp=2), sharding="ep")
+
+
+def test_recipe_trains_plans_checkpoints_and_exports_an_moe_model(tmp_path):
+  """`python -m recipes.hf --config=DIR` on a Mixtral config: dry run, training with
+  checkpoints, and an export that transformers loads back to the same logits."""
+  from recipes import hf as hf_recipe
+
+  model_dir = tmp_path / "mixtral"
+  config = FAMILIES["mixtral"]()
+  config.max_position_embeddings, config.vocab_size = 64, 512  # room for the recipe's byte-level BPE
+  config.save_pretrained(model_dir)
+  tiny = dict(seqlen=32, global_batch_size=8, lr=1e-2, warmup_steps=2, eval_batches=2)
+
+  planned = hf_recipe.run(hf_recipe.HFFlags(config=str(model_dir), log_dir=str(tmp_path / "dry"), dry_run=True, **tiny))
+  assert planned["compile"].peak_bytes > 0 and planned["plan"].total > 0
+
+  summary = hf_recipe.run(
+    hf_recipe.HFFlags(config=str(model_dir), log_dir=str(tmp_path / "run"), steps=6, save_every=3, eval_every=3, **tiny)
+  )
+  losses = [r["loss"] for r in summary["records"] if "loss" in r]
+  assert np.mean(losses[-2:]) < losses[0]  # it trains, router aux loss included
+  assert sorted(p.name for p in (tmp_path / "run" / "ckpt").iterdir() if p.name.isdigit()) == ["3", "6"]
+
+  convert = h.load_module(h.Path(__file__).parent.parent / "tools" / "convert.py")
+  convert.to_safetensors(str(tmp_path / "run" / "ckpt"), str(tmp_path / "export"), hf_config=str(model_dir))
+  loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", config=model_dir / "config.json")
+  loaded.eval()
+  jm = summary["train_step"].model
+  tokens = torch.randint(0, 512, (8, 32), generator=torch.Generator().manual_seed(3))
+  want = loaded(tokens, use_cache=False).logits.detach()
+  assert h.rel(tot.to_cpu(jm(tokens, use_cache=False).logits), want) < 1e-5
