@@ -60,7 +60,7 @@ class Flags:
   tp: int = flag(1, "devices on the tensor-parallel mesh axis")
   scan: bool = flag(True, "run the layer stack as one lax.scan (compile time flat in depth)")
   unroll: int = flag(1, "layers per scan iteration")
-  remat: str = flag("none", "per-layer remat: none, full, dots_saveable, dots_with_no_batch_dims_saveable, offload_dots")
+  remat: str = flag("auto", "per-layer remat: auto (scanned: dots_and_attention; loop: none), none, full, dots_saveable, dots_with_no_batch_dims_saveable, dots_and_attention, offload_dots")
   attention: str = flag("auto", "attention kernel: auto (splash on TPU, cuDNN on GPU, blocked XLA on CPU), xla, splash, cudnn, none")
   dtype: str = flag("float32", "float32; bfloat16 (bf16 compute, fp32 master weights and Adam); bfloat16-all")
   grad_accum: int = flag(1, "microbatches per step (activations shrink by this factor)")
@@ -361,6 +361,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
 
   import torch_on_tpu as tot
   from torch_on_tpu import checkpoint, data, lora, plan
+  from torch_on_tpu import remat as remat_lib
 
   mesh = tot.make_mesh(fsdp=flags.fsdp, tp=flags.tp)
   if main:
@@ -395,7 +396,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   memory_bytes = flags.memory_gib * 2**30 if flags.memory_gib else None
   memory = plan.plan_memory(
     abstract_step, shape, global_batch_size=flags.global_batch_size, seqlen=flags.seqlen,
-    remat=flags.remat, device_bytes=memory_bytes,
+    remat=remat_lib.layer_policy(_remat(flags), scanned=flags.scan), device_bytes=memory_bytes,
   )
   if main:
     print(memory, flush=True)
@@ -540,6 +541,11 @@ def _check_flags(flags: Flags, error) -> None:
     )
 
 
+def _remat(flags: Flags) -> str | None:
+  """--remat as JittableModule takes it: None lets the layer stack pick (`remat.layer_policy`)."""
+  return None if flags.remat == "auto" else flags.remat
+
+
 def _model(flags: Flags, recipe: Recipe, mesh, abstract: bool):
   """The JittableModule: the recipe's model (with imported weights, with LoRA adapters)."""
   import torch_on_tpu as tot
@@ -547,7 +553,7 @@ def _model(flags: Flags, recipe: Recipe, mesh, abstract: bool):
 
   sharding = "fsdp_tp" if flags.tp > 1 else "fsdp"
   attention = None if flags.attention == "none" else flags.attention
-  layers = dict(scan=flags.scan, unroll=flags.unroll, remat=None if flags.remat == "none" else flags.remat)
+  layers = dict(scan=flags.scan, unroll=flags.unroll, remat=_remat(flags))
   common = dict(mesh=mesh, sharding=sharding, seed=flags.seed, attention=attention)
   if not recipe.lora:
     jm = tot.JittableModule(recipe.build(), abstract=abstract, **common, **layers)

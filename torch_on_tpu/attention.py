@@ -33,9 +33,11 @@ import jax
 import jax.numpy as jnp
 import torch
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from torch_on_tpu import _compat, ops
+from torch_on_tpu import remat as remat_lib
 from torch_on_tpu.errors import TorchOnTpuError
 
 torchax = _compat.import_torchax()
@@ -232,7 +234,7 @@ class Attention:
     call = functools.partial(
       self._local, kind=kind, causal=causal, scale=scale, dropout_rate=float(dropout_rate)
     )
-    out = self._sharded(call, q, k, v, mask, segment_ids, seed)
+    out = checkpoint_name(self._sharded(call, q, k, v, mask, segment_ids, seed), remat_lib.ATTENTION_NAME)
     out = out.reshape(*lead, hq, length, v.shape[-1])
     return out.reshape(out.shape[len(out.shape) - out_ndim :]) if out_ndim < out.ndim else out
 
@@ -808,6 +810,7 @@ def _flash_fwd(q, k, v, mask, q_seg, kv_seg, seed, offsets, t):
   mask_grad = mask is not None and mask.perturbed and value(mask).dtype != jnp.bool_
   args = [value(x) for x in (q, k, v, mask, q_seg, kv_seg, seed, offsets)]
   out, lse = _flash_forward(t, *args)
+  out, lse = (checkpoint_name(x, remat_lib.ATTENTION_NAME) for x in (out, lse))
   return out, (*args, out, lse, jnp.zeros(()) if mask_grad else None)
 
 

@@ -24,6 +24,7 @@ Per device, it counts:
   |---|---|
   | `none` | every intermediate: `dots` + 4·d + (2·h·dh + hk·dh + 2·f)/tp (norms, RoPE, SwiGLU products) |
   | `dots_saveable`, `dots_with_no_batch_dims_saveable` | the layer input d plus the matmul outputs (h·dh + 2·hk·dh + 2·f)/tp + 2·d |
+  | `dots_and_attention` (a scan's default) | the same plus the attention output h·dh/tp |
   | `offload_dots` | the layer input d on the device; the matmul outputs go to host memory |
   | `full` | the layer input d |
 
@@ -229,7 +230,10 @@ def _plan(step, shape, global_batch_size, seqlen, remat, grad_accum) -> MemoryPl
   dots = (s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim + 2 * s.ffn_dim) / tp + 2 * s.dim
   everything = dots + 4 * s.dim + (2 * s.heads * s.head_dim + s.kv_heads * s.head_dim + 2 * s.ffn_dim) / tp
   policy = remat or "none"
-  kept = {"none": everything, "full": s.dim, "offload_dots": s.dim}.get(policy, s.dim + dots)
+  attention_out = s.heads * s.head_dim / tp
+  kept = {
+    "none": everything, "full": s.dim, "offload_dots": s.dim, "dots_and_attention": s.dim + dots + attention_out,
+  }.get(policy, s.dim + dots)
   offloaded = dots if policy == "offload_dots" and _can_offload(mesh) else 0
   if policy == "offload_dots" and not offloaded:
     kept = s.dim + dots  # no host memory apart from the device's: kept in place

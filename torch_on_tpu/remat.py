@@ -11,6 +11,7 @@ layer stack:
 | `full` | nothing but the inputs (recompute the whole forward; least memory) |
 | `dots_saveable` | every matmul output |
 | `dots_with_no_batch_dims_saveable` | matmul outputs without batch dims (the projections, not attention scores) |
+| `dots_and_attention` | every matmul output and the attention kernels' outputs and softmax statistics: what an unrolled layer loop ends up keeping; cheap elementwise work (norms, activations, dtype converts) is recomputed |
 | `offload_dots` | like the previous, but moved to pinned host memory until the backward pass |
 
 `offload_dots` needs device memory distinct from host memory (TPU, GPU). On the
@@ -30,13 +31,17 @@ from torch_on_tpu.errors import TorchOnTpuError
 
 logger = logging.getLogger(__name__)
 
-NAMES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dots")
+NAMES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "dots_and_attention", "offload_dots")
 
 # Matmuls the bridge runs inside a `custom_vjp` (the CPU `F.linear` of
 # `torch_on_tpu.train`) are invisible to the dot-based policies; they tag their
 # output with this `checkpoint_name` so those policies keep it all the same.
 MATMUL_NAME = "torch_on_tpu.matmul"
 _NAMED_MATMULS = jax.checkpoint_policies.save_only_these_names(MATMUL_NAME)
+# The attention kernels' outputs and softmax statistics (a custom call or a
+# custom_vjp, not a dot) carry this name, so a policy can keep them instead of
+# recomputing the whole attention.
+ATTENTION_NAME = "torch_on_tpu.attention"
 
 _FIXED = {
   "none": jax.checkpoint_policies.everything_saveable,
@@ -47,9 +52,30 @@ _FIXED = {
   "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.save_from_both_policies(
     jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _NAMED_MATMULS
   ),
+  "dots_and_attention": jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_saveable,
+    jax.checkpoint_policies.save_only_these_names(MATMUL_NAME, ATTENTION_NAME),
+  ),
 }
 
 _offload_notice_given = False
+
+# What a scanned stack's layers keep when no policy is given. A scan has to
+# store every residual jax's autodiff picks as a stacked buffer written per
+# layer, where an unrolled loop lets XLA fuse cheap elementwise residuals
+# (norm intermediates in fp32, dtype converts) into their backward consumers;
+# keeping only matmul and attention outputs gives the scan what the loop keeps
+# (`tools/bench_compile.py`, docs/performance.md).
+SCANNED_DEFAULT = "dots_and_attention"
+
+
+def layer_policy(name: str | None, *, scanned: bool) -> str:
+  """The per-layer policy a layer stack runs: `name`, or for None the default
+  (`SCANNED_DEFAULT` for a scan, `none` for a loop)."""
+  if name is None:
+    return SCANNED_DEFAULT if scanned else "none"
+  policy(name)  # an unknown name fails here
+  return name
 
 
 def host_offload_supported(device: jax.Device | None = None) -> bool:

@@ -77,7 +77,10 @@ class ScannedModule(torch.nn.Module):
     layers: the layers, all of one class with the same tensor names, shapes
       and dtypes. Layer 0 becomes the template; its tensors are replaced by
       stacked ones (leading dim N).
-    remat: per-layer rematerialisation policy name (see `torch_on_tpu.remat`).
+    remat: per-layer rematerialisation policy name (see `torch_on_tpu.remat`);
+      None: `remat.SCANNED_DEFAULT` for a scan (matmul and attention outputs
+      kept, elementwise work recomputed: what the unrolled loop keeps), `none`
+      for a loop.
     unroll: how many scan iterations run unrolled (`lax.scan(unroll=)`).
     loop: run a Python loop over the layers instead of a scan (same remat),
       for comparison; compile time then grows with depth.
@@ -99,7 +102,9 @@ class ScannedModule(torch.nn.Module):
     if problem:
       raise TorchOnTpuError(f"ScannedModule needs identical layers: {problem}.")
     self.num_layers = len(layers)
-    self.remat = remat
+    self.remat = remat_lib.layer_policy(remat, scanned=not loop)
+    if remat is None and not loop:
+      _say_default_policy_once()
     self.unroll = unroll
     self.loop = loop
     template = layers[0]
@@ -116,22 +121,16 @@ class ScannedModule(torch.nn.Module):
     # Every layer's own module object (a tuple is not registered as submodules, so
     # their stale per-layer tensors never show in named_parameters()).
     self._layers = tuple(layers)
-    self._varying = _varying_attributes(layers)
     self._said_unrolled = False
+    self._stack_cache: _StackCache | None = None
 
   def __getattr__(self, name):
-    # Attributes a model's loop reads off its layers (HF `attention_type`) come
-    # from the template layer, when every layer has the same value.
+    # Used directly as one module, it answers for its template layer's attributes.
     try:
       return super().__getattr__(name)
     except AttributeError:
       if LAYER not in self.__dict__.get("_modules", {}):
         raise
-      if name in self.__dict__.get("_varying", ()):
-        raise TorchOnTpuError(
-          f"The model reads '{name}' off its scanned layers, and it differs from layer to layer; "
-          f"scan runs all layers as one module, so use scan=False."
-        ) from None
       return getattr(self._modules[LAYER], name)
 
   def train(self, mode: bool = True):
@@ -145,25 +144,31 @@ class ScannedModule(torch.nn.Module):
 
   def _run_one(self, index: int, extras: dict, args, kwargs, h, tensors, key):
     """Layer `index`'s own module on the hidden state `h`, with its slice of the stacked
-    tensors: (new hidden state, the arrays of the output-capture calls it recorded)."""
+    tensors: (new hidden state, (arrays of the output-capture calls it recorded,
+    arrays of its other outputs))."""
     layer = self._layers[index]
     template = self._modules[LAYER]
     with torchax.default_env().override_property(prng=key), _swapped(layer, tensors):
       with hf.deferred_output_capture(layer, template) as records:
         out = layer(torch_view(h), *args, **kwargs)
       _refuse_buffer_updates(layer, tensors)
-    hidden = jax_view(_hidden_of(out, extras))
-    if not records:
-      return hidden, []
-    leaves, extras.setdefault("records", {})[index] = _split_records(records)
-    return hidden, leaves
+    hidden, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
+    rest_leaves, extras.setdefault("rest", {})[index] = _split_tree(rest)
+    record_leaves = []
+    if records:
+      record_leaves, extras.setdefault("records", {})[index] = _split_records(records)
+    return jax_view(hidden), (record_leaves, rest_leaves)
 
-  def _replay(self, extras, index: int, leaves) -> None:
-    """Hands layer `index`'s recorded output-capture calls to the model's hooks."""
-    if leaves:
-      hf.replay_output_capture(self._modules[LAYER], _rebuild_records(extras["records"][index], leaves))
+  def _layer_output(self, extras, index: int, hidden, produced) -> tuple:
+    """(layer `index`'s output in its own form, its recorded capture calls)."""
+    record_leaves, rest_leaves = produced
+    rest = _rebuild_tree(extras["rest"][index], rest_leaves)
+    out = torch_view(hidden) if rest is None else (torch_view(hidden), *rest)
+    records = _rebuild_records(extras["records"][index], record_leaves) if record_leaves else []
+    return out, records
 
-  def forward(self, hidden, *args, **kwargs):
+  def _stack(self, hidden, args, kwargs) -> list[tuple]:
+    """Every layer in order from `hidden`: each layer's (output, recorded capture calls)."""
     _refuse_caches(kwargs)
     stacked = self._stacked()
     env = torchax.default_env()
@@ -175,30 +180,36 @@ class ScannedModule(torch.nn.Module):
       remat_lib.checkpoint(functools.partial(self._run_one, j, extras, args, kwargs), self.remat)
       for j in range(period)
     ]
+    outputs = []
     if period == self.num_layers:
       for i in range(self.num_layers):
-        h, recorded = run[i](h, jax.tree.map(lambda a, i=i: a[i], stacked), keys[i])
-        self._replay(extras, i, recorded)
-    else:
-      groups = self.num_layers // period
-      grouped = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), (stacked, keys))
+        h, produced = run[i](h, jax.tree.map(lambda a, i=i: a[i], stacked), keys[i])
+        outputs.append(self._layer_output(extras, i, h, produced))
+      return outputs
+    groups = self.num_layers // period
+    grouped = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), (stacked, keys))
 
-      def body(h, xs):
-        tensors, group_keys = xs
-        recorded = []
-        for j in range(period):
-          h, r = run[j](h, jax.tree.map(lambda a, j=j: a[j], tensors), group_keys[j])
-          recorded.append(r)
-        return h, recorded
+    def body(h, xs):
+      tensors, group_keys = xs
+      per_layer = []
+      for j in range(period):
+        h, produced = run[j](h, jax.tree.map(lambda a, j=j: a[j], tensors), group_keys[j])
+        per_layer.append((h, produced))
+      return h, per_layer
 
-      h, recorded = jax.lax.scan(body, h, grouped, unroll=self.unroll)
-      for g in range(groups):
-        for j in range(period):
-          self._replay(extras, j, [a[g] for a in recorded[j]])
-    out = torch_view(h)
-    if extras.get("tuple_len"):
-      return (out, *([None] * (extras["tuple_len"] - 1)))
-    return out
+    _, per_layer = jax.lax.scan(body, h, grouped, unroll=self.unroll)
+    for g in range(groups):
+      for j in range(period):
+        h_g, produced = jax.tree.map(lambda a, g=g: a[g], per_layer[j])
+        outputs.append(self._layer_output(extras, j, h_g, produced))
+    return outputs
+
+  def forward(self, hidden, *args, **kwargs):
+    """Every layer in order; returns the last layer's output."""
+    outputs = self._stack(hidden, args, kwargs)
+    for _, records in outputs:
+      hf.replay_output_capture(self._modules[LAYER], records)
+    return outputs[-1][0]
 
   def _period(self, extras, args, kwargs, h, stacked, keys) -> int:
     """The smallest p dividing N such that layer i computes the same function as layer i mod p."""
@@ -214,36 +225,97 @@ class ScannedModule(torch.nn.Module):
     ]
     n = self.num_layers
     period = next(p for p in range(1, n + 1) if not n % p and all(signatures[i] == signatures[i % p] for i in range(n)))
-    if period == n and n > 1 and not self._said_unrolled:
-      self._said_unrolled = True
-      logger.warning(
-        "scan: the %d %s layers do not all compute the same function (layer %d differs from layer 0), "
-        "so they run as a loop, one layer after another, exactly as unscanned.",
-        n, type(self._layers[0]).__name__, next(i for i in range(n) if signatures[i] != signatures[0]),
+    if period == n and n > 1:
+      self._say_unrolled(
+        f"the {n} {type(self._layers[0]).__name__} layers do not all compute the same function (layer "
+        f"{next(i for i in range(n) if signatures[i] != signatures[0])} differs from layer 0), so they "
+        f"run as a loop, one layer after another, exactly as unscanned"
       )
     return period
 
-  def run_layer(self, index: int, hidden, *args, **kwargs):
-    """Layer `index` alone (a model that calls `layers[i](...)` itself): it runs unrolled."""
-    _refuse_caches(kwargs)
+  def _say_unrolled(self, why: str) -> None:
     if not self._said_unrolled:
       self._said_unrolled = True
-      logger.warning(
-        "scan: the model calls its %s layers one at a time by index, so they run unrolled "
-        "(compile time grows with depth).",
-        type(self._layers[0]).__name__,
+      logger.warning("scan: %s.", why)
+
+  def call_layer(self, index: int, hidden, args, kwargs):
+    """What the model's own loop calls for layer `index` (through `_LayerView`).
+
+    Layer 0's call runs the whole stack (a scan) from its input and keeps every
+    layer's output; layer i's call then hands back layer i's output, as long as
+    the model passes on exactly what layer i - 1 returned, with the same other
+    arguments. A model that changes the hidden state or the arguments between
+    layers (per-layer masks, skipped layers) gets those layers run one at a time,
+    unrolled, on what it passes: its own loop, computed as written.
+    """
+    cache = self._stack_cache
+    if index == 0 or cache is None or not cache.serves(index, hidden, args, kwargs):
+      if index == 0:
+        outputs = self._stack(hidden, args, kwargs)
+        self._stack_cache = _StackCache(args, kwargs, outputs)
+        return self._serve(0)
+      self._stack_cache = None
+      self._say_unrolled(
+        f"the model changes the hidden state or the arguments between its {type(self._layers[0]).__name__} "
+        f"layers, so from layer {index} on they run one at a time, unrolled (compile time grows with depth)"
       )
+      return self.run_layer(index, hidden, *args, **kwargs)
+    return self._serve(index)
+
+  def _serve(self, index: int):
+    cache = self._stack_cache
+    out, records = cache.outputs[index]
+    hf.replay_output_capture(self._modules[LAYER], records)
+    cache.returned[index] = out[0] if isinstance(out, tuple) else out
+    if index == self.num_layers - 1:
+      self._stack_cache = None  # the pass is over; keep no traced values
+    return out
+
+  def run_layer(self, index: int, hidden, *args, **kwargs):
+    """Layer `index` alone, unrolled, on exactly the given input and arguments."""
+    _refuse_caches(kwargs)
     index = range(self.num_layers)[index]
     extras = {}
     key = jax.random.split(torchax.default_env().get_and_rotate_prng_key(), self.num_layers)[index]
     tensors = jax.tree.map(lambda a: a[index], self._stacked())
     run = remat_lib.checkpoint(functools.partial(self._run_one, index, extras, args, kwargs), self.remat)
-    h, recorded = run(jax_view(hidden), tensors, key)
-    self._replay(extras, index, recorded)
-    out = torch_view(h)
-    if extras.get("tuple_len"):
-      return (out, *([None] * (extras["tuple_len"] - 1)))
+    h, produced = run(jax_view(hidden), tensors, key)
+    out, records = self._layer_output(extras, index, h, produced)
+    hf.replay_output_capture(self._modules[LAYER], records)
     return out
+
+
+class _StackCache:
+  """One pass of the model's loop over a scanned stack: the outputs of every layer,
+  and what was handed out, to check the model passes them on unchanged."""
+
+  def __init__(self, args, kwargs, outputs):
+    self.args, self.kwargs = args, kwargs
+    self.outputs = outputs
+    self.returned: dict[int, object] = {}
+
+  def serves(self, index: int, hidden, args, kwargs) -> bool:
+    return hidden is self.returned.get(index - 1) and _same_arguments((args, kwargs), (self.args, self.kwargs))
+
+
+def _same_arguments(a, b) -> bool:
+  """The same tensors (by identity) and equal plain values."""
+  flat_a, tree_a = torch_pytree.tree_flatten(a)
+  flat_b, tree_b = torch_pytree.tree_flatten(b)
+  if tree_a != tree_b:
+    return False
+  for x, y in zip(flat_a, flat_b):
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+      if x is not y:
+        return False
+    else:
+      try:
+        if not bool(x == y):
+          return False
+      except Exception:  # noqa: BLE001 (values without a plain ==)
+        if x is not y:
+          return False
+  return True
 
 
 class _LayerView:
@@ -278,41 +350,44 @@ class _LayerView:
         f"The model calls '{self._path}' of one scanned layer on its own; scan runs whole layers, "
         f"so use scan=False."
       )
-    return self._scanned.run_layer(self._index, *args, **kwargs)
+    return self._scanned.call_layer(self._index, args[0], args[1:], kwargs)
 
 
 class ScanContainer(torch.nn.Module):
-  """Stands where the model's layer container stood; iterating it (directly,
-  `.values()`, or a slice covering every layer) yields the one `ScannedModule`."""
+  """Stands where the model's layer container stood. Iterating it (directly,
+  `.values()`, slices) or indexing it yields one `_LayerView` per layer: layer
+  i's attributes, and a call that the `ScannedModule` serves from one scan over
+  the whole stack (see `ScannedModule.call_layer`)."""
 
   def __init__(self, scanned: ScannedModule, original: torch.nn.Module):
     super().__init__()
     self.add_module(SCAN, scanned)
     self._original_type = type(original).__name__
 
-  def _only(self):
-    return [self._modules[SCAN]]
+  def _views(self) -> list[_LayerView]:
+    scanned = self._modules[SCAN]
+    return [_LayerView(scanned, i) for i in range(scanned.num_layers)]
 
   def __iter__(self):
-    return iter(self._only())
+    return iter(self._views())
 
   def values(self):
-    return self._only()
+    return self._views()
 
   def __len__(self):
     return self._modules[SCAN].num_layers
 
   def __getitem__(self, index):
     n = self._modules[SCAN].num_layers
-    if isinstance(index, slice) and range(n)[index] == range(n):
-      return self._only()
+    if isinstance(index, slice):
+      return self._views()[index]
+    if isinstance(index, str) and index.isdigit():  # a ModuleDict's key
+      index = int(index)
     if isinstance(index, int) and -n <= index < n:
-      return _LayerView(self._modules[SCAN], index % n)
-    if isinstance(index, str) and index.isdigit() and int(index) < n:  # a ModuleDict's key
-      return _LayerView(self._modules[SCAN], int(index))
+      return self._views()[index]
     raise TorchOnTpuError(
-      f"The model indexes its scanned {self._original_type} with [{index!r}]; scan runs all "
-      f"{n} layers as one module, so only iteration over every layer works: use scan=False."
+      f"The model indexes its scanned {self._original_type} with [{index!r}], which names no layer "
+      f"of its {n}."
     )
 
 
@@ -464,38 +539,43 @@ def _tensors(module):
   yield from module.named_buffers(remove_duplicate=False)
 
 
-def _varying_attributes(layers: list[torch.nn.Module]) -> frozenset[str]:
-  """Plain attributes of the layer objects whose values differ between layers (`layer_idx`)."""
-  def plain(layer):
-    return {k: v for k, v in vars(layer).items() if not k.startswith("_") and not isinstance(v, (torch.nn.Module, torch.Tensor))}
+_default_policy_said = False
 
-  first = plain(layers[0])
-  varying = set()
-  for layer in layers[1:]:
-    for k, v in plain(layer).items():
-      try:
-        same = k in first and bool(first[k] == v)
-      except Exception:  # noqa: BLE001 (values without a plain ==)
-        same = first.get(k) is v
-      if not same:
-        varying.add(k)
-  return frozenset(varying)
+
+def _say_default_policy_once() -> None:
+  global _default_policy_said
+  if not _default_policy_said:
+    _default_policy_said = True
+    logger.info(
+      "scan: each layer keeps its matmul and attention outputs for the backward and recomputes "
+      "elementwise work (remat=%r), which is what an unrolled layer loop keeps; remat='none' "
+      "keeps everything.",
+      remat_lib.SCANNED_DEFAULT,
+    )
+
+
+def _split_tree(tree) -> tuple[list, tuple]:
+  """A pytree holding torch tensors → (its tensors as jax arrays, what rebuilds it)."""
+  flat, spec = torch_pytree.tree_flatten(tree)
+  is_tensor = [isinstance(x, torch.Tensor) for x in flat]
+  return [jax_view(x) for x, t in zip(flat, is_tensor) if t], (spec, is_tensor, [None if t else x for x, t in zip(flat, is_tensor)])
+
+
+def _rebuild_tree(layout, leaves):
+  spec, is_tensor, static = layout
+  it = iter(leaves)
+  return torch_pytree.tree_unflatten([torch_view(next(it)) if t else x for x, t in zip(static, is_tensor)], spec)
 
 
 def _split_records(records) -> tuple[list, tuple]:
   """Recorded (path, args, output) calls → (their tensors as jax arrays, what rebuilds them)."""
-  flat, tree = torch_pytree.tree_flatten([(args, output) for _, args, output in records])
-  is_tensor = [isinstance(x, torch.Tensor) for x in flat]
-  leaves = [jax_view(x) for x, t in zip(flat, is_tensor) if t]
-  static = [None if t else x for x, t in zip(flat, is_tensor)]
-  return leaves, (tree, is_tensor, static, [path for path, _, _ in records])
+  leaves, layout = _split_tree([(args, output) for _, args, output in records])
+  return leaves, (layout, [path for path, _, _ in records])
 
 
 def _rebuild_records(spec, leaves) -> list:
-  tree, is_tensor, static, paths = spec
-  it = iter(leaves)
-  flat = [torch_view(next(it)) if t else s for t, s in zip(is_tensor, static)]
-  return [(path, args, output) for path, (args, output) in zip(paths, torch_pytree.tree_unflatten(flat, tree))]
+  layout, paths = spec
+  return [(path, args, output) for path, (args, output) in zip(paths, _rebuild_tree(layout, leaves))]
 
 
 def _jaxpr_signature(closed) -> tuple:
@@ -529,19 +609,6 @@ def _refuse_buffer_updates(layer: torch.nn.Module, tensors: Mapping[str, jax.Arr
         f"A scanned layer updates its buffer '{name}' in the forward (running statistics, a "
         f"counter); scan does not carry buffer updates, so use scan=False for this model."
       )
-
-
-def _hidden_of(out, extras: dict):
-  if isinstance(out, tuple):
-    rest = [i for i, x in enumerate(out[1:], start=1) if x is not None]
-    if rest:
-      raise TorchOnTpuError(
-        f"A scanned layer returned a tuple with a non-None element at index {rest[0]}; scan carries "
-        f"only the hidden state, so return values other than it must be None: use scan=False."
-      )
-    extras["tuple_len"] = len(out)
-    return out[0]
-  return out
 
 
 def _refuse_caches(kwargs):
