@@ -359,14 +359,19 @@ class ScanContainer(torch.nn.Module):
   i's attributes, and a call that the `ScannedModule` serves from one scan over
   the whole stack (see `ScannedModule.call_layer`)."""
 
-  def __init__(self, scanned: ScannedModule, original: torch.nn.Module):
+  def __init__(self, scanned: ScannedModule, stack: LayerStack):
     super().__init__()
     self.add_module(SCAN, scanned)
-    self._original_type = type(original).__name__
+    self._original_type = type(stack.container).__name__
+    scanned_keys = {k: i for i, k in enumerate(stack.keys)}
+    self._order = [(k, scanned_keys.get(k)) for k in stack.all_keys]
+    for key, index in self._order:
+      if index is None:  # a block outside the identical run keeps its place and names
+        self.add_module(key, stack.container._modules[key])
 
-  def _views(self) -> list[_LayerView]:
+  def _views(self) -> list:
     scanned = self._modules[SCAN]
-    return [_LayerView(scanned, i) for i in range(scanned.num_layers)]
+    return [self._modules[k] if i is None else _LayerView(scanned, i) for k, i in self._order]
 
   def __iter__(self):
     return iter(self._views())
@@ -375,14 +380,14 @@ class ScanContainer(torch.nn.Module):
     return self._views()
 
   def __len__(self):
-    return self._modules[SCAN].num_layers
+    return len(self._order)
 
   def __getitem__(self, index):
-    n = self._modules[SCAN].num_layers
+    n = len(self._order)
     if isinstance(index, slice):
       return self._views()[index]
-    if isinstance(index, str) and index.isdigit():  # a ModuleDict's key
-      index = int(index)
+    if isinstance(index, str) and index in [k for k, _ in self._order]:  # a ModuleDict's key
+      index = [k for k, _ in self._order].index(index)
     if isinstance(index, int) and -n <= index < n:
       return self._views()[index]
     raise TorchOnTpuError(
@@ -393,11 +398,16 @@ class ScanContainer(torch.nn.Module):
 
 @dataclasses.dataclass
 class LayerStack:
-  """Where a model keeps its blocks: `path` of the container and its child keys in order."""
+  """Where a model keeps its blocks: `path` of the container, the child keys of the
+  run of identical blocks that scans (`keys`), and all child keys in order."""
 
   path: str
   keys: list[str]
   container: torch.nn.Module
+  all_keys: list[str] = dataclasses.field(default_factory=list)
+
+  def __post_init__(self):
+    self.all_keys = self.all_keys or list(self.keys)
 
   @property
   def layers(self) -> list[torch.nn.Module]:
@@ -416,8 +426,26 @@ def find_layer_stack(module: torch.nn.Module) -> LayerStack | None:
       continue
     count = sum(p.numel() for p in mod.parameters())
     if count > best_count:
-      best, best_count = LayerStack(path, keys, mod), count
+      best, best_count = LayerStack(path, keys, mod, keys), count
   return best
+
+
+def longest_identical_run(stack: LayerStack) -> LayerStack | None:
+  """The longest run of ≥ 2 consecutive blocks that stack (same class, tensor names,
+  shapes and dtypes, none shared), as a LayerStack over the same container; or None."""
+  layers = [stack.container._modules[k] for k in stack.all_keys]
+  kinds = [(type(m), tuple(_signature(m).items())) for m in layers]
+  best = (0, 0)
+  start = 0
+  for i in range(1, len(layers) + 1):
+    if i == len(layers) or kinds[i] != kinds[start]:
+      if i - start > best[1] - best[0]:
+        best = (start, i)
+      start = i
+  begin, end = best
+  if end - begin < 2 or homogeneity_problem(layers[begin:end]):
+    return None
+  return LayerStack(stack.path, stack.all_keys[begin:end], stack.container, stack.all_keys)
 
 
 def homogeneity_problem(layers: list[torch.nn.Module]) -> str | None:
@@ -514,7 +542,7 @@ class ScanLayout:
   ) -> ScannedModule:
     """Swaps the model's layer container for the scan (in place)."""
     scanned = ScannedModule(self.stack.layers, remat=remat, unroll=unroll, loop=loop)
-    container = ScanContainer(scanned, self.stack.container)
+    container = ScanContainer(scanned, self.stack)
     owner_path, _, leaf = self.stack.path.rpartition(".")
     owner = module.get_submodule(owner_path) if owner_path else module
     setattr(owner, leaf, container)
@@ -527,10 +555,21 @@ def plan(module: torch.nn.Module, entries) -> ScanLayout | None:
   if stack is None:
     logger.warning("scan=True: found no stack of two or more identical blocks; running unscanned.")
     return None
-  problem = homogeneity_problem(stack.layers) or hf.per_layer_inputs_problem(module, stack.layers)
+  problem = hf.per_layer_inputs_problem(module, stack.layers)
   if problem:
     logger.warning("scan=True: cannot scan '%s' because %s; running unscanned.", stack.path, problem)
     return None
+  problem = homogeneity_problem(stack.layers)
+  if problem:
+    run = longest_identical_run(stack)
+    if run is None:
+      logger.warning("scan=True: cannot scan '%s' because %s; running unscanned.", stack.path, problem)
+      return None
+    logger.warning(
+      "scan=True: '%s' is not one stack of identical blocks (%s); its blocks %s to %s scan and the "
+      "others run as they are.", stack.path, problem, run.keys[0], run.keys[-1],
+    )
+    stack = run
   return ScanLayout(stack, entries)
 
 
