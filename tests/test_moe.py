@@ -205,17 +205,25 @@ def test_eager_experts_loop_runs_the_grouped_path_with_the_same_numbers():
   assert h.rel(tot.to_cpu(jm(**forward).logits), want) < 1e-5
 
 
+EXPERT_PARALLEL = [(f, dict(ep=4, fsdp=2)) for f in FAMILIES] + [("mixtral", dict(fsdp=8))]
+
+
 @pytest.mark.parametrize(
-  "mesh_axes", [dict(ep=4, fsdp=2), dict(fsdp=8)], ids=["ep=4,fsdp=2", "experts-over-fsdp=8"]
+  "family,mesh_axes", EXPERT_PARALLEL,
+  ids=[f"{f}-" + ",".join(f"{k}={v}" for k, v in m.items()) for f, m in EXPERT_PARALLEL],
 )
-def test_expert_parallel_splits_experts_and_matches_one_device(mesh_axes):
-  ref = build("mixtral")
+def test_expert_parallel_splits_experts_and_matches_one_device(family, mesh_axes):
+  """Experts split over 4 devices (2 of 8 each; or over all 8 on a plain fsdp mesh),
+  scanned where the family scans: logits, loss and gradients as torch eager's."""
+  ref = build(family)
   inputs, labels = left_padded_batch()
   ref_logits, ref_loss, ref_grads = torch_loss_and_grads(ref, inputs)
   jm = tot.JittableModule(copy.deepcopy(ref), mesh=tot.make_mesh(**mesh_axes), sharding="ep", scan=True)
   expert_axis = "ep" if "ep" in mesh_axes else "fsdp"
-  spec = jm.param_shardings["model.layers.scan.layer.mlp.experts.gate_up_proj"].spec
-  assert spec[:2] == (None, expert_axis)  # (layer, expert, ...): 8 experts, 2 a device on ep=4
+  experts = [(n, s.spec) for n, s in jm.param_shardings.items() if ".experts." in n and len(s.spec) >= 2]
+  assert experts and all(
+    spec[1 if ".scan." in n else 0] == expert_axis for n, spec in experts
+  ), experts  # the expert dim (after the layer dim when scanned) is split
   forward = {k: v for k, v in inputs.items() if k != "labels"}
   assert h.rel(tot.to_cpu(jm(**forward).logits), ref_logits) < 1e-5
   loss, grads = ours_loss_and_grads(jm, inputs, labels)
