@@ -54,6 +54,7 @@ class Flags:
   warmup_steps: int = flag(10, "linear warmup steps; then cosine decay to lr/10 at --steps")
   weight_decay: float = flag(0.1, "AdamW weight decay")
   clip_norm: float = flag(1.0, "gradient clipping by global norm (0: off)")
+  max_skips: int = flag(5, "skip a step whose loss, gradient or update is NaN/Inf (state kept); stop after this many in a row (0: stop at the first)")
   fsdp: int = flag(-1, "devices on the fsdp mesh axis (-1: all that --tp leaves)")
   tp: int = flag(1, "devices on the tensor-parallel mesh axis")
   scan: bool = flag(True, "run the layer stack as one lax.scan (compile time flat in depth)")
@@ -245,6 +246,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
       master_dtype=master_dtype,
       seed=flags.seed,
       trainable=lora.TRAINABLE if recipe.lora else None,
+      skip_nonfinite=flags.max_skips > 0,
     )
 
   # 1. Plan on abstract params: nothing allocated, so a run that cannot fit fails here.
@@ -326,6 +328,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
         profile_steps=_profile_steps(flags.profile),
         checkpointer=ckpt,
         stop_requested=guard.should_stop,
+        max_skips=max(flags.max_skips, 1),
         run_config=config,
       )
       summary = trainer.run()
@@ -349,6 +352,8 @@ def _check_flags(flags: Flags, error) -> None:
     raise error(f"--dtype={flags.dtype!r} is not one of {', '.join(DTYPES)}; pick one of those.")
   if flags.attention not in ATTENTION:
     raise error(f"--attention={flags.attention!r} is not one of {', '.join(ATTENTION)}; pick one of those.")
+  if flags.max_skips < 0:
+    raise error(f"--max_skips={flags.max_skips} is negative; give 0 (stop at the first NaN/Inf step) or more.")
   if flags.global_batch_size % flags.grad_accum:
     raise error(
       f"--global_batch_size={flags.global_batch_size} does not divide into --grad_accum={flags.grad_accum} "

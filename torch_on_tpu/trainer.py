@@ -13,8 +13,12 @@ step time), `metrics.jsonl` and TensorBoard scalars, an optional `jax.profiler`
 trace of steps N..M under `log_dir/profile`, and at the end `training.png` and
 a one-line summary.
 
-A NaN or Inf loss stops the run with a `TorchOnTpuError` naming the step; the
-bad state is never saved, so the last good checkpoint stays the newest.
+No non-finite state is saved: the step reports `nonfinite` when its loss,
+gradient norm or updated state holds a NaN or Inf, and the Trainer reads it
+before every save. A step built with `skip_nonfinite=True` has already kept
+the old state (counted as `skipped`); the run stops after `max_skips` skipped
+steps in a row. Without it, the first non-finite step stops the run. Either
+stop is a `TorchOnTpuError` naming the step and the newest saved step.
 
 Checkpointing is duck-typed (`torch_on_tpu.checkpoint.Checkpointer` fits):
 
@@ -67,6 +71,9 @@ class Trainer:
     profile_steps: `(first, last)` steps to trace with `jax.profiler` into
       `log_dir/profile` (open it in TensorBoard's profile tab or Perfetto).
     checkpointer, stop_requested: see the module docstring.
+    max_skips: consecutive steps skipped for a non-finite loss or gradient
+      (`skip_nonfinite=True`) after which the run stops; one bad batch is
+      survived, a diverged run is not.
     run_config: a JSON-able dict saved with every checkpoint.
     flops_per_token: for MFU; inferred for torchtitan/HF models, else MFU is not shown.
     peak_flops: FLOP/s of all devices together; default `metrics.peak_flops()`.
@@ -88,11 +95,14 @@ class Trainer:
     profile_steps: tuple[int, int] | None = None,
     checkpointer=None,
     stop_requested: Callable[[int], bool] | None = None,
+    max_skips: int = 5,
     run_config: dict | None = None,
     flops_per_token: float | None = None,
     peak_flops: float | None = None,
     progress: bool = True,
   ):
+    if max_skips < 1:
+      raise TorchOnTpuError(f"max_skips must be at least 1, got {max_skips}.")
     if profile_steps is not None and log_dir is None:
       raise TorchOnTpuError("profile_steps needs a log_dir to write the trace into; pass log_dir=.")
     self.train_step = train_step
@@ -107,6 +117,7 @@ class Trainer:
     self.profile_steps = profile_steps
     self.checkpointer = checkpointer
     self.stop_requested = stop_requested or (lambda step: False)
+    self.max_skips = max_skips
     self.run_config = run_config
     self.flops_per_token = flops_per_token
     self.peak_flops = peak_flops
@@ -124,6 +135,7 @@ class Trainer:
     )
     self._clock = _StepClock(self.train_step)
     self._saved_step = first_step  # a resumed run's first state is already saved
+    self._skips = 0  # skipped steps in a row
     data = iter(self.data)
     pending = None  # (step, metrics, labels) dispatched but not read yet
     preempted = False
@@ -146,7 +158,7 @@ class Trainer:
         profile_ends = self._profiling_ends(step)
         stop = self.stop_requested(step)
         if save_due or eval_due or profile_ends or stop or step == self.steps:
-          self._record(*pending)  # raises on a NaN loss, so a bad state is never saved
+          self._record(*pending)  # raises on a non-finite state, so one is never saved
           pending = None
         if profile_ends:
           jax.profiler.stop_trace()
@@ -171,15 +183,10 @@ class Trainer:
   # ---- bookkeeping --------------------------------------------------------------------
 
   def _record(self, step, metrics, labels) -> None:
-    """Reads a finished step's metrics (waiting for it), checks the loss, logs."""
+    """Reads a finished step's metrics (waiting for it), checks they are finite, logs."""
     values = {k: float(v) for k, v in metrics.items()}  # waits for that step
     seconds = self._clock.lap()
-    if not math.isfinite(values["loss"]):
-      raise TorchOnTpuError(
-        f"The loss is {values['loss']} at step {step}; stopped without saving that state (the "
-        f"last good checkpoint is untouched); lower the learning rate, set clip_norm, or check "
-        f"that step's batch."
-      )
+    self._check_finite(step, values)
     shape = jax.tree.leaves(labels)[0].shape
     values["step_time"] = seconds
     values["tokens_per_second"] = math.prod(shape) / seconds
@@ -191,6 +198,29 @@ class Trainer:
       postfix["mfu"] = f"{100 * values['mfu']:.1f}%"
     postfix["step"] = f"{seconds:.3f}s"
     self._bar.set_postfix(postfix, refresh=False)
+
+  def _check_finite(self, step, values) -> None:
+    """Counts skipped steps; raises on a non-finite state or too many skips in a row."""
+    fix = "lower the learning rate, set clip_norm, or check the data"
+    saved = (
+      f"the newest saved step is {self._saved_step}"
+      if self.checkpointer is not None and self._saved_step
+      else "no checkpoint was saved by this run"
+    )
+    if "skipped" in values:
+      self._skips = self._skips + 1 if values["skipped"] else 0
+      if self._skips >= self.max_skips:
+        raise TorchOnTpuError(
+          f"Steps {step - self._skips + 1} to {step} all had a non-finite loss or gradient norm "
+          f"(loss {values['loss']}) and were skipped, {self.max_skips} in a row (max_skips); "
+          f"stopped with the state of step {step - self._skips}, {saved}; {fix}."
+        )
+    elif values.get("nonfinite", 0) or not math.isfinite(values["loss"]):
+      raise TorchOnTpuError(
+        f"Step {step} made the training state non-finite (loss {values['loss']}, gradient norm "
+        f"{values.get('grad_norm')}); stopped without saving it, {saved}; {fix}, or build the "
+        f"step with skip_nonfinite=True."
+      )
 
   def _write(self, step, values) -> None:
     self.records.append({"step": step, **values})
