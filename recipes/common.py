@@ -219,7 +219,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   import optax
 
   import torch_on_tpu as tot
-  from torch_on_tpu import checkpoint, data, lora, plan
+  from torch_on_tpu import checkpoint, data, lora, plan, storage
 
   mesh = tot.make_mesh(fsdp=flags.fsdp, tp=flags.tp)
   if main:
@@ -332,9 +332,9 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
         run_config=config,
       )
       summary = trainer.run()
-  except Exception as e:  # noqa: BLE001 (only out-of-memory is translated; the rest re-raises)
-    if "RESOURCE_EXHAUSTED" not in str(e):
-      raise
+  except Exception as e:  # noqa: BLE001 (only device out-of-memory is translated; the rest re-raises)
+    if "RESOURCE_EXHAUSTED" not in str(e) or storage.error_code(e) is not None:
+      raise  # a full disk is RESOURCE_EXHAUSTED too: the Checkpointer names it
     raise tot.TorchOnTpuError(_oom_message(e, memory, report)) from None
   finally:
     train.close()
