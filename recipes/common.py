@@ -36,6 +36,8 @@ TPU_FLAGS = (
   "--xla_enable_async_reduce_scatter=true",
 )
 DTYPES = ("float32", "bfloat16", "bfloat16-all")
+# Flags that change what the saved state is (its layout, dtypes, model): a resume must keep them.
+STATE_FLAGS = ("model", "model_impl", "config", "scan", "dtype", "lora_rank", "lora_targets")
 ATTENTION = ("auto", "xla", "splash", "cudnn", "none")
 
 
@@ -68,7 +70,8 @@ class Flags:
   tokenizer: str | None = flag(None, "tokenizer.json or HF tokenizer dir (default: byte-level BPE trained on the data)")
   ckpt_dir: str | None = flag(None, "checkpoint directory (default: runs/<run>/ckpt)")
   save_every: int = flag(50, "save a checkpoint every N steps (and at the end)")
-  resume: bool = flag(True, "continue from the newest checkpoint in --ckpt_dir if there is one")
+  resume: bool = flag(True, "continue from the newest good checkpoint in --ckpt_dir; False: set its checkpoints aside as <step>.replaced (nothing deleted) and start afresh")
+  resume_step: int | None = flag(None, "resume from this saved step instead of the newest (newer steps are set aside as <step>.superseded)")
   eval_every: int = flag(25, "eval loss on held-out data every N steps (0: never)")
   eval_batches: int = flag(4, "held-out batches per eval")
   profile: str | None = flag(None, "steps to trace with jax.profiler, 'FIRST,LAST' (into <log_dir>/profile)")
@@ -285,18 +288,11 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
     with_positions=titan, with_segment_ids=titan, field=flags.data_field,
   )
   ckpt = checkpoint.Checkpointer(config["ckpt_dir"], save_every=flags.save_every)
-  restored = None
-  if ckpt.latest_step() is not None:
-    if not flags.resume:
-      ckpt.close()
-      raise tot.TorchOnTpuError(
-        f"{config['ckpt_dir']} already holds checkpoints up to step {ckpt.latest_step()}; pass "
-        f"--resume to continue from it or another --ckpt_dir to start afresh."
-      )
-    restored = ckpt.restore(step.abstract_state())
-    step.state = restored.state
-    if main:
-      print(f"Resumed from step {restored.step} of {config['ckpt_dir']}", flush=True)
+  try:
+    restored = _resume(ckpt, step, flags, config, main)
+  except BaseException:
+    ckpt.close()
+    raise
   train = data.batches(source, tokenizer, state=restored.data if restored else None, **data_kwargs)
   evals = (
     data.eval_batches(source, tokenizer, num_batches=flags.eval_batches, **data_kwargs)
@@ -347,6 +343,45 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   return summary
 
 
+def _resume(ckpt, step, flags: Flags, config: dict, main: bool):
+  """Restores the checkpoint to continue from into `step` (None: a fresh run), or refuses in one sentence."""
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  saved = ckpt.all_steps()
+  if not saved:
+    if flags.resume_step is not None:
+      raise TorchOnTpuError(f"--resume_step={flags.resume_step} but {config['ckpt_dir']} holds no checkpoint.")
+    return None
+  if not flags.resume:
+    ckpt.set_aside(saved, "replaced")
+    if main:
+      print(f"--resume=False: set aside steps {saved} of {config['ckpt_dir']} as <step>.replaced; starting afresh", flush=True)
+    return None
+  _check_same_state(ckpt.saved_config(flags.resume_step), config, ckpt.directory)
+  restored = ckpt.restore(step.abstract_state(), step=flags.resume_step)
+  _check_same_state(restored.config, config, ckpt.directory / str(restored.step))  # after a fallback
+  newer = [s for s in ckpt.all_steps() if s > restored.step]
+  ckpt.set_aside(newer, "superseded")
+  step.state = restored.state
+  if main:
+    aside = f"; set aside the newer steps {newer} as <step>.superseded" if newer else ""
+    print(f"Resumed from step {restored.step} of {config['ckpt_dir']}{aside}", flush=True)
+  return restored
+
+
+def _check_same_state(saved: dict | None, config: dict, where) -> None:
+  """Refuses a resume whose flags change what the saved state is, naming the flag and its saved value."""
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  for name in STATE_FLAGS:
+    if saved and name in saved and name in config and saved[name] != config[name]:
+      raise TorchOnTpuError(
+        f"The checkpoint at {where} was saved with --{name}={saved[name]} but this run has "
+        f"--{name}={config[name]}; resume with --{name}={saved[name]}, or start afresh with "
+        f"--resume=False or another --ckpt_dir."
+      )
+
+
 def _check_flags(flags: Flags, error) -> None:
   if flags.dtype not in DTYPES:
     raise error(f"--dtype={flags.dtype!r} is not one of {', '.join(DTYPES)}; pick one of those.")
@@ -354,6 +389,8 @@ def _check_flags(flags: Flags, error) -> None:
     raise error(f"--attention={flags.attention!r} is not one of {', '.join(ATTENTION)}; pick one of those.")
   if flags.max_skips < 0:
     raise error(f"--max_skips={flags.max_skips} is negative; give 0 (stop at the first NaN/Inf step) or more.")
+  if flags.resume_step is not None and not flags.resume:
+    raise error("--resume_step needs --resume=True; drop one of the two.")
   if flags.global_batch_size % flags.grad_accum:
     raise error(
       f"--global_batch_size={flags.global_batch_size} does not divide into --grad_accum={flags.grad_accum} "

@@ -54,10 +54,30 @@ def test_train_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch):
   assert resumed["final_eval_loss"] == full["final_eval_loss"]
 
 
-def test_resume_false_refuses_a_used_directory(tmp_path):
-  llama3.run(titan_flags(tmp_path, steps=1, eval_every=0))
-  with pytest.raises(tot.TorchOnTpuError, match="--resume"):
-    llama3.run(titan_flags(tmp_path, steps=2, eval_every=0, resume=False))
+def test_resume_refuses_changed_state_flags_picks_a_step_and_starts_afresh_without_deleting(tmp_path, capsys):
+  llama3.run(titan_flags(tmp_path, steps=4, save_every=2, eval_every=0))
+  ckpt_dir = tmp_path / "run" / "ckpt"
+  capsys.readouterr()
+  for flag, saved, changed in (("scan", True, False), ("dtype", "float32", "bfloat16-all")):
+    with pytest.raises(tot.TorchOnTpuError) as err:
+      llama3.run(titan_flags(tmp_path, steps=6, eval_every=0, **{flag: changed}))
+    assert str(err.value) == (
+      f"The checkpoint at {ckpt_dir} was saved with --{flag}={saved} but this run has --{flag}={changed}; "
+      f"resume with --{flag}={saved}, or start afresh with --resume=False or another --ckpt_dir."
+    )
+    assert "Resumed" not in capsys.readouterr().out
+
+  # --resume_step=2: step 4 is set aside (not deleted); metrics.jsonl keeps one record per step
+  again = llama3.run(titan_flags(tmp_path, steps=4, save_every=2, eval_every=0, resume_step=2))
+  assert again["start"]["step"] == 2
+  assert "Resumed from step 2 of" in capsys.readouterr().out
+  assert sorted(p.name for p in ckpt_dir.iterdir()) == ["2", "4", "4.superseded"]
+  logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in logged if "loss" in r] == [1, 2, 3, 4]
+
+  fresh = llama3.run(titan_flags(tmp_path, steps=1, eval_every=0, resume=False))
+  assert fresh["start"]["step"] == 0
+  assert sorted(p.name for p in ckpt_dir.iterdir()) == ["1", "2.replaced", "4.replaced", "4.superseded"]
 
 
 def test_dry_run_plans_and_compiles_without_allocating(tmp_path, capsys):

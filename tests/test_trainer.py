@@ -211,22 +211,30 @@ def test_default_split_needs_input_ids_and_labels():
 def test_resume_through_the_checkpoint_module_continues_exactly(tmp_path):
   from torch_on_tpu.checkpoint import Checkpointer
 
-  with Checkpointer(tmp_path, save_every=2) as ckpt:
-    first = tot.Trainer(make_step(), Batches(), steps=4, checkpointer=ckpt, run_config={"lr": 1e-2}, progress=False)
+  log = tmp_path / "log"
+  with Checkpointer(tmp_path / "ckpt", save_every=2) as ckpt:
+    first = tot.Trainer(
+      make_step(), Batches(), steps=4, log_dir=log, checkpointer=ckpt, run_config={"lr": 1e-2}, progress=False
+    )
     first.run()
     losses = [r["loss"] for r in first.records]
 
   step = make_step()
-  with Checkpointer(tmp_path, save_every=2) as ckpt:
+  with Checkpointer(tmp_path / "ckpt", save_every=2) as ckpt:
     restored = ckpt.restore(step.abstract_state(), step=2)
     step.state = restored.state
     data = Batches()
     for _ in range(restored.data["served"]):
       next(data)
-    resumed = tot.Trainer(step, data, steps=4, checkpointer=ckpt, progress=False)
+    resumed = tot.Trainer(step, data, steps=4, log_dir=log, checkpointer=ckpt, progress=False)
     resumed.run()
   assert restored.config == {"lr": 1e-2} and step.step_count == 4
   assert [r["loss"] for r in resumed.records] == losses[2:]
+  # metrics.jsonl: one record per step; the first run's steps 3-4 kept aside
+  logged = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in logged] == [1, 2, 3, 4]
+  assert [r["loss"] for r in logged] == losses
+  assert [json.loads(x)["step"] for x in (log / "metrics.jsonl.after-2").read_text().splitlines()] == [1, 2, 3, 4]
 
 
 def test_cpu_mfu_above_100_percent_remeasures_the_peak_once(monkeypatch):

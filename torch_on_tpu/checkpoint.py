@@ -217,6 +217,16 @@ class Checkpointer:
       )
     return None
 
+  def saved_config(self, step: int | None = None) -> dict | None:
+    """The run config saved with `step` (default: the newest), read alone; None when unreadable."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      return None
+    try:
+      return self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    except (ValueError, KeyError, AttributeError, TypeError, OSError):
+      return None  # damaged: restore says how, and falls back
+
   def _restore_checked(self, step: int, target, partial: bool) -> tuple[Restored | None, str | None]:
     """(the restored step, None), or (None, what is damaged); a target that does not match raises."""
     problem = integrity.problem(self.directory / str(step))

@@ -129,7 +129,7 @@ class Trainer:
   def run(self) -> dict:
     """Trains until `steps` (or the data ends, or a stop is requested); returns a summary."""
     step = first_step = self.train_step.step_count
-    self._log = metrics_lib.RunLog(self.log_dir) if self.is_main and self.log_dir else None
+    self._log = metrics_lib.RunLog(self.log_dir, start_step=step) if self.is_main and self.log_dir else None
     self._bar = tqdm(
       total=self.steps, initial=step, disable=not (self.is_main and self.progress), dynamic_ncols=True
     )
