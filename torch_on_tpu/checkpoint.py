@@ -713,12 +713,10 @@ def import_safetensors(jm, path: str | os.PathLike) -> None:
   holds. Different names or shapes raise before anything is read, and `jm` is
   only updated once every tensor has loaded.
   """
-  from safetensors import safe_open
-
   files = _safetensors_files(Path(path))
   entries = {e.name: e for e in _plan(jm)}
   with contextlib.ExitStack() as stack:
-    handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+    handles = [stack.enter_context(_open_safetensors(f)) for f in files]
     where = {name: h for h in handles for name in h.keys()}
     found = {name: tuple(h.get_slice(name).get_shape()) for name, h in where.items()}
     # A tied group (HF's embed_tokens / lm_head) needs only one of its names stored.
@@ -756,6 +754,18 @@ def import_safetensors(jm, path: str | os.PathLike) -> None:
       merged.clear()
   for key, arr in loaded.items():
     (jm.params if key in jm.params else jm.buffers)[key] = arr
+
+
+def _open_safetensors(path: Path):
+  """`safe_open(path)`, with a truncated or malformed file named in one sentence."""
+  from safetensors import SafetensorError, safe_open
+
+  try:
+    return safe_open(str(path), framework="pt")
+  except (SafetensorError, OSError) as e:
+    raise TorchOnTpuError(
+      f"{path} is not a readable safetensors file ({str(e).strip()}); re-download or re-export it."
+    ) from None
 
 
 def _slice_reader(tensor_slice):
@@ -803,7 +813,12 @@ def _safetensors_files(path: Path) -> list[Path]:
     return [path]
   index = path / _INDEX_FILE
   if index.is_file():
-    weight_map = json.loads(index.read_text())["weight_map"]
+    try:
+      weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+      raise TorchOnTpuError(
+        f"{index} is not a safetensors index ({type(e).__name__}: {e}); re-download or re-export it."
+      ) from None
     return [path / f for f in sorted(set(weight_map.values()))]
   files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
   if not files:
