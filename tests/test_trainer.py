@@ -253,3 +253,19 @@ def test_cpu_mfu_above_100_percent_remeasures_the_peak_once(monkeypatch):
   given = tot.Trainer(step, [], steps=1, flops_per_token=1e6, peak_flops=1e8, progress=False)
   assert given._mfu(tokens_per_second=200, seqlen=16) == pytest.approx(2.0)  # a given peak is kept
   assert calls == [False, True]
+
+
+def test_a_token_id_outside_the_vocabulary_is_named_before_the_step():
+  step = make_step()
+  batches = [next(Batches()) for _ in range(3)]
+  batches[1]["input_ids"][2, 5] = VOCAB + 7
+  batches[2]["labels"][0, 0] = -100  # ignored by cross_entropy: fine
+  before = {k: np.asarray(v) for k, v in step.model.params.items()}
+  trainer = tot.Trainer(step, iter(batches), steps=3, progress=False)
+  with pytest.raises(tot.TorchOnTpuError) as err:
+    trainer.run()
+  assert str(err.value) == (
+    f"The batch for step 2 holds token id {VOCAB + 7} at input_ids[2, 5], outside the model's vocabulary "
+    f"of {VOCAB}; check that the tokenizer and the data match the model."
+  )
+  assert step.step_count == 1 and not np.array_equal(np.asarray(step.model.params["out.weight"]), before["out.weight"])

@@ -20,6 +20,11 @@ the old state (counted as `skipped`); the run stops after `max_skips` skipped
 steps in a row. Without it, the first non-finite step stops the run. Either
 stop is a `TorchOnTpuError` naming the step and the newest saved step.
 
+Token ids are checked where they enter: a host batch whose `input_ids` (or
+`labels`, -100 aside) fall outside the model's embedding rows raises, naming
+the id and its position; under jit an out-of-range id would be clamped or
+turned into NaN instead of torch's IndexError.
+
 Checkpointing is duck-typed (`torch_on_tpu.checkpoint.Checkpointer` fits):
 
     checkpointer.should_save(step) -> bool                 # asked after every step
@@ -43,6 +48,7 @@ from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 from torch_on_tpu import metrics as metrics_lib
@@ -124,6 +130,7 @@ class Trainer:
     self._peak_remeasured = peak_flops is not None  # a given peak is never second-guessed
     self.progress = progress
     self.is_main = jax.process_index() == 0
+    self._vocab = _embedding_rows(getattr(train_step.model, "module", None))
     self.records: list[dict] = []  # what was logged, also on processes that write nothing
 
   def run(self) -> dict:
@@ -146,6 +153,7 @@ class Trainer:
           break
         if self._profiling_starts(step + 1):
           jax.profiler.start_trace(str(pathlib.Path(self.log_dir) / "profile"))
+        _check_token_ids(batch, self._vocab, step + 1)
         inputs, labels = self.split_batch(self.to_global(batch))
         self.train_step(inputs, labels)
         step += 1
@@ -331,6 +339,33 @@ def summary_line(summary: dict) -> str:
     parts.append(f"MFU {100 * summary['median_mfu']:.1f}%")
   parts.append(f"compile {summary['compile_seconds']:.1f} s")
   return ", ".join(parts)
+
+
+def _embedding_rows(module) -> int | None:
+  """The vocabulary size the model's first embedding takes (None: no embedding)."""
+  if not isinstance(module, torch.nn.Module):
+    return None
+  return next((m.num_embeddings for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
+
+
+def _check_token_ids(batch, vocab: int | None, step: int) -> None:
+  """Host token ids outside `[0, vocab)` (labels may also be -100, ignored) raise, naming one."""
+  if vocab is None or not isinstance(batch, dict):
+    return
+  for key in ("input_ids", "labels"):
+    ids = batch.get(key)
+    if ids is None or isinstance(ids, jax.Array) or not hasattr(ids, "shape"):
+      continue  # global arrays on the mesh are not read back
+    ids = np.asarray(ids)
+    bad = (ids < 0) | (ids >= vocab)
+    if key == "labels":
+      bad &= ids != -100
+    if bad.any():
+      where = tuple(int(i) for i in np.argwhere(bad)[0])
+      raise TorchOnTpuError(
+        f"The batch for step {step} holds token id {int(ids[where])} at {key}{list(where)}, outside the "
+        f"model's vocabulary of {vocab}; check that the tokenizer and the data match the model."
+      )
 
 
 def default_split(model, batch):
