@@ -269,3 +269,15 @@ def test_a_token_id_outside_the_vocabulary_is_named_before_the_step():
     f"of {VOCAB}; check that the tokenizer and the data match the model."
   )
   assert step.step_count == 1 and not np.array_equal(np.asarray(step.model.params["out.weight"]), before["out.weight"])
+
+
+def test_a_state_non_finite_before_the_first_step_is_refused():
+  """An lr past float32's range, kept in the optimizer state, would make every step a skip of a NaN state."""
+  with torch.device("meta"):
+    model = Tiny()
+  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=-1))
+  step = tot.make_train_step(jm, ce_loss, optax.inject_hyperparams(optax.adamw)(learning_rate=1e39), skip_nonfinite=True)
+  checkpointer = RecordingCheckpointer(every=1)
+  with pytest.raises(tot.TorchOnTpuError, match=r"holds NaN or Inf before step 1 \(1 arrays, e.g. opt_state/hyperparams/learning_rate\); nothing was trained or saved"):
+    tot.Trainer(step, Batches(), steps=3, checkpointer=checkpointer, progress=False).run()
+  assert checkpointer.saves == [] and step.step_count == 0

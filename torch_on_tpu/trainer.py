@@ -143,6 +143,7 @@ class Trainer:
     self._clock = _StepClock(self.train_step)
     self._saved_step = first_step  # a resumed run's first state is already saved
     self._skips = 0  # skipped steps in a row
+    self._check_start_finite(step)
     data = iter(self.data)
     pending = None  # (step, metrics, labels) dispatched but not read yet
     preempted = False
@@ -206,6 +207,24 @@ class Trainer:
       postfix["mfu"] = f"{100 * values['mfu']:.1f}%"
     postfix["step"] = f"{seconds:.3f}s"
     self._bar.set_postfix(postfix, refresh=False)
+
+  def _check_start_finite(self, step: int) -> None:
+    """A state that is non-finite before any step (e.g. an lr that overflows float32 in the
+    optimizer state) would be kept by every skip and saved: refuse it up front."""
+    state = self.train_step.state
+    leaves = [
+      (path, x)
+      for path, x in jax.tree_util.tree_flatten_with_path({"params": state["params"], "opt_state": state["opt_state"]})[0]
+      if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
+    ]
+    finite = jax.jit(lambda xs: [jax.numpy.isfinite(x).all() for x in xs])([x for _, x in leaves])
+    bad = [jax.tree_util.keystr(path, simple=True, separator="/") for (path, _), ok in zip(leaves, finite) if not ok]
+    if bad:
+      raise TorchOnTpuError(
+        f"The training state holds NaN or Inf before step {step + 1} ({len(bad)} arrays, e.g. {bad[0]}); "
+        f"nothing was trained or saved; check the learning rate and other hyperparameters are finite in "
+        f"float32 (below 3.4e38), and the weights or checkpoint it starts from."
+      )
 
   def _check_finite(self, step, values) -> None:
     """Counts skipped steps; raises on a non-finite state or too many skips in a row."""
