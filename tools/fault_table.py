@@ -85,7 +85,7 @@ def sigkill(tmp: Path, trials: int) -> str:
   return outcome + ("; FAILED: " + "; ".join(problems) if problems else "")
 
 
-def damage(tmp: Path) -> tuple[int, str]:
+def damage(tmp: Path, flips: int) -> list[tuple[str, int, str]]:
   sys.path.insert(0, str(ROOT))
   import numpy as np
 
@@ -93,24 +93,40 @@ def damage(tmp: Path) -> tuple[int, str]:
   from torch_on_tpu import checkpoint
   from torch_on_tpu.errors import TorchOnTpuError
 
-  named, restored, tried = 0, 0, 0
-  for kind, (hurt, phrase) in faults.DAMAGE.items():
-    for repeat in range(3):  # another byte, another file of the kind, each time
-      tried += 1
-      directory = faults.saved_steps(tmp / f"damage-{tried}")
-      hurt(directory / "2")
-      with checkpoint.Checkpointer(directory) as ckpt:
-        try:
-          ckpt.restore(faults.target(), step=2)
-        except TorchOnTpuError as e:
-          named += phrase in str(e) and "\n" not in str(e)
-        back = ckpt.restore(faults.target())
-      restored += back.step == 1 and bool(np.all(np.asarray(back.state["w"]) == 1.0))
-  return tried, (
-    f"{named}/{tried} named in one sentence with the file; {restored}/{tried} restored the previous step "
-    f"({len(faults.DAMAGE)} kinds: array file flipped/truncated/missing, ocdbt manifest, pytree metadata, "
-    f"data JSON, checksums file, and two without checksums)"
-  )
+  def trial(name, hurt, phrase):
+    """(named in one sentence, previous step restored) after `hurt` damaged step 2."""
+    directory = faults.saved_steps(tmp / name)
+    hurt(directory / "2")
+    named = False
+    with checkpoint.Checkpointer(directory) as ckpt:
+      try:
+        ckpt.restore(faults.target(), step=2)
+      except TorchOnTpuError as e:
+        named = phrase in str(e) and "\n" not in str(e)
+      back = ckpt.restore(faults.target())
+    return named, back.step == 1 and bool(np.all(np.asarray(back.state["w"]) == 1.0))
+
+  kinds = [trial(f"kind-{i}", hurt, phrase) for i, (hurt, phrase) in enumerate(faults.DAMAGE.values())]
+
+  def random_flip(step_dir):
+    files = sorted(p for p in step_dir.glob("*/**/*") if p.is_file() and p.stat().st_size)
+    path = random.choice(files)
+    data = bytearray(path.read_bytes())
+    data[random.randrange(len(data))] ^= 1 << random.randrange(8)
+    path.write_bytes(bytes(data))
+
+  flipped = [trial(f"flip-{i}", random_flip, "does not match its checksum") for i in range(flips)]
+
+  def outcome(results):
+    return (
+      f"{sum(n for n, _ in results)}/{len(results)} named in one sentence with the step and file; "
+      f"{sum(r for _, r in results)}/{len(results)} restored the previous step"
+    )
+
+  return [
+    (f"each file kind of the newest step damaged ({', '.join(faults.DAMAGE)})", len(kinds), outcome(kinds)),
+    ("one random bit flipped in a random file of the newest step", flips, outcome(flipped)),
+  ]
 
 
 def storage_faults(tmp: Path, trials: int) -> list[tuple[str, int, str]]:
@@ -207,6 +223,7 @@ def launcher_sigterm(tmp: Path) -> str:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--kills", type=int, default=20, help="SIGKILL trials")
+  parser.add_argument("--flips", type=int, default=20, help="random bit flips in the newest step")
   parser.add_argument("--storage_trials", type=int, default=5)
   parser.add_argument("--only", default="sigkill,damage,storage,nan,launcher")
   args = parser.parse_args(argv)
@@ -215,8 +232,7 @@ def main(argv=None) -> int:
   with tempfile.TemporaryDirectory() as name:
     tmp = Path(name)
     if "damage" in only:
-      tried, outcome = damage(tmp)
-      rows.append(("byte flip / truncation / removal of each file kind of the newest step", tried, outcome))
+      rows += damage(tmp, args.flips)
     if "storage" in only:
       rows += storage_faults(tmp, args.storage_trials)
     if "nan" in only:

@@ -37,7 +37,6 @@ import os
 import shutil
 import signal
 import struct
-import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path

@@ -47,6 +47,7 @@ import time
 from collections.abc import Callable, Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 from tqdm.auto import tqdm
@@ -215,9 +216,9 @@ class Trainer:
     leaves = [
       (path, x)
       for path, x in jax.tree_util.tree_flatten_with_path({"params": state["params"], "opt_state": state["opt_state"]})[0]
-      if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
+      if jnp.issubdtype(x.dtype, jnp.inexact)
     ]
-    finite = jax.jit(lambda xs: [jax.numpy.isfinite(x).all() for x in xs])([x for _, x in leaves])
+    finite = jax.jit(lambda xs: [jnp.isfinite(x).all() for x in xs])([x for _, x in leaves])
     bad = [jax.tree_util.keystr(path, simple=True, separator="/") for (path, _), ok in zip(leaves, finite) if not ok]
     if bad:
       raise TorchOnTpuError(
