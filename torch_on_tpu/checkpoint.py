@@ -158,7 +158,7 @@ class Checkpointer:
     Without `force` only steps `should_save` picks are written; a step that is
     already saved is never written again.
     """
-    if step in self._manager.all_steps():
+    if step in self._manager.all_steps() or not (force or self._manager.should_save(step)):
       return False
     args = ocp.args.Composite(
       state=ocp.args.PyTreeSave(state),
