@@ -21,6 +21,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 # Flags for FSDP on TPU (v5e/v5p/v6e) set when the recipe runs on a TPU and
 # LIBTPU_INIT_ARGS is unset: run FSDP's all-gathers and reduce-scatters as
@@ -222,7 +223,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   import optax
 
   import torch_on_tpu as tot
-  from torch_on_tpu import checkpoint, data, lora, plan, storage
+  from torch_on_tpu import checkpoint, data, lora, plan
 
   mesh = tot.make_mesh(fsdp=flags.fsdp, tp=flags.tp)
   if main:
@@ -328,10 +329,11 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
         run_config=config,
       )
       summary = trainer.run()
-  except Exception as e:  # noqa: BLE001 (only device out-of-memory is translated; the rest re-raises)
-    if "RESOURCE_EXHAUSTED" not in str(e) or storage.error_code(e) is not None:
-      raise  # a full disk is RESOURCE_EXHAUSTED too: the Checkpointer names it
-    raise tot.TorchOnTpuError(_oom_message(e, memory, report)) from None
+  except Exception as e:  # noqa: BLE001 (storage faults and device OOM are translated; the rest re-raises)
+    message = _run_error_message(e, memory, report, config)
+    if message is None:
+      raise
+    raise tot.TorchOnTpuError(message) from None
   finally:
     train.close()
     ckpt.close()
@@ -450,6 +452,21 @@ def _profile_steps(spec) -> tuple[int, int] | None:
     return (spec, spec + 2)
   first, last = (int(x) for x in (spec if isinstance(spec, (tuple, list)) else str(spec).split(",")))
   return (first, last)
+
+
+def _run_error_message(error, memory, report, config: dict) -> str | None:
+  """One sentence for a storage fault (e.g. metrics.jsonl on a full disk) or a device
+  out-of-memory that reached the recipe; None for anything else. A full disk is
+  RESOURCE_EXHAUSTED too, so the errno is asked first."""
+  from torch_on_tpu import storage
+
+  where = Path(getattr(error, "filename", None) or config["log_dir"])
+  stored = storage.storage_error(error, "the run's files", where, "the checkpoints saved before are complete")
+  if stored is not None:
+    return stored
+  if "RESOURCE_EXHAUSTED" in str(error):
+    return _oom_message(error, memory, report)
+  return None
 
 
 def _oom_message(error, memory, report) -> str:

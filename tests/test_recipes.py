@@ -108,6 +108,16 @@ def test_an_out_of_memory_error_at_run_time_is_reported_with_the_plan(tmp_path, 
   assert "long XLA trace" not in str(info.value)
 
 
+def test_a_full_disk_reaching_the_recipe_is_a_storage_error_not_device_memory(tmp_path):
+  config = {"log_dir": str(tmp_path)}
+  full = OSError(28, "No space left on device", str(tmp_path / "metrics.jsonl"))
+  message = common._run_error_message(full, None, None, config)
+  assert message.startswith(f"Could not write the run's files to {tmp_path / 'metrics.jsonl'}: the filesystem is full (")
+  tensorstore = ValueError("RESOURCE_EXHAUSTED: Failed writing: No space left on device [os_error_code='28']")
+  assert "the filesystem is full" in common._run_error_message(tensorstore, None, None, config)
+  assert common._run_error_message(ValueError("shapes differ"), None, None, config) is None
+
+
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
   """A tiny HF Llama: config.json and random weights in model.safetensors."""
