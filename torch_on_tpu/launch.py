@@ -14,11 +14,12 @@ failed process's code and one line naming it, how it ended and its last line
 of output. SIGTERM/SIGINT to the launcher go to every process (a preemption:
 each saves and exits 0); the launcher then exits 0 when all of them did.
 
-`--grace` (default 300 s) must cover a preemption save of the whole state;
-set it from the save times a run logs, with a margin, and keep it below the
-platform's own notice (a GCE preemption gives 30 s, a TPU VM maintenance event
-more): a process still saving when it runs out is killed and its partial step
-ignored, so the run resumes from the previous one.
+`--grace` (default 300 s) is the time between SIGTERM and SIGKILL when the
+launcher is stopped: it must cover a preemption save of the whole state, so
+set it from the save times a run logs, with a margin. A process still saving
+when it runs out is killed and its partial step ignored (the run resumes from
+the previous one). After a process failed, the others get at most 10 s: no
+save can finish without it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from torch_on_tpu.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PRO
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _POLL_SECONDS = 0.05
 DEFAULT_GRACE_SECONDS = 300.0
+# After one process failed the others cannot finish a save (it needs every
+# process), so they get at most this long before SIGKILL.
+FAILURE_GRACE_SECONDS = 10.0
 
 
 class LaunchError(Exception):
@@ -56,7 +60,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--cpu_devices", type=int, default=None, help="simulated CPU devices per process")
   parser.add_argument(
     "--grace", type=float, default=DEFAULT_GRACE_SECONDS,
-    help=f"seconds between SIGTERM and SIGKILL: time for a preemption save (default {DEFAULT_GRACE_SECONDS:.0f})",
+    help=f"seconds between SIGTERM and SIGKILL when stopped: time for a preemption save (default {DEFAULT_GRACE_SECONDS:.0f})",
   )
   parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
   parser.add_argument("-m", dest="module", default=None, help="run a module, like python -m")
@@ -182,7 +186,7 @@ def run(args: argparse.Namespace, out=None) -> int:
         break
       time.sleep(_POLL_SECONDS)
     if failed is not None or interrupted is not None:
-      _stop(procs, args.grace)
+      _stop(procs, args.grace if failed is None else min(args.grace, FAILURE_GRACE_SECONDS))
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
