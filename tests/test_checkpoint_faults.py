@@ -4,9 +4,8 @@ bad state is loaded, and each fault is one sentence (tools/fault_table.py runs
 the long version)."""
 
 import contextlib
-import json
 import logging
-import os
+import shutil
 import subprocess
 import threading
 from pathlib import Path
@@ -58,7 +57,7 @@ DAMAGE = {
   "checksums bad json": (lambda d: (d / integrity.MANIFEST).write_text("{"), "checksums.json is unreadable"),
   # Without checksums (a step saved before they existed) the reader's own errors are caught.
   "no checksums, state dir gone": (
-    lambda d: ((d / integrity.MANIFEST).unlink(), _rmtree(d / "state")),
+    lambda d: ((d / integrity.MANIFEST).unlink(), shutil.rmtree(d / "state")),
     "its metadata is unreadable",
   ),
   "no checksums, data json bad": (
@@ -66,12 +65,6 @@ DAMAGE = {
     "reading it failed: JSONDecodeError",
   ),
 }
-
-
-def _rmtree(path):
-  import shutil
-
-  shutil.rmtree(path)
 
 
 @pytest.mark.parametrize("kind", list(DAMAGE))

@@ -131,45 +131,40 @@ def damage(tmp: Path, flips: int) -> list[tuple[str, int, str]]:
 
 def storage_faults(tmp: Path, trials: int) -> list[tuple[str, int, str]]:
   sys.path.insert(0, str(ROOT))
-  import jax.numpy as jnp
-
+  from tests import test_checkpoint_faults as faults
   from torch_on_tpu import checkpoint
   from torch_on_tpu.errors import TorchOnTpuError
 
   rows = []
   for fault in ("full", "read-only"):
-    named, kept = 0, 0
+    named = kept = 0
     for trial in range(trials):
       disk = tmp / f"{fault}-{trial}"
       disk.mkdir()
       if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(disk)], capture_output=True).returncode:
-        rows.append((f"disk {fault} while saving", 0, "not tried: mounting a tmpfs needs root"))
-        break
+        return rows + [("disk full / read-only while saving", 0, "not tried: mounting a tmpfs needs root")]
       try:
         ckpt = checkpoint.Checkpointer(disk / "ckpt")
-        ckpt.save(1, {"w": jnp.ones(100)}, force=True)
+        ckpt.save(1, faults.state(1), force=True)
         ckpt.wait()
         if fault == "read-only":
           subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
-        size = 200_000 if fault == "full" else 100
-        big = {"w": jnp.asarray(__import__("numpy").random.default_rng(trial).standard_normal(size), jnp.float32)}
         try:
-          ckpt.save(2, big if fault == "full" else {"w": jnp.ones(100)}, force=True)
+          ckpt.save(2, faults.big_state(trial) if fault == "full" else faults.state(2), force=True)
           ckpt.wait()
         except TorchOnTpuError as e:
           named += "Could not write checkpoint step 2" in str(e) and "step 1 is the newest" in str(e)
         ckpt.close()
-        subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=False)
+        subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
         with checkpoint.Checkpointer(disk / "ckpt", read_only=True) as reader:
-          kept += reader.restore({"w": jnp.zeros(100)}).step == 1
+          kept += reader.restore(faults.target()).step == 1
       finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
-    else:
-      rows.append((
-        f"disk {fault} while saving", trials,
-        f"{named}/{trials} one sentence with the path and free space (not device OOM); "
-        f"{kept}/{trials} kept step 1 restorable",
-      ))
+    rows.append((
+      f"disk {fault} while saving", trials,
+      f"{named}/{trials} one sentence with the path and free space (not device OOM); "
+      f"{kept}/{trials} kept step 1 restorable",
+    ))
   return rows
 
 
