@@ -137,6 +137,7 @@ class Trainer:
   def run(self) -> dict:
     """Trains until `steps` (or the data ends, or a stop is requested); returns a summary."""
     step = first_step = self.train_step.step_count
+    self._check_start_finite(step)
     self._log = metrics_lib.RunLog(self.log_dir, start_step=step) if self.is_main and self.log_dir else None
     self._bar = tqdm(
       total=self.steps, initial=step, disable=not (self.is_main and self.progress), dynamic_ncols=True
@@ -144,7 +145,6 @@ class Trainer:
     self._clock = _StepClock(self.train_step)
     self._saved_step = first_step  # a resumed run's first state is already saved
     self._skips = 0  # skipped steps in a row
-    self._check_start_finite(step)
     data = iter(self.data)
     pending = None  # (step, metrics, labels) dispatched but not read yet
     preempted = False
@@ -218,7 +218,7 @@ class Trainer:
       for path, x in jax.tree_util.tree_flatten_with_path({"params": state["params"], "opt_state": state["opt_state"]})[0]
       if jnp.issubdtype(x.dtype, jnp.inexact)
     ]
-    finite = jax.jit(lambda xs: [jnp.isfinite(x).all() for x in xs])([x for _, x in leaves])
+    finite = _all_finite_each([x for _, x in leaves])
     bad = [jax.tree_util.keystr(path, simple=True, separator="/") for (path, _), ok in zip(leaves, finite) if not ok]
     if bad:
       raise TorchOnTpuError(
@@ -359,6 +359,11 @@ def summary_line(summary: dict) -> str:
     parts.append(f"MFU {100 * summary['median_mfu']:.1f}%")
   parts.append(f"compile {summary['compile_seconds']:.1f} s")
   return ", ".join(parts)
+
+
+@jax.jit
+def _all_finite_each(arrays: list) -> list:
+  return [jnp.isfinite(x).all() for x in arrays]
 
 
 def _embedding_rows(module) -> int | None:
