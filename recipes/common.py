@@ -23,6 +23,7 @@ import os
 import sys
 import typing
 from collections.abc import Callable
+from pathlib import Path
 
 # Flags for FSDP on TPU (v5e/v5p/v6e) set when the recipe runs on a TPU and
 # LIBTPU_INIT_ARGS is unset: run FSDP's all-gathers and reduce-scatters as
@@ -38,6 +39,8 @@ TPU_FLAGS = (
   "--xla_enable_async_reduce_scatter=true",
 )
 DTYPES = ("float32", "bfloat16", "bfloat16-all")
+# Flags that change what the saved state is (its layout, dtypes, model): a resume must keep them.
+STATE_FLAGS = ("model", "model_impl", "config", "scan", "dtype", "lora_rank", "lora_targets")
 ATTENTION = ("auto", "xla", "splash", "cudnn", "none")
 
 
@@ -56,6 +59,7 @@ class Flags:
   warmup_steps: int = flag(10, "linear warmup steps; then cosine decay to lr/10 at --steps")
   weight_decay: float = flag(0.1, "AdamW weight decay")
   clip_norm: float = flag(1.0, "gradient clipping by global norm (0: off)")
+  max_skips: int = flag(5, "skip a step whose loss, gradient or update is NaN/Inf (state kept); stop after this many in a row (0: stop at the first)")
   fsdp: int = flag(-1, "devices on the fsdp mesh axis (-1: all that --tp leaves)")
   tp: int = flag(1, "devices on the tensor-parallel mesh axis")
   scan: bool = flag(True, "run the layer stack as one lax.scan (compile time flat in depth)")
@@ -69,7 +73,8 @@ class Flags:
   tokenizer: str | None = flag(None, "tokenizer.json or HF tokenizer dir (default: byte-level BPE trained on the data)")
   ckpt_dir: str | None = flag(None, "checkpoint directory (default: runs/<run>/ckpt)")
   save_every: int = flag(50, "save a checkpoint every N steps (and at the end)")
-  resume: bool = flag(True, "continue from the newest checkpoint in --ckpt_dir if there is one")
+  resume: bool = flag(True, "continue from the newest good checkpoint in --ckpt_dir; False: set its checkpoints aside as <step>.replaced (nothing deleted) and start afresh")
+  resume_step: int | None = flag(None, "resume from this saved step instead of the newest (newer steps are set aside as <step>.superseded)")
   eval_every: int = flag(25, "eval loss on held-out data every N steps (0: never)")
   eval_batches: int = flag(4, "held-out batches per eval")
   profile: str | None = flag(None, "steps to trace with jax.profiler, 'FIRST,LAST' (into <log_dir>/profile)")
@@ -313,7 +318,7 @@ def run(flags: Flags, recipe: Recipe) -> dict:
   config = resolve(flags, recipe)
   main = jax.process_index() == 0
   latest = None if flags.dry_run else _latest_checkpoint(flags, config, TorchOnTpuError)
-  if latest is not None and latest >= flags.steps and flags.sample is None:
+  if latest is not None and latest >= flags.steps and flags.sample is None and flags.resume_step is None:
     if main:
       print(
         f"Nothing to train: {config['ckpt_dir']} already holds step {latest} of --steps={flags.steps}; "
@@ -327,20 +332,15 @@ def run(flags: Flags, recipe: Recipe) -> dict:
 
 
 def _latest_checkpoint(flags: Flags, config: dict, error) -> int | None:
-  """The newest step in --ckpt_dir, read before anything is built (a used directory
-  needs --resume; a finished run has nothing to do)."""
-  if not os.path.isdir(config["ckpt_dir"]):
+  """The newest step in --ckpt_dir the run would resume from, read before anything is
+  built (a finished run has nothing to do); None for a fresh start (--resume=False
+  sets the old steps aside later, deleting nothing)."""
+  if not flags.resume or not os.path.isdir(config["ckpt_dir"]):
     return None
   from torch_on_tpu import checkpoint
 
   with checkpoint.Checkpointer(config["ckpt_dir"]) as ckpt:  # read_only would log a warning
-    latest = ckpt.latest_step()
-  if latest is not None and not flags.resume:
-    raise error(
-      f"{config['ckpt_dir']} already holds checkpoints up to step {latest}; pass "
-      f"--resume to continue from it or another --ckpt_dir to start afresh."
-    )
-  return latest
+    return ckpt.latest_step()
 
 
 def _use_compile_cache(directory: str | None) -> str | None:
@@ -388,6 +388,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
       master_dtype=master_dtype,
       seed=flags.seed,
       trainable=lora.TRAINABLE if recipe.lora else None,
+      skip_nonfinite=flags.max_skips > 0,
     )
 
   # 1. Plan on abstract params: nothing allocated, so a run that cannot fit fails here.
@@ -426,12 +427,11 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
     with_positions=titan, with_segment_ids=titan, field=flags.data_field,
   )
   ckpt = checkpoint.Checkpointer(config["ckpt_dir"], save_every=flags.save_every)
-  restored = None
-  if ckpt.latest_step() is not None:  # --resume (checked in `run`)
-    restored = ckpt.restore(step.abstract_state())
-    step.state = restored.state
-    if main:
-      print(f"Resumed from step {restored.step} of {config['ckpt_dir']}", flush=True)
+  try:
+    restored = _resume(ckpt, step, flags, config, main)
+  except BaseException:
+    ckpt.close()
+    raise
   train = data.batches(source, tokenizer, state=restored.data if restored else None, **data_kwargs)
   evals = (
     data.eval_batches(source, tokenizer, num_batches=flags.eval_batches, **data_kwargs)
@@ -459,13 +459,15 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
         profile_steps=_profile_steps(flags.profile),
         checkpointer=ckpt,
         stop_requested=guard.should_stop,
+        max_skips=max(flags.max_skips, 1),
         run_config=config,
       )
       summary = trainer.run()
-  except Exception as e:  # noqa: BLE001 (only out-of-memory is translated; the rest re-raises)
-    if "RESOURCE_EXHAUSTED" not in str(e):
+  except Exception as e:  # noqa: BLE001 (storage faults and device OOM are translated; the rest re-raises)
+    message = _run_error_message(e, memory, report, config)
+    if message is None:
       raise
-    raise tot.TorchOnTpuError(_oom_message(e, memory, report)) from None
+    raise tot.TorchOnTpuError(message) from None
   finally:
     train.close()
     ckpt.close()
@@ -525,6 +527,45 @@ def where_things_are(summary: dict, recipe: Recipe) -> str:
   return "\n".join(lines)
 
 
+def _resume(ckpt, step, flags: Flags, config: dict, main: bool):
+  """Restores the checkpoint to continue from into `step` (None: a fresh run), or refuses in one sentence."""
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  saved = ckpt.all_steps()
+  if not saved:
+    if flags.resume_step is not None:
+      raise TorchOnTpuError(f"--resume_step={flags.resume_step} but {config['ckpt_dir']} holds no checkpoint.")
+    return None
+  if not flags.resume:
+    ckpt.set_aside(saved, "replaced")
+    if main:
+      print(f"--resume=False: set aside steps {saved} of {config['ckpt_dir']} as <step>.replaced; starting afresh", flush=True)
+    return None
+  _check_same_state(ckpt.saved_config(flags.resume_step), config, ckpt.directory)
+  restored = ckpt.restore(step.abstract_state(), step=flags.resume_step)
+  _check_same_state(restored.config, config, ckpt.directory / str(restored.step))  # after a fallback
+  newer = [s for s in ckpt.all_steps() if s > restored.step]
+  ckpt.set_aside(newer, "superseded")
+  step.state = restored.state
+  if main:
+    aside = f"; set aside the newer steps {newer} as <step>.superseded" if newer else ""
+    print(f"Resumed from step {restored.step} of {config['ckpt_dir']}{aside}", flush=True)
+  return restored
+
+
+def _check_same_state(saved: dict | None, config: dict, where) -> None:
+  """Refuses a resume whose flags change what the saved state is, naming the flag and its saved value."""
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  for name in STATE_FLAGS:
+    if saved and name in saved and name in config and saved[name] != config[name]:
+      raise TorchOnTpuError(
+        f"The checkpoint at {where} was saved with --{name}={saved[name]} but this run has "
+        f"--{name}={config[name]}; resume with --{name}={saved[name]}, or start afresh with "
+        f"--resume=False or another --ckpt_dir."
+      )
+
+
 def _check_flags(flags: Flags, error) -> None:
   if flags.dtype not in DTYPES:
     raise error(f"--dtype={flags.dtype!r} is not one of {', '.join(DTYPES)}; pick one of those.")
@@ -534,6 +575,10 @@ def _check_flags(flags: Flags, error) -> None:
     _profile_steps(flags.profile)
   except ValueError:
     raise error(f"--profile={flags.profile!r} is not FIRST,LAST step numbers; write e.g. --profile=10,12.") from None
+  if flags.max_skips < 0:
+    raise error(f"--max_skips={flags.max_skips} is negative; give 0 (stop at the first NaN/Inf step) or more.")
+  if flags.resume_step is not None and not flags.resume:
+    raise error("--resume_step needs --resume=True; drop one of the two.")
   if flags.global_batch_size % flags.grad_accum:
     raise error(
       f"--global_batch_size={flags.global_batch_size} does not divide into --grad_accum={flags.grad_accum} "
@@ -594,6 +639,21 @@ def _profile_steps(spec) -> tuple[int, int] | None:
   if len(steps) not in (1, 2):
     raise ValueError(spec)
   return (steps[0], steps[0] + 2) if len(steps) == 1 else (steps[0], steps[1])
+
+
+def _run_error_message(error, memory, report, config: dict) -> str | None:
+  """One sentence for a storage fault (e.g. metrics.jsonl on a full disk) or a device
+  out-of-memory that reached the recipe; None for anything else. A full disk is
+  RESOURCE_EXHAUSTED too, so the errno is asked first."""
+  from torch_on_tpu import storage
+
+  where = Path(getattr(error, "filename", None) or config["log_dir"])
+  stored = storage.storage_error(error, "the run's files", where, "the checkpoints saved before are complete")
+  if stored is not None:
+    return stored
+  if "RESOURCE_EXHAUSTED" in str(error):
+    return _oom_message(error, memory, report)
+  return None
 
 
 def _oom_message(error, memory, report) -> str:

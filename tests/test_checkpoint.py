@@ -581,3 +581,38 @@ def test_convert_torchtitan_spec_and_errors(tmp_path, capsys):
   assert "No checkpoint directory at" in capsys.readouterr().err
   assert convert.main(["to_orbax", str(tmp_path), str(tmp_path / "o"), "--model", "gpt9:xl"]) == 1
   assert "Unknown --model 'gpt9:xl'" in capsys.readouterr().err
+
+
+def test_convert_names_every_bad_input_in_one_sentence(tmp_path, capsys):
+  convert = h.load_module(TESTS.parent / "tools" / "convert.py")
+  hf_dir = tmp_path / "hf"
+  build_causal_lm(tiny_hf_config(), device="cpu").save_pretrained(hf_dir)
+  good = (hf_dir / "model.safetensors").read_bytes()
+  capsys.readouterr()  # save_pretrained's progress bar
+
+  def damaged(name, content):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_bytes((hf_dir / "config.json").read_bytes())
+    (d / "model.safetensors").write_bytes(content)
+    return d
+
+  header = bytearray(good)
+  header[10:20] = b"x" * 10
+  index_dir = damaged("index", good)
+  (index_dir / "model.safetensors.index.json").write_text("{not json")
+  cases = [
+    (damaged("truncated", good[: len(good) // 2]), "is not a readable safetensors file (Error while deserializing header"),
+    (damaged("header", bytes(header)), "is not a readable safetensors file (Error while deserializing header"),
+    (index_dir, "model.safetensors.index.json is not a safetensors index (JSONDecodeError"),
+    (tmp_path / "missing", "No weights at"),
+    (hf_dir / "config.json", "is not a readable safetensors file"),  # not a safetensors file at all
+  ]
+  for weights, message in cases:
+    args = ["to_orbax", str(weights), str(tmp_path / "out"), "--hf_config", str(hf_dir)]
+    assert convert.main(args) == 1, weights
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err, err
+  tiny_hf_config(hidden=64).save_pretrained(tmp_path / "other")
+  assert convert.main(["to_orbax", str(hf_dir), str(tmp_path / "out"), "--hf_config", str(tmp_path / "other")]) == 1
+  assert "do not match the model" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -189,6 +190,45 @@ def test_launcher_stops_the_others_and_fails_when_one_process_fails(tmp_path):
   out = run_launcher("--nproc", "2", str(target))
   assert out.returncode == 3
   assert "launch: process 0 exited with code 3" in out.stderr
+
+
+def test_a_preempted_launch_whose_processes_save_and_exit_0_exits_0(tmp_path):
+  """SIGTERM to the launcher reaches every process; each "saves" (1 s, longer
+  than the old 10 s grace would matter for a real state) and exits 0, or not."""
+  target = script(
+    tmp_path,
+    """
+    import os, signal, sys, time
+    def stop(signum, frame):
+      time.sleep(1)  # the preemption save
+      code = int(os.environ.get("FAIL_ON_STOP", "-1") == os.environ["TOT_PROCESS_ID"])
+      print("saved step 7" if not code else "error: could not write checkpoint step 7", flush=True)
+      sys.exit(code)
+    signal.signal(signal.SIGTERM, stop)
+    print("ready", flush=True)
+    time.sleep(120)
+    """,
+  )
+  assert launch.parse_args([str(target)]).grace == launch.DEFAULT_GRACE_SECONDS >= 60
+  for fail_on_stop, code, message in (
+    (None, 0, "launch: got SIGTERM; all 2 processes stopped cleanly (exit 0)."),
+    ("1", 1, "launch: got SIGTERM; process 1 exited with code 1 (its last line: 'error: could not write checkpoint step 7')."),
+  ):
+    env = {**clean_env(), **({"FAIL_ON_STOP": fail_on_stop} if fail_on_stop else {})}
+    proc = subprocess.Popen(
+      [sys.executable, "-m", "torch_on_tpu.launch", "--nproc", "2", str(target)],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    ready = set()
+    while len(ready) < 2:
+      line = proc.stdout.readline()
+      assert line, proc.stderr.read()
+      if line.endswith("ready\n"):
+        ready.add(line[:4])
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert err.strip() == message
 
 
 def test_launcher_rejects_bad_arguments(capsys, monkeypatch):

@@ -64,19 +64,43 @@ def test_train_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch, c
   assert resumed["final_eval_loss"] == full["final_eval_loss"]
 
 
-def test_a_used_directory_is_refused_or_finished_before_anything_is_built(tmp_path, monkeypatch, capsys):
+def test_a_finished_run_relaunched_says_so_before_anything_is_built(tmp_path, monkeypatch, capsys):
   first = llama3.run(titan_flags(tmp_path, steps=1, eval_every=0, sample="The cat"))
   assert f"Sample: 'The cat' → {first['sample']!r}" in capsys.readouterr().out
   assert len(first["sample"]) > 10  # 32 greedy tokens of text
   monkeypatch.setattr(common, "_run", lambda *args: pytest.fail("built the model"))
-  with pytest.raises(tot.TorchOnTpuError, match="--resume"):
-    llama3.run(titan_flags(tmp_path, steps=2, eval_every=0, resume=False))
   done = llama3.run(titan_flags(tmp_path, steps=1, eval_every=0))  # relaunched after it finished
   assert done["finished"] and done["last_step"] == 1
   assert capsys.readouterr().out.splitlines() == [
     f"Nothing to train: {tmp_path / 'run' / 'ckpt'} already holds step 1 of --steps=1; raise --steps to "
     "train further or pass another --ckpt_dir."
   ]
+
+
+def test_resume_refuses_changed_state_flags_picks_a_step_and_starts_afresh_without_deleting(tmp_path, capsys):
+  llama3.run(titan_flags(tmp_path, steps=4, save_every=2, eval_every=0))
+  ckpt_dir = tmp_path / "run" / "ckpt"
+  capsys.readouterr()
+  for flag, saved, changed in (("scan", True, False), ("dtype", "float32", "bfloat16-all")):
+    with pytest.raises(tot.TorchOnTpuError) as err:
+      llama3.run(titan_flags(tmp_path, steps=6, eval_every=0, **{flag: changed}))
+    assert str(err.value) == (
+      f"The checkpoint at {ckpt_dir} was saved with --{flag}={saved} but this run has --{flag}={changed}; "
+      f"resume with --{flag}={saved}, or start afresh with --resume=False or another --ckpt_dir."
+    )
+    assert "Resumed" not in capsys.readouterr().out
+
+  # --resume_step=2: step 4 is set aside (not deleted); metrics.jsonl keeps one record per step
+  again = llama3.run(titan_flags(tmp_path, steps=4, save_every=2, eval_every=0, resume_step=2))
+  assert again["start"]["step"] == 2
+  assert "Resumed from step 2 of" in capsys.readouterr().out
+  assert sorted(p.name for p in ckpt_dir.iterdir()) == ["2", "4", "4.superseded"]
+  logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in logged if "loss" in r] == [1, 2, 3, 4]
+
+  fresh = llama3.run(titan_flags(tmp_path, steps=1, eval_every=0, resume=False))
+  assert fresh["start"]["step"] == 0
+  assert sorted(p.name for p in ckpt_dir.iterdir()) == ["1", "2.replaced", "4.replaced", "4.superseded"]
 
 
 def test_dry_run_plans_and_compiles_without_allocating(tmp_path, capsys):
@@ -105,6 +129,16 @@ def test_an_out_of_memory_error_at_run_time_is_reported_with_the_plan(tmp_path, 
   with pytest.raises(tot.TorchOnTpuError, match=r"ran out of device memory \(RESOURCE_EXHAUSTED.*GiB per device.*compiled peak") as info:
     hf.run(hf.HFFlags(config=str(hf_dir), log_dir=str(tmp_path / "oom"), steps=1, **TINY))
   assert "long XLA trace" not in str(info.value)
+
+
+def test_a_full_disk_reaching_the_recipe_is_a_storage_error_not_device_memory(tmp_path):
+  config = {"log_dir": str(tmp_path)}
+  full = OSError(28, "No space left on device", str(tmp_path / "metrics.jsonl"))
+  message = common._run_error_message(full, None, None, config)
+  assert message.startswith(f"Could not write the run's files to {tmp_path / 'metrics.jsonl'}: the filesystem is full (")
+  tensorstore = ValueError("RESOURCE_EXHAUSTED: Failed writing: No space left on device [os_error_code='28']")
+  assert "the filesystem is full" in common._run_error_message(tensorstore, None, None, config)
+  assert common._run_error_message(ValueError("shapes differ"), None, None, config) is None
 
 
 @pytest.fixture(scope="module")

@@ -344,7 +344,7 @@ def test_pure_step_under_the_users_own_jit_matches_the_stateful_step():
   loss, new_params, _, _, metrics = jax.jit(step.pure)(jm.params, jm.buffers, opt_state, x, y)
   ours = step(x, y)
   assert float(loss) == pytest.approx(float(ours), rel=1e-6)
-  assert set(metrics) == {"loss", "grad_norm"}
+  assert set(metrics) == {"loss", "grad_norm", "nonfinite"} and int(metrics["nonfinite"]) == 0
   assert rel(new_params["out.weight"], jm.params["out.weight"]) < 1e-6
 
 

@@ -29,11 +29,11 @@ def ce_loss(out, labels):
   return torch.nn.functional.cross_entropy(out.flatten(0, 1), labels.flatten())
 
 
-def make_step(loss_fn=ce_loss):
+def make_step(loss_fn=ce_loss, lr=1e-2, **kw):
   with torch.device("meta"):
     model = Tiny()
   jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=-1))
-  return tot.make_train_step(jm, loss_fn, optax.adamw(1e-2))
+  return tot.make_train_step(jm, loss_fn, optax.adamw(lr), **kw)
 
 
 class Batches:
@@ -106,12 +106,15 @@ def test_trainer_writes_jsonl_tensorboard_png_and_a_profile(tmp_path, capsys):
   assert "trained 6 steps" in capsys.readouterr().out
 
 
-def test_nan_loss_stops_with_the_step_and_saves_nothing_after_it():
-  def loss_with_scale(out, labels):
-    return ce_loss(out, labels["targets"]) * labels["scale"].mean()
+def loss_with_scale(out, labels):
+  return ce_loss(out, labels["targets"]) * labels["scale"].mean()
+
+
+def nan_at(*bad_steps):
+  """Batches and a split_batch that make the loss NaN at `bad_steps`."""
 
   def split(batch):
-    scale = np.full((8,), np.nan if batch["step"] == 5 else 1.0, np.float32)
+    scale = np.full((8,), np.nan if batch["step"] in bad_steps else 1.0, np.float32)
     return batch["input_ids"], {"targets": batch["labels"], "scale": scale}
 
   def batches():
@@ -119,15 +122,53 @@ def test_nan_loss_stops_with_the_step_and_saves_nothing_after_it():
     for i in range(1, 100):
       yield {**next(data), "step": i}
 
+  return batches(), split
+
+
+def test_nan_loss_stops_with_the_step_and_saves_nothing_after_it():
+  data, split = nan_at(5)
   checkpointer = RecordingCheckpointer(every=2)
   trainer = tot.Trainer(
-    make_step(loss_with_scale), batches(), steps=10, split_batch=split, checkpointer=checkpointer, progress=False
+    make_step(loss_with_scale), data, steps=10, split_batch=split, checkpointer=checkpointer, progress=False
   )
-  with pytest.raises(tot.TorchOnTpuError, match="loss is nan at step 5"):
+  with pytest.raises(tot.TorchOnTpuError, match=r"Step 5 made the training state non-finite \(loss nan.*newest saved step is 4;"):
     trainer.run()
   assert [s for s, _, _ in checkpointer.saves] == [2, 4]
   assert checkpointer.waited
   assert [r["step"] for r in trainer.records] == [1, 2, 3, 4]
+
+
+def test_an_update_that_overflows_the_params_is_never_saved():
+  """lr=1e39: step 1's loss is finite but its update makes the params Inf/NaN."""
+  checkpointer = RecordingCheckpointer(every=1)
+  step = make_step(lr=1e39)
+  with pytest.raises(tot.TorchOnTpuError, match="Step 1 made the training state non-finite.*no checkpoint was saved"):
+    tot.Trainer(step, Batches(), steps=4, checkpointer=checkpointer, progress=False).run()
+  assert checkpointer.saves == []
+
+  step = make_step(lr=1e39, skip_nonfinite=True)
+  before = {k: np.asarray(v) for k, v in step.model.params.items()}
+  with pytest.raises(tot.TorchOnTpuError, match=r"Steps 1 to 3 .* skipped, 3 in a row \(max_skips\); stopped with the state of step 0"):
+    tot.Trainer(step, Batches(), steps=10, checkpointer=checkpointer, max_skips=3, progress=False).run()
+  for k, v in step.model.params.items():
+    np.testing.assert_array_equal(np.asarray(v), before[k])  # every update was skipped
+  assert [s for s, _, _ in checkpointer.saves] == [1, 2]  # the unchanged, finite state
+
+
+def test_a_skipped_nan_batch_leaves_the_state_and_the_run_goes_on():
+  data, split = nan_at(3)
+  step = make_step(loss_with_scale, skip_nonfinite=True)
+  reference = make_step(loss_with_scale)
+  trainer = tot.Trainer(step, data, steps=5, split_batch=split, progress=False)
+  assert trainer.run()["steps"] == 5
+  assert [r["skipped"] for r in trainer.records] == [0, 0, 1, 0, 0]
+  ref_data, ref_split = nan_at()
+  batches = [next(ref_data) for _ in range(5)]
+  for i, batch in enumerate(batches):
+    if i != 2:  # the reference never sees the bad batch
+      reference(*ref_split(batch))
+  for k, v in step.model.params.items():
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(reference.model.params[k]))
 
 
 def test_checkpoints_on_cadence_and_at_the_end_with_the_data_state():
@@ -170,22 +211,30 @@ def test_default_split_needs_input_ids_and_labels():
 def test_resume_through_the_checkpoint_module_continues_exactly(tmp_path):
   from torch_on_tpu.checkpoint import Checkpointer
 
-  with Checkpointer(tmp_path, save_every=2) as ckpt:
-    first = tot.Trainer(make_step(), Batches(), steps=4, checkpointer=ckpt, run_config={"lr": 1e-2}, progress=False)
+  log = tmp_path / "log"
+  with Checkpointer(tmp_path / "ckpt", save_every=2) as ckpt:
+    first = tot.Trainer(
+      make_step(), Batches(), steps=4, log_dir=log, checkpointer=ckpt, run_config={"lr": 1e-2}, progress=False
+    )
     first.run()
     losses = [r["loss"] for r in first.records]
 
   step = make_step()
-  with Checkpointer(tmp_path, save_every=2) as ckpt:
+  with Checkpointer(tmp_path / "ckpt", save_every=2) as ckpt:
     restored = ckpt.restore(step.abstract_state(), step=2)
     step.state = restored.state
     data = Batches()
     for _ in range(restored.data["served"]):
       next(data)
-    resumed = tot.Trainer(step, data, steps=4, checkpointer=ckpt, progress=False)
+    resumed = tot.Trainer(step, data, steps=4, log_dir=log, checkpointer=ckpt, progress=False)
     resumed.run()
   assert restored.config == {"lr": 1e-2} and step.step_count == 4
   assert [r["loss"] for r in resumed.records] == losses[2:]
+  # metrics.jsonl: one record per step; the first run's steps 3-4 kept aside
+  logged = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in logged] == [1, 2, 3, 4]
+  assert [r["loss"] for r in logged] == losses
+  assert [json.loads(x)["step"] for x in (log / "metrics.jsonl.after-2").read_text().splitlines()] == [1, 2, 3, 4]
 
 
 def test_cpu_mfu_above_100_percent_remeasures_the_peak_once(monkeypatch):
@@ -204,3 +253,31 @@ def test_cpu_mfu_above_100_percent_remeasures_the_peak_once(monkeypatch):
   given = tot.Trainer(step, [], steps=1, flops_per_token=1e6, peak_flops=1e8, progress=False)
   assert given._mfu(tokens_per_second=200, seqlen=16) == pytest.approx(2.0)  # a given peak is kept
   assert calls == [False, True]
+
+
+def test_a_token_id_outside_the_vocabulary_is_named_before_the_step():
+  step = make_step()
+  batches = [next(Batches()) for _ in range(3)]
+  batches[1]["input_ids"][2, 5] = VOCAB + 7
+  batches[2]["labels"][0, 0] = -100  # ignored by cross_entropy: fine
+  before = {k: np.asarray(v) for k, v in step.model.params.items()}
+  trainer = tot.Trainer(step, iter(batches), steps=3, progress=False)
+  with pytest.raises(tot.TorchOnTpuError) as err:
+    trainer.run()
+  assert str(err.value) == (
+    f"The batch for step 2 holds token id {VOCAB + 7} at input_ids[2, 5], outside the model's vocabulary "
+    f"of {VOCAB}; check that the tokenizer and the data match the model."
+  )
+  assert step.step_count == 1 and not np.array_equal(np.asarray(step.model.params["out.weight"]), before["out.weight"])
+
+
+def test_a_state_non_finite_before_the_first_step_is_refused():
+  """An lr past float32's range, kept in the optimizer state, would make every step a skip of a NaN state."""
+  with torch.device("meta"):
+    model = Tiny()
+  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=-1))
+  step = tot.make_train_step(jm, ce_loss, optax.inject_hyperparams(optax.adamw)(learning_rate=1e39), skip_nonfinite=True)
+  checkpointer = RecordingCheckpointer(every=1)
+  with pytest.raises(tot.TorchOnTpuError, match=r"holds NaN or Inf before step 1 \(1 arrays, e.g. opt_state/hyperparams/learning_rate\); nothing was trained or saved"):
+    tot.Trainer(step, Batches(), steps=3, checkpointer=checkpointer, progress=False).run()
+  assert checkpointer.saves == [] and step.step_count == 0

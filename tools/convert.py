@@ -103,6 +103,8 @@ def to_orbax(
 
   An HF model directory (with config.json) needs no model spec.
   """
+  if not Path(weights).exists():
+    raise TorchOnTpuError(f"No weights at {weights}; give a .safetensors file or a directory holding them.")
   if model is None and hf_config is None and (Path(weights) / "config.json").is_file():
     hf_config = weights
   jm = _abstract_module(model, hf_config, scan=scan)

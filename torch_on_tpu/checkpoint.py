@@ -48,7 +48,7 @@ import torch
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from torch_on_tpu import _compat
+from torch_on_tpu import _compat, integrity, storage
 from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.materialize import torch_to_numpy
 
@@ -83,6 +83,12 @@ class Checkpointer:
   background by the next `Checkpointer` on that directory). The newest `keep`
   steps are kept. `read_only=True` (for tools reading a live run's directory)
   neither writes nor cleans up.
+
+  Every step carries checksums of its files (`integrity`), checked before it
+  is read. A storage fault while writing (full disk, no permission, read-only
+  or vanished directory) is raised by `save`, `wait` or `close` as one
+  sentence naming the path and the free space; the steps saved before stay
+  complete.
   """
 
   def __init__(
@@ -97,6 +103,10 @@ class Checkpointer:
     if save_every < 1:
       raise TorchOnTpuError(f"Checkpointer save_every must be at least 1, got {save_every}.")
     self.directory = Path(directory).absolute()
+    self.read_only = read_only
+    self._async = async_save
+    self._writing: int | None = None  # the step the newest save started
+    storage.quiet_orbax_thread_tracebacks()
     policies = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
       # Every `save_every` steps and at a preemption sync point; not orbax's
@@ -106,6 +116,14 @@ class Checkpointer:
       ),
       max_to_keep=keep,
       enable_async_checkpointing=async_save,
+      # Checksums go into the step directory after its data, before the rename that completes it.
+      async_options=ocp.AsyncOptions(
+        post_finalization_callback=self._write_checksums,
+        # In the caller: a directory that cannot be made fails save(), not threads waiting on it.
+        create_directories_asynchronously=False,
+      )
+      if async_save
+      else None,
       cleanup_tmp_directories=not read_only,
       read_only=read_only,
     )
@@ -140,14 +158,20 @@ class Checkpointer:
     Without `force` only steps `should_save` picks are written; a step that is
     already saved is never written again.
     """
-    if step in self._manager.all_steps():
+    if step in self._manager.all_steps() or not (force or self._manager.should_save(step)):
       return False
     args = ocp.args.Composite(
       state=ocp.args.PyTreeSave(state),
       data=ocp.args.JsonSave(_json_item("data", data)),
       config=ocp.args.JsonSave(_json_item("config", config)),
     )
-    return self._manager.save(step, args=args, force=force)
+    with self._storage_faults():
+      self._manager.wait_until_finished()  # the previous save's fault is reported as that step's
+      self._writing = step
+      started = self._manager.save(step, args=args, force=force)
+    if started and not self._async:
+      self._write_checksums()
+    return started
 
   def restore(self, target, *, step: int | None = None, partial: bool = False) -> Restored | None:
     """Reads a checkpoint into the shardings of `target`; None when there is none.
@@ -158,17 +182,60 @@ class Checkpointer:
     `abstract_state`). `partial=True` reads only the entries `target` names
     (e.g. `{"params": ...}` out of a full training state). Names or shapes that
     differ from the checkpoint raise before anything is read.
+
+    A step is checked before it is read: its files against their checksums,
+    its metadata for being readable. Without `step`, a damaged newest step is
+    logged, set aside (renamed `<step>.damaged`, nothing is deleted; a
+    read-only Checkpointer leaves it) and the next newest is tried. A damaged
+    `step`, or every step damaged, raises one sentence naming the step and the file.
     """
-    if step is None:
-      step = self.latest_step()
-      if step is None:
-        return None
-    elif step not in self._manager.all_steps():
+    saved = self.all_steps()
+    if step is not None and step not in saved:
       raise TorchOnTpuError(
-        f"No checkpoint for step {step} in {self.directory}; saved steps are "
-        f"{self.all_steps() or 'none'}."
+        f"No checkpoint for step {step} in {self.directory}; saved steps are {saved or 'none'}."
       )
-    self._check_matches(step, target, partial)
+    damaged = []
+    for candidate in [step] if step is not None else saved[::-1]:
+      restored, problem = self._restore_checked(candidate, target, partial)
+      if restored is not None:
+        self.set_aside([s for s, _ in damaged], "damaged")
+        return restored
+      damaged.append((candidate, problem))
+      if step is None:
+        logger.warning("The checkpoint at %s is damaged (%s); trying the previous step.", self.directory / str(candidate), problem)
+    if step is not None:
+      raise TorchOnTpuError(
+        f"The checkpoint at {self.directory / str(step)} is damaged ({problem}); restore another "
+        f"step (saved steps are {saved})."
+      )
+    if damaged:
+      listed = "; ".join(f"step {s}: {p}" for s, p in damaged[:_SHOWN])
+      raise TorchOnTpuError(
+        f"Every checkpoint in {self.directory} is damaged ({listed}); restore from a copy or start "
+        f"afresh in another directory."
+      )
+    return None
+
+  def saved_config(self, step: int | None = None) -> dict | None:
+    """The run config saved with `step` (default: the newest), read alone; None when unreadable."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      return None
+    try:
+      return self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    except (ValueError, KeyError, AttributeError, TypeError, OSError):
+      return None  # damaged: restore says how, and falls back
+
+  def _restore_checked(self, step: int, target, partial: bool) -> tuple[Restored | None, str | None]:
+    """(the restored step, None), or (None, what is damaged); a target that does not match raises."""
+    problem = integrity.problem(self.directory / str(step))
+    if problem is not None:
+      return None, problem
+    try:
+      saved_tree = self._manager.item_metadata(step)["state"].tree
+    except (ValueError, KeyError, AttributeError, TypeError, OSError) as e:
+      return None, f"its metadata is unreadable ({_first_line(e)})"
+    self._check_matches(step, saved_tree, target, partial)
     args = ocp.args.Composite(
       state=ocp.args.PyTreeRestore(
         item=target,
@@ -178,11 +245,36 @@ class Checkpointer:
       data=ocp.args.JsonRestore(),
       config=ocp.args.JsonRestore(),
     )
-    out = self._manager.restore(step, args=args)
-    return Restored(step=step, state=out["state"], data=out["data"], config=out["config"])
+    try:
+      out = self._manager.restore(step, args=args)
+    except TorchOnTpuError:
+      raise
+    except (ValueError, KeyError, AttributeError, TypeError, OSError) as e:
+      return None, f"reading it failed: {_first_line(e)}"
+    return Restored(step=step, state=out["state"], data=out["data"], config=out["config"]), None
 
-  def _check_matches(self, step, target, partial):
-    saved = _leaf_shapes(self._manager.item_metadata(step)["state"].tree)
+  def set_aside(self, steps, reason: str) -> list[Path]:
+    """Renames step directories to `<step>.<reason>` (never deleting them), so
+    that orbax no longer sees them; the new paths. A read-only Checkpointer renames nothing."""
+    if self.read_only or not steps:
+      return []
+    moved = []
+    if jax.process_index() == 0:
+      for step in steps:
+        target = self.directory / f"{step}.{reason}"
+        n = 1
+        while target.exists():
+          n += 1
+          target = self.directory / f"{step}.{reason}-{n}"
+        (self.directory / str(step)).rename(target)
+        moved.append(target)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("torch_on_tpu.checkpoint.set_aside")
+    self._manager.reload()
+    return moved
+
+  def _check_matches(self, step, saved_tree, target, partial):
+    saved = _leaf_shapes(saved_tree)
     wanted = _leaf_shapes(target)
     problems = _mismatches(saved, wanted, allow_unexpected=partial)
     if problems:
@@ -203,12 +295,34 @@ class Checkpointer:
 
   def wait(self) -> None:
     """Blocks until every started save is complete on disk."""
-    self._manager.wait_until_finished()
+    with self._storage_faults():
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
     """Waits for pending saves, then releases orbax's background resources."""
-    self._manager.wait_until_finished()
-    self._manager.close()
+    with self._storage_faults():
+      self._manager.close()
+
+  def _write_checksums(self) -> None:
+    """Process 0 records the checksums of the step being saved (orbax's save thread)."""
+    if jax.process_index() != 0:
+      return
+    final = self.directory / str(self._writing)
+    pending = sorted(self.directory.glob(f"{self._writing}.orbax-checkpoint-tmp*"), key=lambda p: p.stat().st_mtime)
+    integrity.write_manifest(pending[-1] if pending else final)
+
+  @contextlib.contextmanager
+  def _storage_faults(self):
+    """A storage fault from orbax (or its threads) → one sentence; anything else as it was."""
+    try:
+      yield
+    except Exception as e:
+      complete = sorted(int(p.name) for p in _listing(self.directory) if p.name.isdigit())
+      kept = f"step {complete[-1]} is the newest complete checkpoint" if complete else "no complete checkpoint is there"
+      message = storage.storage_error(e, f"checkpoint step {self._writing}", self.directory, kept)
+      if message is None:
+        raise
+      raise TorchOnTpuError(message) from None
 
   def __enter__(self):
     return self
@@ -246,6 +360,18 @@ def abstract_state(tree, mesh: jax.sharding.Mesh | None = None, *, params: Mappi
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
   return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def _first_line(e: BaseException) -> str:
+  lines = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def _listing(directory: Path) -> list[Path]:
+  try:
+    return list(directory.iterdir())
+  except OSError:
+    return []
 
 
 def _json_item(what: str, value: Mapping | None) -> dict:
@@ -586,12 +712,10 @@ def import_safetensors(jm, path: str | os.PathLike) -> None:
   holds. Different names or shapes raise before anything is read, and `jm` is
   only updated once every tensor has loaded.
   """
-  from safetensors import safe_open
-
   files = _safetensors_files(Path(path))
   entries = {e.name: e for e in _plan(jm)}
   with contextlib.ExitStack() as stack:
-    handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+    handles = [stack.enter_context(_open_safetensors(f)) for f in files]
     where = {name: h for h in handles for name in h.keys()}
     found = {name: tuple(h.get_slice(name).get_shape()) for name, h in where.items()}
     # A tied group (HF's embed_tokens / lm_head) needs only one of its names stored.
@@ -629,6 +753,18 @@ def import_safetensors(jm, path: str | os.PathLike) -> None:
       merged.clear()
   for key, arr in loaded.items():
     (jm.params if key in jm.params else jm.buffers)[key] = arr
+
+
+def _open_safetensors(path: Path):
+  """`safe_open(path)`, with a truncated or malformed file named in one sentence."""
+  from safetensors import SafetensorError, safe_open
+
+  try:
+    return safe_open(str(path), framework="pt")
+  except (SafetensorError, OSError) as e:
+    raise TorchOnTpuError(
+      f"{path} is not a readable safetensors file ({str(e).strip()}); re-download or re-export it."
+    ) from None
 
 
 def _slice_reader(tensor_slice):
@@ -676,7 +812,12 @@ def _safetensors_files(path: Path) -> list[Path]:
     return [path]
   index = path / _INDEX_FILE
   if index.is_file():
-    weight_map = json.loads(index.read_text())["weight_map"]
+    try:
+      weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+      raise TorchOnTpuError(
+        f"{index} is not a safetensors index ({type(e).__name__}: {e}); re-download or re-export it."
+      ) from None
     return [path / f for f in sorted(set(weight_map.values()))]
   files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
   if not files:

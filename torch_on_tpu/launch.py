@@ -10,7 +10,16 @@ process K simulated CPU devices (`JAX_PLATFORMS=cpu` and
 `--xla_force_host_platform_device_count=K` appended to `XLA_FLAGS`). Output
 lines are prefixed `[p0]`, `[p1]`, .... When one process fails the others get
 SIGTERM, then SIGKILL after `--grace` seconds, and the launcher exits with the
-failed process's code and one line naming it.
+failed process's code and one line naming it, how it ended and its last line
+of output. SIGTERM/SIGINT to the launcher go to every process (a preemption:
+each saves and exits 0); the launcher then exits 0 when all of them did.
+
+`--grace` (default 300 s) is the time between SIGTERM and SIGKILL when the
+launcher is stopped: it must cover a preemption save of the whole state, so
+set it from the save times a run logs, with a margin. A process still saving
+when it runs out is killed and its partial step ignored (the run resumes from
+the previous one). After a process failed, the others get at most 10 s: no
+save can finish without it.
 """
 
 from __future__ import annotations
@@ -30,6 +39,10 @@ from torch_on_tpu.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PRO
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _POLL_SECONDS = 0.05
+DEFAULT_GRACE_SECONDS = 300.0
+# After one process failed the others cannot finish a save (it needs every
+# process), so they get at most this long before SIGKILL.
+FAILURE_GRACE_SECONDS = 10.0
 
 
 class LaunchError(Exception):
@@ -45,7 +58,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   )
   parser.add_argument("--nproc", type=int, default=2, help="processes to start (default 2)")
   parser.add_argument("--cpu_devices", type=int, default=None, help="simulated CPU devices per process")
-  parser.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+  parser.add_argument(
+    "--grace", type=float, default=DEFAULT_GRACE_SECONDS,
+    help=f"seconds between SIGTERM and SIGKILL when stopped: time for a preemption save (default {DEFAULT_GRACE_SECONDS:.0f})",
+  )
   parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
   parser.add_argument("-m", dest="module", default=None, help="run a module, like python -m")
   own, rest = _split_argv(argv)
@@ -114,11 +130,14 @@ def process_env(base: dict, index: int, count: int, port: int, cpu_devices: int 
   return env
 
 
-def _pump(index: int, stream, out, lock: threading.Lock) -> None:
-  """Copies one process's output to `out`, each line prefixed with `[p<index>]`."""
+def _pump(index: int, stream, out, lock: threading.Lock, last_lines: dict) -> None:
+  """Copies one process's output to `out`, each line prefixed with `[p<index>]`;
+  keeps its last non-empty line in `last_lines[index]`."""
   prefix = f"[p{index}] "
   for raw in iter(stream.readline, b""):
     line = raw.decode("utf-8", errors="replace").rstrip("\n")
+    if line.strip():
+      last_lines[index] = line.strip()
     with lock:
       out.write(prefix + line + "\n")
       out.flush()
@@ -141,12 +160,13 @@ def run(args: argparse.Namespace, out=None) -> int:
   target = ["-m", args.module] if args.module else [args.script]
   command = [sys.executable, *target, *args.target_args]
   lock = threading.Lock()
+  last_lines: dict[int, str] = {}
   procs, pumps = [], []
   for index in range(args.nproc):
     env = process_env(os.environ, index, args.nproc, port, args.cpu_devices)
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     procs.append(proc)
-    pump = threading.Thread(target=_pump, args=(index, proc.stdout, out, lock), daemon=True)
+    pump = threading.Thread(target=_pump, args=(index, proc.stdout, out, lock, last_lines), daemon=True)
     pump.start()
     pumps.append(pump)
 
@@ -166,24 +186,34 @@ def run(args: argparse.Namespace, out=None) -> int:
         break
       time.sleep(_POLL_SECONDS)
     if failed is not None or interrupted is not None:
-      _stop(procs, args.grace)
+      _stop(procs, args.grace if failed is None else min(args.grace, FAILURE_GRACE_SECONDS))
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
   for pump in pumps:
     pump.join(timeout=5)
+
+  def why(index, code):
+    last = last_lines.get(index)
+    return f"process {index} {describe_exit(code)}" + (f" (its last line: {last[:300]!r})" if last else "")
+
   if interrupted is not None:
-    print(f"launch: got {signal.Signals(interrupted).name}; stopped all {args.nproc} processes.", file=sys.stderr)
-    return 128 + interrupted
+    name = signal.Signals(interrupted).name
+    failed = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0), None)
+    if failed is None:
+      print(f"launch: got {name}; all {args.nproc} processes stopped cleanly (exit 0).", file=sys.stderr)
+      return 0
+    print(f"launch: got {name}; {why(*failed)}.", file=sys.stderr)
+    return _exit_status(failed[1])
   if failed is not None:
-    index, code = failed
-    print(
-      f"launch: process {index} {describe_exit(code)}; stopped the other {args.nproc - 1}.",
-      file=sys.stderr,
-      flush=True,
-    )
-    return code if code > 0 else 128 - code
+    print(f"launch: {why(*failed)}; stopped the other {args.nproc - 1}.", file=sys.stderr, flush=True)
+    return _exit_status(failed[1])
   return 0
+
+
+def _exit_status(code: int) -> int:
+  """A process's return code as a shell exit status (killed by signal N: 128 + N)."""
+  return code if code > 0 else 128 - code
 
 
 def _stop(procs: list[subprocess.Popen], grace: float) -> None:

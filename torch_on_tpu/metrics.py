@@ -237,21 +237,46 @@ def mfu(tokens_per_second: float, flops_per_token: float, peak: float | None) ->
 # ---- the run log --------------------------------------------------------------------------
 
 
+def _record_step(line: str) -> float:
+  """The step of one metrics.jsonl line; a torn last line (a killed run) counts as after every step."""
+  try:
+    return json.loads(line)["step"]
+  except (ValueError, KeyError, TypeError):
+    return math.inf
+
+
 class RunLog:
   """Per-step scalars to `metrics.jsonl` and TensorBoard under `log_dir`, and a PNG plot.
 
   Create it on process 0 only; every method is cheap and synchronous.
+  `start_step` is the step the run starts (or resumed) at: records of later
+  steps, left by a run that went further before it was resumed from an earlier
+  checkpoint, move to `metrics.jsonl.after-<start_step>`, so `metrics.jsonl`
+  keeps one record per step.
   """
 
-  def __init__(self, log_dir):
+  def __init__(self, log_dir, start_step: int = 0):
     from torch.utils.tensorboard import SummaryWriter
 
     self.log_dir = pathlib.Path(log_dir)
     self.log_dir.mkdir(parents=True, exist_ok=True)
     self.jsonl_path = self.log_dir / "metrics.jsonl"
+    self._drop_records_after(start_step)
     self._jsonl = self.jsonl_path.open("a")
     self._tb = SummaryWriter(str(self.log_dir / "tensorboard"))
     self.history: list[dict] = []
+
+  def _drop_records_after(self, step: int) -> None:
+    if not self.jsonl_path.exists():
+      return
+    lines = self.jsonl_path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _record_step(line) <= step]
+    if len(kept) == len(lines):
+      return
+    self.jsonl_path.rename(self.jsonl_path.with_name(f"{self.jsonl_path.name}.after-{step}"))
+    tmp = self.jsonl_path.with_name(f".{self.jsonl_path.name}.tmp")
+    tmp.write_text("".join(kept))
+    tmp.rename(self.jsonl_path)
 
   def log(self, step: int, values: Mapping[str, float | None]) -> None:
     record = {"step": step, **{k: v for k, v in values.items() if v is not None}}

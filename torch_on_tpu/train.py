@@ -42,7 +42,14 @@ Conventions:
 * Metrics (`step.metrics`, jax scalars): `loss`, `grad_norm` (before clipping)
   and `learning_rate`, read from the optimizer state when the optimizer carries
   it (`optax.inject_hyperparams`) or else computed from `learning_rate=` (a
-  float or an optax schedule evaluated at the step count).
+  float or an optax schedule evaluated at the step count); `nonfinite` is 1
+  when the loss, the gradient norm or the updated params or optimizer state
+  hold a NaN or Inf.
+* `skip_nonfinite=True` keeps the old params and optimizer state whenever
+  `nonfinite` is 1 (decided inside the compiled step, so a bad update never
+  reaches the state, nor a checkpoint); `skipped` counts it. Without it the
+  step applies the update like torch does and `nonfinite` tells the caller
+  (the `Trainer` stops before saving such a state).
 
 State for checkpoints: `step.state` is a `TrainState`, a plain dict
 `{"params", "opt_state", "rng", "step"}` of arrays; assigning
@@ -149,6 +156,7 @@ def make_train_step(
   seed: int = 0,
   learning_rate: float | Callable | None = None,
   trainable: str | Sequence[str] | Callable[[str], bool] | None = None,
+  skip_nonfinite: bool = False,
 ) -> "TrainStep":
   """The compiled training step for `model` (see the module docstring for conventions).
 
@@ -167,6 +175,8 @@ def make_train_step(
       state does not carry it: a float or a schedule `step → lr`.
     trainable: the params to train (glob patterns or a predicate over
       `model.params` names); None trains all of them.
+    skip_nonfinite: keep the state unchanged on a step whose loss, gradient
+      norm or update is not finite (metric `skipped`).
   """
   return TrainStep(
     model,
@@ -181,6 +191,7 @@ def make_train_step(
     seed=seed,
     learning_rate=learning_rate,
     trainable=trainable,
+    skip_nonfinite=skip_nonfinite,
   )
 
 
@@ -202,6 +213,7 @@ class TrainStep:
     seed,
     learning_rate,
     trainable=None,
+    skip_nonfinite=False,
   ):
     if not isinstance(model, JittableModule):
       raise TorchOnTpuError(
@@ -231,6 +243,7 @@ class TrainStep:
     self.compute_dtype = _float_dtype(compute_dtype, "compute_dtype") or self.master_dtype
     self.donate = donate
     self.learning_rate = learning_rate
+    self.skip_nonfinite = skip_nonfinite
     self._replicated = NamedSharding(model.mesh, PartitionSpec())
     self._abstract = any(isinstance(v, jax.ShapeDtypeStruct) for v in model.params.values())
     if self.master_dtype is not None:
@@ -371,7 +384,14 @@ class TrainStep:
     # Keep every dtype as it came in: a promoted leaf would change the signature.
     new_params = jax.tree.map(lambda new, old: new.astype(old.dtype), new_params, params)
     new_opt_state = jax.tree.map(lambda new, old: jnp.asarray(new).astype(old.dtype), new_opt_state, opt_state)
-    metrics = {"loss": loss, "grad_norm": grad_norm}
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite((new_params, new_opt_state))
+    metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
+    if self.skip_nonfinite:
+      keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+      new_params = jax.tree.map(keep, new_params, params)
+      new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+      changed = {k: keep(v, buffers[k]) for k, v in changed.items()}  # running stats too
+      metrics["skipped"] = metrics["nonfinite"]
     lr = self._learning_rate(new_opt_state, opt_state)
     if lr is not None:
       metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
@@ -750,6 +770,12 @@ def _float_dtype(dtype, what):
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TorchOnTpuError(f"{what} must be a floating dtype (e.g. jnp.bfloat16), got {dtype}.")
   return dtype
+
+
+def _all_finite(tree) -> jax.Array:
+  """True when no floating leaf of `tree` holds a NaN or Inf (one fused reduction)."""
+  checks = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.stack(checks).all() if checks else jnp.asarray(True)
 
 
 def _cast_floating(x, dtype):

@@ -16,8 +16,17 @@ tokens/s, MFU, step time), `metrics.jsonl` and TensorBoard scalars, an optional 
 trace of steps N..M under `log_dir/profile`, and at the end `training.png` and
 a one-line summary.
 
-A NaN or Inf loss stops the run with a `TorchOnTpuError` naming the step; the
-bad state is never saved, so the last good checkpoint stays the newest.
+No non-finite state is saved: the step reports `nonfinite` when its loss,
+gradient norm or updated state holds a NaN or Inf, and the Trainer reads it
+before every save. A step built with `skip_nonfinite=True` has already kept
+the old state (counted as `skipped`); the run stops after `max_skips` skipped
+steps in a row. Without it, the first non-finite step stops the run. Either
+stop is a `TorchOnTpuError` naming the step and the newest saved step.
+
+Token ids are checked where they enter: a host batch whose `input_ids` (or
+`labels`, -100 aside) fall outside the model's embedding rows raises, naming
+the id and its position; under jit an out-of-range id would be clamped or
+turned into NaN instead of torch's IndexError.
 
 Checkpointing is duck-typed (`torch_on_tpu.checkpoint.Checkpointer` fits):
 
@@ -41,7 +50,9 @@ import time
 from collections.abc import Callable, Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 from torch_on_tpu import metrics as metrics_lib
@@ -70,6 +81,9 @@ class Trainer:
     profile_steps: `(first, last)` steps to trace with `jax.profiler` into
       `log_dir/profile` (open it in TensorBoard's profile tab or Perfetto).
     checkpointer, stop_requested: see the module docstring.
+    max_skips: consecutive steps skipped for a non-finite loss or gradient
+      (`skip_nonfinite=True`) after which the run stops; one bad batch is
+      survived, a diverged run is not.
     run_config: a JSON-able dict saved with every checkpoint.
     flops_per_token: for MFU; inferred for torchtitan/HF models, else MFU is not shown.
     peak_flops: FLOP/s of all devices together; default `metrics.peak_flops()`.
@@ -91,11 +105,14 @@ class Trainer:
     profile_steps: tuple[int, int] | None = None,
     checkpointer=None,
     stop_requested: Callable[[int], bool] | None = None,
+    max_skips: int = 5,
     run_config: dict | None = None,
     flops_per_token: float | None = None,
     peak_flops: float | None = None,
     progress: bool = True,
   ):
+    if max_skips < 1:
+      raise TorchOnTpuError(f"max_skips must be at least 1, got {max_skips}.")
     if profile_steps is not None and log_dir is None:
       raise TorchOnTpuError("profile_steps needs a log_dir to write the trace into; pass log_dir=.")
     self.train_step = train_step
@@ -110,23 +127,27 @@ class Trainer:
     self.profile_steps = profile_steps
     self.checkpointer = checkpointer
     self.stop_requested = stop_requested or (lambda step: False)
+    self.max_skips = max_skips
     self.run_config = run_config
     self.flops_per_token = flops_per_token
     self.peak_flops = peak_flops
     self._peak_remeasured = peak_flops is not None  # a given peak is never second-guessed
     self.progress = progress
     self.is_main = jax.process_index() == 0
+    self._vocab = _embedding_rows(getattr(train_step.model, "module", None))
     self.records: list[dict] = []  # what was logged, also on processes that write nothing
 
   def run(self) -> dict:
     """Trains until `steps` (or the data ends, or a stop is requested); returns a summary."""
     step = first_step = self.train_step.step_count
-    self._log = metrics_lib.RunLog(self.log_dir) if self.is_main and self.log_dir else None
+    self._check_start_finite(step)
+    self._log = metrics_lib.RunLog(self.log_dir, start_step=step) if self.is_main and self.log_dir else None
     self._bar = tqdm(
       total=self.steps, initial=step, disable=not (self.is_main and self.progress), dynamic_ncols=True
     )
     self._clock = _StepClock(self.train_step)
     self._saved_step = first_step  # a resumed run's first state is already saved
+    self._skips = 0  # skipped steps in a row
     data = iter(self.data)
     pending = None  # (step, metrics, labels) dispatched but not read yet
     preempted = False
@@ -140,6 +161,7 @@ class Trainer:
           break
         if self._profiling_starts(step + 1):
           jax.profiler.start_trace(str(pathlib.Path(self.log_dir) / "profile"))
+        _check_token_ids(batch, self._vocab, step + 1)
         inputs, labels = self.split_batch(self.to_global(batch))
         self.train_step(inputs, labels)
         step += 1
@@ -152,7 +174,7 @@ class Trainer:
         profile_ends = self._profiling_ends(step)
         stop = self.stop_requested(step)
         if save_due or eval_due or profile_ends or stop or step == self.steps:
-          self._record(*pending)  # raises on a NaN loss, so a bad state is never saved
+          self._record(*pending)  # raises on a non-finite state, so one is never saved
           pending = None
         if profile_ends:
           jax.profiler.stop_trace()
@@ -177,15 +199,10 @@ class Trainer:
   # ---- bookkeeping --------------------------------------------------------------------
 
   def _record(self, step, metrics, labels) -> None:
-    """Reads a finished step's metrics (waiting for it), checks the loss, logs."""
+    """Reads a finished step's metrics (waiting for it), checks they are finite, logs."""
     values = {k: float(v) for k, v in metrics.items()}  # waits for that step
     seconds = self._clock.lap()
-    if not math.isfinite(values["loss"]):
-      raise TorchOnTpuError(
-        f"The loss is {values['loss']} at step {step}; stopped without saving that state (the "
-        f"last good checkpoint is untouched); lower the learning rate, set clip_norm, or check "
-        f"that step's batch."
-      )
+    self._check_finite(step, values)
     shape = jax.tree.leaves(labels)[0].shape
     values["step_time"] = seconds
     values["tokens_per_second"] = math.prod(shape) / seconds
@@ -200,6 +217,47 @@ class Trainer:
       postfix["mfu"] = f"{100 * values['mfu']:.1f}%"
     postfix["step"] = f"{seconds:.3f}s"
     self._bar.set_postfix(postfix, refresh=False)
+
+  def _check_start_finite(self, step: int) -> None:
+    """A state that is non-finite before any step (e.g. an lr that overflows float32 in the
+    optimizer state) would be kept by every skip and saved: refuse it up front."""
+    state = self.train_step.state
+    leaves = [
+      (path, x)
+      for path, x in jax.tree_util.tree_flatten_with_path({"params": state["params"], "opt_state": state["opt_state"]})[0]
+      if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    finite = _all_finite_each([x for _, x in leaves])
+    bad = [jax.tree_util.keystr(path, simple=True, separator="/") for (path, _), ok in zip(leaves, finite) if not ok]
+    if bad:
+      raise TorchOnTpuError(
+        f"The training state holds NaN or Inf before step {step + 1} ({len(bad)} arrays, e.g. {bad[0]}); "
+        f"nothing was trained or saved; check the learning rate and other hyperparameters are finite in "
+        f"float32 (below 3.4e38), and the weights or checkpoint it starts from."
+      )
+
+  def _check_finite(self, step, values) -> None:
+    """Counts skipped steps; raises on a non-finite state or too many skips in a row."""
+    fix = "lower the learning rate, set clip_norm, or check the data"
+    saved = (
+      f"the newest saved step is {self._saved_step}"
+      if self.checkpointer is not None and self._saved_step
+      else "no checkpoint was saved by this run"
+    )
+    if "skipped" in values:
+      self._skips = self._skips + 1 if values["skipped"] else 0
+      if self._skips >= self.max_skips:
+        raise TorchOnTpuError(
+          f"Steps {step - self._skips + 1} to {step} all had a non-finite loss or gradient norm "
+          f"(loss {values['loss']}) and were skipped, {self.max_skips} in a row (max_skips); "
+          f"stopped with the state of step {step - self._skips}, {saved}; {fix}."
+        )
+    elif values.get("nonfinite", 0) or not math.isfinite(values["loss"]):
+      raise TorchOnTpuError(
+        f"Step {step} made the training state non-finite (loss {values['loss']}, gradient norm "
+        f"{values.get('grad_norm')}); stopped without saving it, {saved}; {fix}, or build the "
+        f"step with skip_nonfinite=True."
+      )
 
   def _write(self, step, values) -> None:
     self.records.append({"step": step, **values})
@@ -310,6 +368,38 @@ def summary_line(summary: dict) -> str:
     parts.append(f"MFU {100 * summary['median_mfu']:.1f}%")
   parts.append(f"compile {summary['compile_seconds']:.1f} s")
   return ", ".join(parts)
+
+
+@jax.jit
+def _all_finite_each(arrays: list) -> list:
+  return [jnp.isfinite(x).all() for x in arrays]
+
+
+def _embedding_rows(module) -> int | None:
+  """The vocabulary size the model's first embedding takes (None: no embedding)."""
+  if not isinstance(module, torch.nn.Module):
+    return None
+  return next((m.num_embeddings for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
+
+
+def _check_token_ids(batch, vocab: int | None, step: int) -> None:
+  """Host token ids outside `[0, vocab)` (labels may also be -100, ignored) raise, naming one."""
+  if vocab is None or not isinstance(batch, dict):
+    return
+  for key in ("input_ids", "labels"):
+    ids = batch.get(key)
+    if ids is None or isinstance(ids, jax.Array) or not hasattr(ids, "shape"):
+      continue  # global arrays on the mesh are not read back
+    ids = np.asarray(ids)
+    bad = (ids < 0) | (ids >= vocab)
+    if key == "labels":
+      bad &= ids != -100
+    if bad.any():
+      where = tuple(int(i) for i in np.argwhere(bad)[0])
+      raise TorchOnTpuError(
+        f"The batch for step {step} holds token id {int(ids[where])} at {key}{list(where)}, outside the "
+        f"model's vocabulary of {vocab}; check that the tokenizer and the data match the model."
+      )
 
 
 def default_split(model, batch):
