@@ -176,3 +176,16 @@ def test_storage_errors_are_told_apart_from_device_memory():
   assert message.startswith("Could not write checkpoint step 3 to /nonexistent/ckpt: permission to write there was denied (")
   assert "free of" in message and message.endswith("make the directory writable by this user.")
   assert storage.storage_error(ValueError("shape mismatch"), "x", Path("/"), "y") is None
+
+
+def test_a_directory_that_vanishes_during_the_run_is_named_not_silently_recreated(tmp_path):
+  directory = tmp_path / "ckpt"
+  with checkpoint.Checkpointer(directory) as ckpt:
+    ckpt.save(1, state(1), force=True)
+    ckpt.wait()
+    shutil.rmtree(directory)
+    with pytest.raises(TorchOnTpuError) as err:
+      ckpt.save(2, state(2), force=True)
+  message = str(err.value)
+  assert "the directory vanished during the run (it held steps [1]" in message and str(directory) in message
+  assert "\n" not in message and not directory.exists()

@@ -133,6 +133,9 @@ class Checkpointer:
       "config": ocp.JsonCheckpointHandler(),
     }
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+    # The steps this directory held: if it disappears, saving on would start a new
+    # one silently with the run's history gone, so `save` says so instead.
+    self._held_steps = list(self._manager.all_steps())
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -158,6 +161,8 @@ class Checkpointer:
     Without `force` only steps `should_save` picks are written; a step that is
     already saved is never written again.
     """
+    if self._held_steps and not self.directory.is_dir():
+      raise TorchOnTpuError(storage.vanished(self.directory, step, self._held_steps))
     if step in self._manager.all_steps() or not (force or self._manager.should_save(step)):
       return False
     args = ocp.args.Composite(
@@ -171,6 +176,8 @@ class Checkpointer:
       started = self._manager.save(step, args=args, force=force)
     if started and not self._async:
       self._write_checksums()
+    if started:
+      self._held_steps.append(step)
     return started
 
   def restore(self, target, *, step: int | None = None, partial: bool = False) -> Restored | None:

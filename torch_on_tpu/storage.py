@@ -52,6 +52,15 @@ def storage_error(e: BaseException, what: str, path: Path, outcome: str) -> str 
   return f"Could not write {what} to {path}: {why} ({free_space(path)}); {outcome}; {fix}."
 
 
+def vanished(directory: Path, step: int, held: list[int]) -> str:
+  """One sentence for a checkpoint directory deleted (or unmounted) under a running job."""
+  return (
+    f"Could not write checkpoint step {step} to {directory}: the directory vanished during the run "
+    f"(it held steps {sorted(held)}; {free_space(directory)}); check the mount and that nothing "
+    f"deletes it, then resume from a copy or start afresh."
+  )
+
+
 def free_space(path: Path) -> str:
   """'1.2 GiB free of 100 GiB' for the filesystem holding `path` (or its nearest existing parent)."""
   path = Path(path).absolute()
