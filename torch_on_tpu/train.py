@@ -77,7 +77,7 @@ import torch.utils._pytree as torch_pytree
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from torch_on_tpu import _compat, ops
+from torch_on_tpu import _compat, losses, ops
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu import sharding as sharding_lib
 from torch_on_tpu.errors import TorchOnTpuError
@@ -454,7 +454,7 @@ class TrainStep:
     if self.compute_dtype is not None:
       params = {k: _cast_floating(v, self.compute_dtype) for k, v in params.items()}
     env = torchax.default_env()
-    with env, env.override_property(prng=rng), _linear_lowering(self.model.mesh):
+    with env, env.override_property(prng=rng), _linear_lowering(self.model.mesh), losses.installed(self.model):
       outputs, changed = call_model(self.model, params, buffers, inputs)
       outputs = _to_fp32(outputs)
       loss = self.loss_fn(outputs, _torch_tree(labels))
