@@ -72,7 +72,7 @@ def cross_entropy(
   loss = chunked_cross_entropy(
     jax_view(input), jax_view(target), ignore_index=int(ignore_index), reduction=reduction,
     label_smoothing=float(label_smoothing),
-    sharding=model.batch_sharding(2, rows) if rows % model.batch_ways == 0 else None,
+    sharding=model.batch_sharding(2, rows) if model.data_axes and rows % model.batch_ways == 0 else None,
   )
   return torch_view(loss)
 

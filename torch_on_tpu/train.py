@@ -19,7 +19,9 @@ Conventions:
   `None`, strings) are static flags. `labels` is any pytree of arrays.
 * `loss_fn(outputs, labels)` is plain torch code returning a scalar tensor. It
   sees the model's floating outputs in fp32 (cast up if the model computes in
-  bf16), and the step returns that loss in fp32.
+  bf16), and the step returns that loss in fp32. `F.cross_entropy` inside it
+  runs `losses.cross_entropy` (vocabulary-chunked, no fp32 log-softmax of the
+  whole logits).
 * `grad_accum=k` splits the batch dim of every input and label into k
   microbatches (row i goes to microbatch i mod k, which keeps each microbatch
   spread over all data shards), runs them in a `lax.scan` inside the same
