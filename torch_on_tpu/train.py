@@ -19,7 +19,9 @@ Conventions:
   `None`, strings) are static flags. `labels` is any pytree of arrays.
 * `loss_fn(outputs, labels)` is plain torch code returning a scalar tensor. It
   sees the model's floating outputs in fp32 (cast up if the model computes in
-  bf16), and the step returns that loss in fp32.
+  bf16), and the step returns that loss in fp32. `F.cross_entropy` inside it
+  runs `losses.cross_entropy` (vocabulary-chunked, no fp32 log-softmax of the
+  whole logits).
 * `grad_accum=k` splits the batch dim of every input and label into k
   microbatches (row i goes to microbatch i mod k, which keeps each microbatch
   spread over all data shards), runs them in a `lax.scan` inside the same
@@ -77,7 +79,7 @@ import torch.utils._pytree as torch_pytree
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from torch_on_tpu import _compat, ops
+from torch_on_tpu import _compat, losses, ops
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu import sharding as sharding_lib
 from torch_on_tpu.errors import TorchOnTpuError
@@ -454,7 +456,7 @@ class TrainStep:
     if self.compute_dtype is not None:
       params = {k: _cast_floating(v, self.compute_dtype) for k, v in params.items()}
     env = torchax.default_env()
-    with env, env.override_property(prng=rng), _linear_lowering(self.model.mesh):
+    with env, env.override_property(prng=rng), _linear_lowering(self.model.mesh), losses.installed(self.model):
       outputs, changed = call_model(self.model, params, buffers, inputs)
       outputs = _to_fp32(outputs)
       loss = self.loss_fn(outputs, _torch_tree(labels))

@@ -1,0 +1,134 @@
+"""The chunked cross-entropy head: parity with torch eager, its fallback, its use in the
+train step, and the temporaries it saves at a 128k vocabulary (abstract compile only)."""
+
+import contextlib
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+import torch_on_tpu as tot
+from torch_on_tpu import _compat, losses
+
+from tests import helpers as h
+
+torchax = _compat.import_torchax()
+from torchax.interop import jax_view, torch_view  # noqa: E402
+
+
+def _targets(rows, vocab, ignore_index, seed=0):
+  t = np.random.default_rng(seed).integers(0, vocab, rows)
+  t[::5] = ignore_index  # -100, or a real class that is then ignored
+  t[3] = vocab - 1
+  return t
+
+
+# vocab 37: one chunk (no loop); 1000 by 128: a last chunk overlapping its neighbour;
+# 1024 by 128: chunks that tile the vocabulary exactly.
+@pytest.mark.parametrize("vocab,chunk", [(37, None), (1000, 128), (1024, 128)])
+@pytest.mark.parametrize("ignore_index", [-100, 5])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_chunked_cross_entropy_matches_torch_loss_and_gradient(vocab, chunk, ignore_index, reduction, label_smoothing):
+  x = np.random.default_rng(1).standard_normal((64, vocab)).astype(np.float32) * 3
+  t = _targets(64, vocab, ignore_index)
+  xt = torch.tensor(x, requires_grad=True)
+  kw = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+  want = F.cross_entropy(xt, torch.tensor(t), **kw)
+  want.backward(torch.ones_like(want))
+
+  loss, vjp = jax.vjp(lambda a: losses.chunked_cross_entropy(a, jnp.asarray(t), chunk=chunk, **kw), jnp.asarray(x))
+  (grad,) = vjp(jnp.ones_like(loss))
+  assert loss.dtype == jnp.float32
+  assert h.rel(loss, want.detach()) < 1e-5
+  assert h.rel(grad, xt.grad) < 1e-5
+
+
+def test_bf16_logits_get_a_bf16_gradient_from_fp32_statistics():
+  x = np.random.default_rng(2).standard_normal((16, 300)).astype(np.float32) * 4
+  x16 = jnp.asarray(x, jnp.bfloat16)
+  t = jnp.asarray(_targets(16, 300, -100))
+  loss, vjp = jax.vjp(lambda a: losses.chunked_cross_entropy(a, t, chunk=128), x16)
+  (grad,) = vjp(jnp.ones_like(loss))
+  want, want_vjp = jax.vjp(lambda a: losses.chunked_cross_entropy(a, t), x16.astype(jnp.float32))
+  assert loss.dtype == jnp.float32 and grad.dtype == jnp.bfloat16
+  assert abs(float(loss) - float(want)) < 1e-6  # bf16 → fp32 is exact; the sums are fp32
+  np.testing.assert_array_equal(grad, want_vjp(jnp.ones_like(want))[0].astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize(
+  "call",
+  [
+    lambda x, t: F.cross_entropy(x, t, weight=x.new_ones(x.shape[1]).cumsum(0) / x.shape[1]),
+    lambda x, t: F.cross_entropy(x.reshape(4, 4, -1).transpose(1, 2), t.reshape(4, 4)),  # (N, C, d)
+    lambda x, t: F.cross_entropy(x, torch.softmax(x * 2, 1).detach()),  # probability targets
+  ],
+  ids=["class weights", "N-D logits", "probabilities"],
+)
+def test_what_the_chunked_head_cannot_express_goes_to_torchax(call):
+  x = torch.randn(16, 40)
+  t = torch.tensor(_targets(16, 40, -100))
+  env = torchax.default_env()
+  with env, losses.installed(tot.JittableModule(torch.nn.Linear(1, 1), mesh=tot.make_mesh(fsdp=-1))), mock.patch.object(losses, "chunked_cross_entropy") as chunked:
+    ours = call(torch_view(jnp.asarray(x.numpy())), torch_view(jnp.asarray(t.numpy())))
+  chunked.assert_not_called()
+  assert h.rel(jax_view(ours), call(x, t)) < 1e-6
+
+
+def _llama(vocab, layers=2):
+  return transformers.LlamaConfig(
+    vocab_size=vocab,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=layers,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+  )
+
+
+def _ce(out, labels):
+  return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+
+
+def test_hf_llama_step_loss_and_grads_match_torch_through_the_chunked_head():
+  config = _llama(vocab=300)  # not a multiple of the chunk below
+  jm = tot.JittableModule(h.build_causal_lm(config), mesh=tot.make_mesh(fsdp=-1))
+  ref = h.reference(jm, lambda device: h.build_causal_lm(config, device=device))
+  g = torch.Generator().manual_seed(0)
+  tokens = torch.randint(0, 300, (8, 16), generator=g)
+  labels = torch.randint(0, 300, (8, 16), generator=g)
+  labels[:, :3] = -100
+  step = tot.make_train_step(jm, _ce, optax.adamw(1e-3))
+  real = losses.chunked_cross_entropy
+  with mock.patch.object(losses, "chunked_cross_entropy", side_effect=lambda *a, **k: real(*a, **k, chunk=128)) as chunked:
+    loss, grads = step.gradients({"input_ids": tokens}, labels)
+  chunked.assert_called()
+  ref.zero_grad()
+  want = _ce(ref(input_ids=tokens), labels)
+  want.backward()
+  assert abs(float(loss) - want.item()) / want.item() < 1e-5
+  for name, p in ref.named_parameters():
+    assert h.rel(grads[name], p.grad) < 1e-5, name
+
+
+def test_a_128k_vocabulary_step_saves_at_least_the_fp32_logits_in_temporaries():
+  """tokens × vocab × 4 bytes fewer temporaries than torchax's lowering (one device)."""
+  vocab, batch, seq = 128256, 2, 2048
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+  spec = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+  temps = {}
+  for name, head in (("torchax", lambda model: contextlib.nullcontext()), ("chunked", losses.installed)):
+    with torch.device("meta"):
+      model = transformers.LlamaForCausalLM(_llama(vocab, layers=1))
+    jm = tot.JittableModule(model, mesh=mesh, abstract=True)
+    step = tot.make_train_step(jm, _ce, optax.adamw(1e-3))
+    with mock.patch.object(losses, "installed", head):
+      temps[name] = step.compile({"input_ids": spec}, spec).temp_bytes
+  assert temps["torchax"] - temps["chunked"] >= batch * seq * vocab * 4, temps
