@@ -14,7 +14,9 @@ group's matrix: (M + G·B)·K·N multiply-adds, B chosen as the largest power of
 two ≤ M/(4G) (so at most 1.25× the dense-active count, plus rounding). Its
 VJP is written out: the input gradient is the same blocked product with each
 matrix transposed, and the weight gradient adds every block's `xᵀ·dy` into its
-group's slot in place (no full-size buffer per block).
+group's slot in place (no full-size buffer per block). Its output carries the
+matmul `checkpoint_name`, so the dot-keeping remat policies (a scan's default
+among them) keep it instead of recomputing the experts in the backward.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from torch_on_tpu import remat as remat_lib
 
 _MIN_BLOCK, _MAX_BLOCK = 8, 256
 
@@ -33,8 +38,11 @@ def ragged_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None):
   out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
   group_sizes = group_sizes.astype(jnp.int32)
   if jax.default_backend() == "tpu":
-    return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
-  return _blocked(lhs, rhs, group_sizes, block_rows(lhs.shape[0], rhs.shape[0]), jnp.dtype(out_dtype))
+    out = lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+  else:
+    out = _blocked(lhs, rhs, group_sizes, block_rows(lhs.shape[0], rhs.shape[0]), jnp.dtype(out_dtype))
+  # A matmul a remat policy must see as one: the blocked form is a loop in a custom VJP.
+  return checkpoint_name(out, remat_lib.MATMUL_NAME)
 
 
 def block_rows(rows: int, groups: int) -> int:
