@@ -270,3 +270,10 @@ def test_recipe_trains_plans_checkpoints_and_exports_an_moe_model(tmp_path):
   tokens = torch.randint(0, 512, (8, 32), generator=torch.Generator().manual_seed(3))
   want = loaded(tokens, use_cache=False).logits.detach()
   assert h.rel(tot.to_cpu(jm(tokens, use_cache=False).logits), want) < 1e-5
+
+
+def test_a_grouped_mm_form_experts_do_not_use_is_refused_in_one_sentence():
+  import jax.numpy as jnp
+
+  with pytest.raises(tot.TorchOnTpuError, match=r"_grouped_mm of a 3-D by a 3-D tensor without offs is not lowered"):
+    lowerings._grouped_mm(jnp.ones((2, 4, 8)), jnp.ones((2, 8, 4)))

@@ -342,3 +342,15 @@ def test_scanned_step_copies_no_stacked_parameter_or_gradient_per_iteration():
       if tuple(int(d) for d in shape.split(",") if d) in shapes:
         copied.append(shape)
   assert not copied, copied
+
+
+def test_a_layer_called_without_a_positional_hidden_state_is_refused_in_one_sentence():
+  class KeywordCalls(AuxStack):
+    def forward(self, x, mask):
+      for layer in self.layers:
+        x, _, _ = layer(x=x, mask=mask)
+      return x
+
+  jm = tot.JittableModule(KeywordCalls(), mesh=tot.make_mesh(fsdp=8), sharding="replicated", scan=True)
+  with pytest.raises(tot.TorchOnTpuError, match="without a positional argument"):
+    jm(torch.randn(8, 32), torch.ones(32))

@@ -195,29 +195,17 @@ def _take_along_dim(x, indices, dim=None):
 
 
 def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-  """torch's `_grouped_mm`: `offs` holds the cumulative ends of the groups.
-
-  2-D × 3-D: row group g of `mat_a` times `mat_b[g]` (the MoE forward);
-  2-D × 2-D: contraction group g gives `out[g]` (the weight gradient's form);
-  3-D × 3-D: a batched matmul (no offs).
-  """
-  dtype = mappings.t2j_dtype(out_dtype) if out_dtype is not None else mat_a.dtype
-  accumulate = jnp.promote_types(dtype, jnp.float32)
-  if mat_a.ndim == 2 and mat_b.ndim == 3 and offs is not None:
-    sizes = jnp.diff(offs.astype(jnp.int32), prepend=0)
-    out = ragged.ragged_matmul(mat_a, mat_b, sizes, preferred_element_type=accumulate)
-  elif mat_a.ndim == 2 and mat_b.ndim == 2 and offs is not None:
-    group = jnp.searchsorted(offs.astype(jnp.int32), jnp.arange(mat_a.shape[1]), side="right")
-    member = (group[None, :] == jnp.arange(offs.shape[0])[:, None]).astype(mat_a.dtype)
-    out = jnp.einsum("mk,gk,kn->gmn", mat_a, member, mat_b, preferred_element_type=accumulate)
-  elif mat_a.ndim == 3 and mat_b.ndim == 3 and offs is None:
-    out = jnp.matmul(mat_a, mat_b, preferred_element_type=accumulate)
-  else:
+  """torch's `_grouped_mm` in the form MoE experts use: 2-D `mat_a` whose row group g
+  (groups ending at the cumulative `offs`) is multiplied by `mat_b[g]` of a 3-D `mat_b`."""
+  if not (mat_a.ndim == 2 and mat_b.ndim == 3 and offs is not None):
     raise TorchOnTpuError(
       f"_grouped_mm of a {mat_a.ndim}-D by a {mat_b.ndim}-D tensor "
-      f"{'with' if offs is not None else 'without'} offs is not lowered; the 2-D × 3-D (with offs), "
-      f"2-D × 2-D (with offs) and 3-D × 3-D forms are."
+      f"{'with' if offs is not None else 'without'} offs is not lowered; only the 2-D × 3-D form "
+      f"with offs (mixture-of-experts layers) is."
     )
+  dtype = mappings.t2j_dtype(out_dtype) if out_dtype is not None else mat_a.dtype
+  sizes = jnp.diff(offs.astype(jnp.int32), prepend=0)
+  out = ragged.ragged_matmul(mat_a, mat_b, sizes, preferred_element_type=jnp.promote_types(dtype, jnp.float32))
   if bias is not None:
     out = out + bias
   return out.astype(dtype)

@@ -518,7 +518,7 @@ def _refuse_direct_call(module, args):
     raise TorchOnTpuError(
       "This module was wrapped by JittableModule, which moved its parameters and buffers onto "
       "the mesh and left the module itself on the meta device; call the JittableModule "
-      "(jm(x)) instead, or for eager CPU use load jm.state_dict() into a fresh copy of the model."
+      "(jm(x)) instead, or, for eager CPU use, load jm.state_dict() into a fresh copy of the model."
     )
 
 

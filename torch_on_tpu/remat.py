@@ -65,7 +65,7 @@ _offload_notice_given = False
 # layer, where an unrolled loop lets XLA fuse cheap elementwise residuals
 # (norm intermediates in fp32, dtype converts) into their backward consumers;
 # keeping only matmul and attention outputs gives the scan what the loop keeps
-# (`tools/bench_compile.py`, docs/performance.md).
+# (docs/performance.md, "Scan memory").
 SCANNED_DEFAULT = "dots_and_attention"
 
 

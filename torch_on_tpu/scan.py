@@ -6,8 +6,8 @@ along a new leading dim and runs them with `jax.lax.scan`, with a remat policy
 per layer. `find_layer_stack` + `ScanLayout` swap a model's own layer container
 (torchtitan's `layers` ModuleDict iterated with `.values()`, HF's
 `model.layers` ModuleList sliced with `[:n]`) for a container whose iteration
-yields one module that runs the whole scan, so the model's forward runs
-unchanged.
+yields one view per layer, served from one scan over the whole stack, so the
+model's forward runs unchanged.
 
 Names stay the model's: sharding maps written for `layers.*.attention.wo.weight`
 resolve on the per-layer names and the stacked parameter gets `None` on its
@@ -61,8 +61,9 @@ class ScannedModule(torch.nn.Module):
   Call it like one layer: `h = scanned(h, *extra, **kw)`. The extra positional
   and keyword arguments are the same for every layer (RoPE tables, masks,
   position ids, HF's `position_embeddings` tuple). A layer returns the hidden
-  state, or a tuple whose first element is the hidden state and whose other
-  elements are None.
+  state, or a tuple whose first element is the hidden state (its other
+  elements, an aux loss say, leave the scan per layer); called directly it
+  returns the last layer's output.
 
   Same class and same tensors do not make the same function: a layer may
   steer its control flow by its own attributes (rotary embedding on some
@@ -349,6 +350,11 @@ class _LayerView:
       raise TorchOnTpuError(
         f"The model calls '{self._path}' of one scanned layer on its own; scan runs whole layers, "
         f"so use scan=False."
+      )
+    if not args:
+      raise TorchOnTpuError(
+        "The model calls a scanned layer without a positional argument; scan carries the first "
+        "positional argument as the hidden state, so pass it positionally or use scan=False."
       )
     return self._scanned.call_layer(self._index, args[0], args[1:], kwargs)
 

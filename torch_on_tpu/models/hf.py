@@ -88,8 +88,9 @@ def per_layer_inputs_problem(module: torch.nn.Module, layers) -> str | None:
   """Why an HF model's loop feeds its layers different inputs by index, or None.
 
   HF models with mixed attention (`config.layer_types`: sliding and full) pick
-  each layer's mask by its index in the loop; a scan sees one iteration, so it
-  would give every layer layer 0's mask."""
+  each layer's mask by its index in the loop: the scan's per-layer views would
+  see the arguments change and run every layer unrolled anyway, so such a
+  stack is not stacked at all."""
   for owner in (module, layers[0]):
     types = getattr(getattr(owner, "config", None), "layer_types", None)
     if types and len(set(types[: len(layers)])) > 1:
