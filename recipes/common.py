@@ -242,11 +242,13 @@ def _literal(name: str, text: str, kind: type, optional: bool):
 def setup_platform(cpu_devices: int | None) -> None:
   """Sets XLA_FLAGS for `--cpu_devices`, LIBTPU_INIT_ARGS on a TPU host; before jax starts.
 
-  Importing torch_on_tpu starts jax's backends (torchax makes a PRNG key), so
-  this runs before that; in a process where they already started (tests) it
-  only checks that the devices are the ones asked for.
+  XLA reads its flags when jax starts its backend, so this runs before anything
+  uses jax; in a process where the backend already started (tests) it only
+  checks that the devices are the ones asked for.
   """
-  if _backends_started():
+  from torch_on_tpu import _compat, xla_flags
+
+  if _compat.backend_started():
     if cpu_devices is not None:
       import jax
 
@@ -260,17 +262,9 @@ def setup_platform(cpu_devices: int | None) -> None:
         )
     return
   if cpu_devices is not None:
-    option = "--xla_force_host_platform_device_count"
-    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(option)]
-    os.environ["XLA_FLAGS"] = " ".join([*kept, f"{option}={cpu_devices}"])
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    xla_flags.simulate_cpu_devices(cpu_devices, cpu_only=True)
   elif _on_tpu_host() and "LIBTPU_INIT_ARGS" not in os.environ:
     os.environ["LIBTPU_INIT_ARGS"] = " ".join(TPU_FLAGS)
-
-
-def _backends_started() -> bool:
-  bridge = sys.modules.get("jax._src.xla_bridge")  # jax has no public way to ask
-  return bridge is not None and bridge.backends_are_initialized()
 
 
 def _on_tpu_host() -> bool:
@@ -282,13 +276,13 @@ def _on_tpu_host() -> bool:
   return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
-# MULTI-HOST: the single call site. Joins the processes of a multi-host run
-# (TOT_* variables or a cluster jax detects; see torch_on_tpu.distributed)
-# after setup_platform and before any device use; one process: a no-op.
+# MULTI-HOST: the single call site. Starts the platform, which joins the processes
+# of a multi-host run (TOT_* variables or a cluster jax detects; see
+# torch_on_tpu.runtime) after setup_platform and before any device use.
 def _initialize_distributed() -> None:
-  from torch_on_tpu.distributed import initialize_distributed
+  from torch_on_tpu import runtime
 
-  initialize_distributed()
+  runtime.setup()
 
 
 # ---- the run ---------------------------------------------------------------------------

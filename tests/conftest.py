@@ -1,10 +1,9 @@
 """Test session setup: 8 simulated CPU devices, set before jax is imported."""
 
-import os
 
-_FLAG = "--xla_force_host_platform_device_count"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}=8").strip()
+from torch_on_tpu import xla_flags  # noqa: E402  (imports nothing heavy: set before jax starts)
+
+xla_flags.simulate_cpu_devices(8, replace=False)
 
 import pathlib  # noqa: E402
 
@@ -17,7 +16,9 @@ jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(__file__).parent
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-import torch_on_tpu  # noqa: E402,F401  (applies the torchax shim before any test imports torchax)
+import torch_on_tpu  # noqa: E402
+
+torch_on_tpu.setup()  # the platform starts before any test imports torchax or uses jax
 
 
 def pytest_configure(config):

@@ -1,7 +1,7 @@
 """One process of the multi-host tests: a tiny torchtitan Llama 3 trained through the library on real data.
 
 Run it alone (one process, all its devices) or under `python -m torch_on_tpu.launch`
-(which makes `import torch_on_tpu` join the processes). The data is
+(`tot.setup()` joins the processes). The data is
 `data.batches` on the built-in corpus (the Python standard library, with its
 cached BPE): each process reads only its own data shards and yields its rows
 of the global batch, which is the same for any process count, and
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from jax.experimental import multihost_utils
 
-import torch_on_tpu as tot  # joins the other processes, when launched with them
+import torch_on_tpu as tot
 from torch_on_tpu import checkpoint, data
 from torch_on_tpu.models.torchtitan import llama3_config
 
@@ -68,6 +68,7 @@ def main(argv=None):
   p.add_argument("--die_at", type=int, default=None)
   p.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
+  tot.setup()  # joins the other processes before anything starts jax's backend
 
   config = llama3_config("debugmodel", attention="sdpa", max_seq_len=SEQ)
   config.layers = config.layers[:LAYERS]

@@ -1,9 +1,13 @@
-"""The torchax import shim: needed and sufficient on this stack, a no-op elsewhere."""
+"""`_compat`: the torchax import shim (needed and sufficient on this stack, a no-op
+elsewhere), the quiet import, and every internal API we rely on."""
 
 import importlib.metadata
+import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 import torch
 
@@ -24,7 +28,7 @@ def test_plain_torchax_import_fails_on_this_stack_so_the_shim_is_needed():
 
 def test_the_shim_is_sufficient_and_leaves_torch_as_it_was():
   shimmed = _run(
-    "import torch_on_tpu, torchax, torch\n"
+    "import torch_on_tpu, torch\ntorch_on_tpu.setup()\nimport torchax\n"
     "env = torchax.default_env()\n"
     "assert torch.ops.aten.mm in env._ops and len(env._ops) > 400\n"
     "try:\n"
@@ -89,7 +93,8 @@ def test_an_import_time_op_inside_torchax_mode_fails_so_torchvision_goes_first(t
   _package(tmp_path, "late_vision", _FAKE_VISION)
   code = (
     f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
-    "import torch_on_tpu, torchax\n"
+    "import torch_on_tpu; torch_on_tpu.setup()\n"
+    "import torchax\n"
     "with torchax.default_env():\n"
     "  import late_vision\n"
   )
@@ -97,12 +102,174 @@ def test_an_import_time_op_inside_torchax_mode_fails_so_torchvision_goes_first(t
   assert late.returncode != 0 and "has no lowering" in late.stderr
 
 
-def test_torchvision_is_imported_with_torch_on_tpu_and_a_broken_one_is_ignored(tmp_path):
+def test_torchvision_is_imported_at_setup_and_a_broken_one_is_ignored(tmp_path):
   good, broken = tmp_path / "good", tmp_path / "broken"
   good.mkdir(), broken.mkdir()
   _package(good, "torchvision", _FAKE_VISION)
   _package(broken, "torchvision", "raise RuntimeError('operator torchvision::nms does not exist')\n")
-  check = "import sys; sys.path.insert(0, {!r})\nimport torch_on_tpu\nprint('torchvision' in sys.modules)\n"
+  check = "import sys; sys.path.insert(0, {!r})\nimport torch_on_tpu; torch_on_tpu.setup()\nprint('torchvision' in sys.modules)\n"
   assert _run(check.format(str(good))).stdout.strip() == "True"
   ignored = _run(check.format(str(broken)))
   assert ignored.returncode == 0 and ignored.stdout.strip() == "False"
+
+
+# ---- a quiet import ------------------------------------------------------------------------
+
+
+def test_import_changes_nothing_and_setup_starts_the_platform_on_first_use():
+  code = (
+    "import os, sys\n"
+    "before = dict(os.environ)\n"
+    "import torch_on_tpu as tot\n"
+    "assert dict(os.environ) == before, 'the import changed the environment'\n"
+    "heavy = sorted(m for m in ('torch', 'jax', 'torchax', 'torchvision') if m in sys.modules)\n"
+    "assert not heavy, heavy\n"
+    "from torch_on_tpu import runtime, xla_flags\n"
+    "assert not runtime.started()\n"
+    "mesh = tot.make_mesh(fsdp=-1)\n"
+    "assert runtime.started()\n"
+    "assert all(f'{k}={v}' in os.environ['XLA_FLAGS'] for k, v in xla_flags.DEFAULTS.items())\n"
+    "print(type(mesh).__name__, tot.JittableModule.__name__)\n"
+  )
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert run.stdout.split() == ["Mesh", "JittableModule"]
+
+
+def test_an_unknown_public_name_is_an_attribute_error():
+  with pytest.raises(AttributeError, match="no attribute 'JitableModule'"):
+    tot.JitableModule  # noqa: B018
+
+
+# ---- every internal API we rely on, checked against the pinned versions ---------------------
+# One check per entry of `_compat.INTERNAL_APIS` (torch 2.13, torchax 0.0.13, jax 0.10): a new
+# internal use without a check here fails `test_every_internal_api_has_a_check`.
+
+
+def _check_op_table():
+  env = _compat.torchax_env()
+  previous = _compat.registered_op(env, torch.ops.aten.mm)
+  assert previous is not None and _compat.has_lowering(env, torch.ops.aten.mm)
+  calls = []
+  _compat.set_op(env, torch.ops.aten.mm, _compat.make_operator(
+    torch.ops.aten.mm, lambda a, b: calls.append(1) or a @ b, jax_function=True
+  ))
+  try:
+    x = tot.to_cpu(tot.JittableModule(_MatMul(), mesh=tot.make_mesh(fsdp=1, devices=jax.devices()[:1]))(torch.eye(2)))
+  finally:
+    _compat.set_op(env, torch.ops.aten.mm, previous)
+  assert calls and torch.equal(x, torch.eye(2) @ torch.full((2, 2), 2.0))
+
+
+class _MatMul(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.w = torch.nn.Parameter(torch.full((2, 2), 2.0))
+
+  def forward(self, x):
+    return torch.mm(x, self.w)
+
+
+def _check_decomps():
+  env = _compat.torchax_env()
+  assert _compat.has_decomposition(env, torch.ops.aten.addcmul_) or _compat.has_lowering(env, torch.ops.aten.addcmul_)
+  assert not _compat.has_decomposition(env, torch.ops.aten.mm)
+
+
+def _check_tensor_internals():
+  from torchax.interop import torch_view
+
+  t = torch_view(jnp.zeros(3))
+  assert _compat.tensor_env(t) is _compat.torchax_env()
+  _compat.set_array(t, jnp.ones(3))
+  assert float(t.jax().sum()) == 3.0
+
+
+def _check_reparametrized():
+  lin = torch.nn.Linear(2, 2)
+  with _compat.reparametrized(lin, {"weight": torch.zeros(2, 2), "bias": torch.ones(2)}):
+    assert torch.equal(lin(torch.randn(1, 2)), torch.ones(1, 2))
+  assert not torch.equal(lin.weight, torch.zeros(2, 2))
+
+
+def _check_trunc_normal_helper():
+  seen = []
+  with _compat.trunc_normal_helper(lambda t, mean, std, a, b, generator=None, original=None: seen.append((a, b)) or t):
+    torch.nn.init.trunc_normal_(torch.empty(3), a=-1.0, b=1.0)
+  assert seen == [(-1.0, 1.0)]
+  assert torch.nn.init.trunc_normal_(torch.empty(1000), a=-0.5, b=0.5).abs().max() <= 0.5
+
+
+def _check_module_dicts():
+  lin = torch.nn.BatchNorm1d(2)
+  params, buffers = _compat.module_tensor_dicts(lin)
+  assert set(params) == {"weight", "bias"} and "running_mean" in buffers
+  _compat.place_tensor(lin, "running_mean", torch.ones(2), False)
+  assert torch.equal(lin.running_mean, torch.ones(2))
+
+
+def _check_forward_hooks():
+  lin = torch.nn.Linear(2, 2)
+  handle = lin.register_forward_hook(lambda *a: None)
+  assert list(_compat.forward_hooks(lin)) == [handle.id]
+
+
+def _check_cross_entropy():
+  logits, target = torch.randn(4, 5), torch.tensor([0, 1, 2, -100])
+  for reduction in ("mean", "sum", "none"):
+    want = torch.nn.functional.cross_entropy(logits, target, reduction=reduction)
+    got = _compat.torch_cross_entropy(logits, target, None, None, None, reduction, -100, 0.0)
+    assert torch.allclose(got, want)
+  legacy = _compat.torch_cross_entropy(logits, target, None, False, None, "mean", -100, 0.0)
+  assert torch.allclose(legacy, torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
+
+
+def _check_pytree():
+  leaves, spec = _compat.torch_pytree.tree_flatten({"a": [1, 2], "b": 3})
+  assert leaves == [1, 2, 3] and _compat.torch_pytree.tree_unflatten(leaves, spec) == {"a": [1, 2], "b": 3}
+
+
+def _check_dce_jaxpr():
+  closed = jax.make_jaxpr(lambda x: (x + 1.0, x * 2.0))(1.0)
+  pruned, used_inputs = _compat.dce_jaxpr(closed.jaxpr, [False, True])
+  assert len(pruned.outvars) == 1 and used_inputs == [True]
+  assert len(pruned.eqns) == 1 and "mul" in str(pruned.eqns[0].primitive)
+
+
+def _check_backend_started():
+  assert _compat.backend_started()  # conftest started the platform
+  run = _run("from torch_on_tpu import _compat\nprint(_compat.backend_started())\nimport jax\njax.devices()\nprint(_compat.backend_started())")
+  assert run.stdout.split() == ["False", "True"], run.stderr[-1000:]
+
+
+def _check_clusters():
+  assert _compat.managed_cluster_size() == 0  # this machine is no pod, Slurm job or MPI run
+
+
+_INTERNAL_API_CHECKS = {
+  "torchax.tensor.Environment._ops": _check_op_table,
+  "torchax.tensor.Environment._decomps": _check_decomps,
+  "torchax.ops.ops_registry.Operator": _check_op_table,
+  "torchax.tensor.Tensor._elem": _check_tensor_internals,
+  "torchax.tensor.Tensor._env": _check_tensor_internals,
+  "torch.nn.utils.stateless._reparametrize_module": _check_reparametrized,
+  "torch.nn.init._no_grad_trunc_normal_": _check_trunc_normal_helper,
+  "torch.nn.Module._parameters/_buffers": _check_module_dicts,
+  "torch.nn.Module._forward_hooks": _check_forward_hooks,
+  "torch._C._nn.cross_entropy_loss": _check_cross_entropy,
+  "torch.nn._reduction": _check_cross_entropy,
+  "torch.utils._pytree": _check_pytree,
+  "jax._src.interpreters.partial_eval.dce_jaxpr": _check_dce_jaxpr,
+  "jax._src.xla_bridge.backends_are_initialized": _check_backend_started,
+  "jax._src.clusters.ClusterEnv": _check_clusters,
+}
+
+
+def test_every_internal_api_has_a_check():
+  assert set(_INTERNAL_API_CHECKS) == set(_compat.INTERNAL_APIS)
+
+
+@pytest.mark.parametrize("name", sorted(_INTERNAL_API_CHECKS))
+def test_internal_api_behaves_as_we_rely_on(name):
+  _INTERNAL_API_CHECKS[name]()

@@ -20,12 +20,14 @@ def test_defaults_are_added_and_user_values_kept():
 
 
 def _dot_hlo(xla_flags_value):
-  """Compiled HLO of a CPU matmul in a fresh process that imports torch_on_tpu first."""
+  """Compiled HLO of a CPU matmul in a fresh process that starts torch_on_tpu first."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   if xla_flags_value is not None:
     env["XLA_FLAGS"] = xla_flags_value
   code = (
-    "import os, torch_on_tpu, jax, jax.numpy as jnp\n"
+    "import os, torch_on_tpu\n"
+    "torch_on_tpu.setup()\n"
+    "import jax, jax.numpy as jnp\n"
     "a = jnp.ones((128, 128))\n"
     "print(os.environ['XLA_FLAGS'])\n"
     "print(jax.jit(jnp.dot).lower(a, a).compile().as_text())\n"
@@ -36,7 +38,7 @@ def _dot_hlo(xla_flags_value):
   return flags, hlo
 
 
-def test_import_switches_cpu_dots_off_ynnpack_unless_the_user_says_otherwise():
+def test_setup_switches_cpu_dots_off_ynnpack_unless_the_user_says_otherwise():
   flags, hlo = _dot_hlo(None)
   assert flags == f"{YNN}="
   assert "ynn_fusion" not in hlo and " dot(" in hlo
@@ -45,7 +47,7 @@ def test_import_switches_cpu_dots_off_ynnpack_unless_the_user_says_otherwise():
   assert "ynn_fusion" in hlo
 
 
-def test_late_import_says_the_defaults_did_not_apply(caplog):
+def test_late_setup_says_the_defaults_did_not_apply(caplog):
   import jax
 
   jax.devices()  # this process's backend is running
@@ -53,4 +55,4 @@ def test_late_import_says_the_defaults_did_not_apply(caplog):
   with caplog.at_level(logging.INFO, logger="torch_on_tpu.xla_flags"):
     xla_flags.apply_defaults(environ)
   assert environ["XLA_FLAGS"] == f"{YNN}="
-  assert "import torch_on_tpu first" in caplog.text
+  assert "call tot.setup() first" in caplog.text

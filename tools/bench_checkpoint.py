@@ -18,11 +18,10 @@ and while the big model's async save is being written: on a 24 GB host the
 
 from __future__ import annotations
 
-import os
 
-_FLAG = "--xla_force_host_platform_device_count"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}=8").strip()
+from torch_on_tpu import xla_flags  # noqa: E402  (imports nothing heavy: set before jax starts)
+
+xla_flags.simulate_cpu_devices(8, replace=False)
 
 import ctypes  # noqa: E402
 import gc  # noqa: E402

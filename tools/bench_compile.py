@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import sys
 import time
@@ -36,8 +35,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
   args = parse_args(argv)
-  flag = f"--xla_force_host_platform_device_count={args.devices}"
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+  from torch_on_tpu import xla_flags
+
+  xla_flags.simulate_cpu_devices(args.devices)
 
   import jax
   import optax

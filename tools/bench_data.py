@@ -13,12 +13,11 @@ time the step loop waited for its next batch is reported too.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
-_FLAG = "--xla_force_host_platform_device_count"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}=8").strip()
+from torch_on_tpu import xla_flags  # noqa: E402  (imports nothing heavy: set before jax starts)
+
+xla_flags.simulate_cpu_devices(8, replace=False)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -159,8 +159,9 @@ def main(argv=None) -> None:
   args = parse_args(argv)
   if args.worker:
     return torch_worker(args)
-  flag = f"--xla_force_host_platform_device_count={args.devices}"
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+  from torch_on_tpu import xla_flags
+
+  xla_flags.simulate_cpu_devices(args.devices)
 
   import tempfile
 

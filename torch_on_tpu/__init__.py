@@ -1,40 +1,49 @@
-"""torch_on_tpu: train unmodified PyTorch models on TPU, GPU and CPU through JAX."""
+"""torch_on_tpu: train unmodified PyTorch models on TPU, GPU and CPU through JAX.
 
-from torch_on_tpu import _compat, xla_flags
+Importing the package is quiet: public names load on first access and the
+platform (XLA flags, a multi-process join, torchax's lowerings) starts on first
+use or at `tot.setup()` (see `torch_on_tpu.runtime`).
+"""
 
-xla_flags.apply_defaults()  # XLA reads XLA_FLAGS once, when jax's backend starts
-if not _compat.started_as_light_tool():  # the doctor and launcher start without torchax
-  # The torchax shim must run before anything imports torchax.
-  _torchax = _compat.import_torchax()
+from __future__ import annotations
 
-  from torch_on_tpu import lowerings  # noqa: E402
-  from torch_on_tpu.distributed import initialize_distributed  # noqa: E402
-
-  initialize_distributed()  # joins a multi-process run before torchax's env starts jax's backend
-  lowerings.register(_torchax.default_env())
-
-  from torch_on_tpu.errors import TorchOnTpuError  # noqa: E402
-  from torch_on_tpu.generate import generate  # noqa: E402
-  from torch_on_tpu.mesh import make_mesh  # noqa: E402
-  from torch_on_tpu.module import JittableModule, to_cpu  # noqa: E402
-  from torch_on_tpu.ops import override_op  # noqa: E402
-  from torch_on_tpu.scan import ScannedModule  # noqa: E402
-  from torch_on_tpu.train import TrainState, TrainStep, make_train_step  # noqa: E402
-  from torch_on_tpu.trainer import Trainer  # noqa: E402
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-  "JittableModule",
-  "ScannedModule",
-  "TorchOnTpuError",
-  "TrainState",
-  "TrainStep",
-  "Trainer",
-  "generate",
-  "initialize_distributed",
-  "make_mesh",
-  "make_train_step",
-  "override_op",
-  "to_cpu",
-]
+# Public name → the module that defines it, imported on first access.
+_EXPORTS = {
+  "JittableModule": "module",
+  "ScannedModule": "scan",
+  "TorchOnTpuError": "errors",
+  "TrainState": "train",
+  "TrainStep": "train",
+  "Trainer": "trainer",
+  "generate": "generate",
+  "initialize_distributed": "distributed",
+  "make_mesh": "mesh",
+  "make_train_step": "train",
+  "override_op": "ops",
+  "setup": "runtime",
+  "to_cpu": "module",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+  if name in _EXPORTS:
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+  else:
+    try:  # a submodule used as an attribute: `tot.checkpoint.Checkpointer`
+      value = importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+      if e.name != f"{__name__}.{name}":
+        raise
+      raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted({*globals(), *_EXPORTS})

@@ -1,8 +1,13 @@
-"""Version shims for torch / torchax / jax, each gated on the versions it fixes.
+"""Everything torch_on_tpu relies on that torch, torchax or jax do not promise.
 
-Every shim here must be a no-op on a stack that does not need it, and must be
-applied before the library it patches is first imported. `import torch_on_tpu`
-applies them; nothing else in the package imports `torchax` before this module.
+Two kinds, both here so that an upgrade of any of the three is checked in one
+place (and by tests/test_compat.py):
+
+- version shims, each gated on the versions it fixes and a no-op elsewhere
+  (`import_torchax` applies the one torchax needs under torch 2.13; every module
+  of the package imports torchax through it);
+- the internal (underscore) APIs we call, listed in `INTERNAL_APIS`, each behind
+  a small function below.
 """
 
 from __future__ import annotations
@@ -10,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import re
+import sys
 
 import torch
+import torch.utils._pytree as torch_pytree  # noqa: F401  (re-exported: the package's one import of it)
 
 # torchax releases up to and including this one name the named-tensor (Dimname)
 # ATen overloads at import time; torch 2.13 removed those overloads.
@@ -82,24 +89,6 @@ def _tolerate_removed_dimname_overloads():
     packet_cls.__getattr__ = original_getattr
 
 
-# Entry points that must start without torchax or jax: the doctor diagnoses a
-# broken install, the launcher only starts the processes that do the work.
-_LIGHT_ENTRY_POINTS = ("torch_on_tpu.doctor", "torch_on_tpu.launch")
-
-
-def started_as_light_tool() -> bool:
-  """True when this process is `python [options] -m` one of `_LIGHT_ENTRY_POINTS`."""
-  import sys
-
-  argv = getattr(sys, "orig_argv", [])
-  for i, arg in enumerate(argv[1:-1], 1):
-    if arg == "-m":
-      return argv[i + 1] in _LIGHT_ENTRY_POINTS
-    if not arg.startswith("-"):
-      return False
-  return False
-
-
 def import_torchvision_outside_torchax() -> None:
   """Imports torchvision now, where it is installed and not yet imported.
 
@@ -109,8 +98,6 @@ def import_torchvision_outside_torchax() -> None:
   and the trace fails with `OperatorNotFound: torchvision::_cuda_version`.
   """
   import importlib.util
-  import sys
-
   if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is None:
     return
   try:
@@ -121,8 +108,6 @@ def import_torchvision_outside_torchax() -> None:
 
 def import_torchax():
   """Imports torchax, applying the shims this stack needs first."""
-  import sys
-
   if "torchax" in sys.modules:
     return sys.modules["torchax"]
   import_torchvision_outside_torchax()
@@ -133,3 +118,141 @@ def import_torchax():
     import torchax.amp
     import torchax.decompositions  # noqa: F401
   return torchax
+
+
+# ---- Internal APIs of torchax, torch and jax ---------------------------------------------
+# Every use of a private name of the three libraries goes through the functions below, so an
+# upgrade is checked here and in tests/test_compat.py (one test per entry of INTERNAL_APIS),
+# not hunted across the package. A public hook is used where one exists.
+
+INTERNAL_APIS = {
+  "torchax.tensor.Environment._ops": "the op table our lowerings and overrides are written into",
+  "torchax.tensor.Environment._decomps": "whether torchax decomposes an in-place op itself",
+  "torchax.ops.ops_registry.Operator": "a table entry (how torchax calls a lowering)",
+  "torchax.tensor.Tensor._elem": "the jax array inside a torchax tensor, written in place by init",
+  "torchax.tensor.Tensor._env": "the environment a torchax tensor belongs to (its PRNG)",
+  "torch.nn.utils.stateless._reparametrize_module": "a module run with other tensors, no copy",
+  "torch.nn.init._no_grad_trunc_normal_": "the helper trunc_normal_ calls, swapped while init is traced",
+  "torch.nn.Module._parameters/_buffers": "placing a tensor on a module without nn.Module's checks",
+  "torch.nn.Module._forward_hooks": "HF output-capture hooks recorded for a scanned stack",
+  "torch._C._nn.cross_entropy_loss": "torch's own cross-entropy, where ours does not apply",
+  "torch.nn._reduction": "resolving F.cross_entropy's legacy size_average/reduce arguments",
+  "torch.utils._pytree": "torch's pytree utilities (no public twin)",
+  "jax._src.interpreters.partial_eval.dce_jaxpr": "pruning a traced init to the outputs of one chunk",
+  "jax._src.xla_bridge.backends_are_initialized": "whether XLA_FLAGS and a distributed join still apply",
+  "jax._src.clusters.ClusterEnv": "the clusters jax.distributed would detect by itself",
+}
+
+def torchax_env():
+  """torchax's default environment (starting it starts jax's backend)."""
+  return import_torchax().default_env()
+
+
+def make_operator(target, fn, *, jax_function: bool, needs_env: bool = False, view_op: bool = False, user: bool = False):
+  """A torchax op-table entry: `fn` takes jax arrays (`jax_function`) or torch tensors."""
+  from torchax.ops import ops_registry
+
+  return ops_registry.Operator(
+    target, fn, is_jax_function=jax_function, is_user_defined=user, needs_env=needs_env, is_view_op=view_op
+  )
+
+
+def registered_op(env, target):
+  """The entry torchax dispatches `target` to, or None."""
+  return env._ops.get(target)
+
+
+def set_op(env, target, operator) -> None:
+  """Installs `operator` (from `make_operator` / `registered_op`) for `target`; None removes it."""
+  if operator is None:
+    env._ops.pop(target, None)
+  else:
+    env._ops[target] = operator
+
+
+def has_lowering(env, packet) -> bool:
+  """torchax lowers `packet` (or its `.default` overload) itself."""
+  return packet in env._ops or getattr(packet, "default", None) in env._ops
+
+
+def has_decomposition(env, packet) -> bool:
+  """torchax decomposes `packet`'s default overload into other ops."""
+  return bool(env._decomps.get(getattr(packet, "default", None)))
+
+
+def tensor_env(tensor):
+  """The torchax environment a torchax tensor belongs to."""
+  return tensor._env
+
+
+def set_array(tensor, array) -> None:
+  """Replaces the jax array inside a torchax tensor (an in-place write)."""
+  tensor._elem = array
+
+
+def reparametrized(module: torch.nn.Module, tensors: dict):
+  """Context: `module` runs with `tensors` (dotted name → tensor) in place of its own."""
+  return torch.nn.utils.stateless._reparametrize_module(module, tensors)
+
+
+@contextlib.contextmanager
+def trunc_normal_helper(replacement):
+  """Context: `nn.init.trunc_normal_` calls `replacement(tensor, mean, std, a, b,
+  generator=None, original=...)`. Model code binds `trunc_normal_` early (in
+  `partial`s), so the module-level helper it calls is what can be swapped."""
+  original = torch.nn.init._no_grad_trunc_normal_
+  torch.nn.init._no_grad_trunc_normal_ = lambda *a, **k: replacement(*a, original=original, **k)
+  try:
+    yield
+  finally:
+    torch.nn.init._no_grad_trunc_normal_ = original
+
+
+def place_tensor(owner: torch.nn.Module, leaf: str, value, is_param: bool) -> None:
+  """Puts `value` on `owner` as parameter or buffer `leaf`, bypassing nn.Module's type checks
+  (a torchax tensor or a meta stand-in is not an `nn.Parameter` of the module's device)."""
+  (owner._parameters if is_param else owner._buffers)[leaf] = value
+
+
+def module_tensor_dicts(module: torch.nn.Module) -> tuple[dict, dict]:
+  """The module's own parameter and buffer dicts (live, not copies)."""
+  return module._parameters, module._buffers
+
+
+def forward_hooks(module: torch.nn.Module) -> dict:
+  """The module's forward hooks (live dict: id → hook)."""
+  return module._forward_hooks
+
+
+def torch_cross_entropy(input, target, weight, size_average, reduce, reduction, ignore_index, label_smoothing):
+  """torch's own cross-entropy kernel entry (what `F.cross_entropy` calls after its checks),
+  with the legacy `size_average` / `reduce` arguments resolved as torch resolves them."""
+  if size_average is not None or reduce is not None:
+    reduction_enum = torch.nn._reduction.legacy_get_enum(size_average, reduce)
+  else:
+    reduction_enum = torch.nn._reduction.get_enum(reduction)
+  return torch._C._nn.cross_entropy_loss(input, target, weight, reduction_enum, ignore_index, label_smoothing)
+
+
+def dce_jaxpr(jaxpr, used_outputs: list[bool]):
+  """`jaxpr` pruned to `used_outputs`; returns (jaxpr, which inputs it still uses)."""
+  from jax._src.interpreters import partial_eval
+
+  return partial_eval.dce_jaxpr(jaxpr, used_outputs, instantiate=True)
+
+
+def backend_started() -> bool:
+  """True once jax has created a backend: XLA_FLAGS and a distributed join no longer apply."""
+  bridge = sys.modules.get("jax._src.xla_bridge")  # never imports jax just to ask
+  started = getattr(bridge, "backends_are_initialized", None)
+  return bool(started and started())
+
+
+def managed_cluster_size() -> int:
+  """Processes of the cluster jax would auto-detect (TPU pod, Slurm, Open MPI); 0 if none."""
+  from jax._src import clusters  # the detectors jax.distributed.initialize() itself uses
+
+  for env in clusters.ClusterEnv._cluster_types:
+    if not env.opt_in_only_method and env.is_env_present():
+      return int(env.get_process_count())
+  return 0

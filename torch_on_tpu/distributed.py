@@ -9,11 +9,11 @@ itself. Elsewhere the run is described by environment variables, which
     TOT_PROCESS_ID       this process's index, 0..TOT_NUM_PROCESSES-1
     TOT_HEARTBEAT_TIMEOUT  seconds without a heartbeat before a process counts as dead (default 20)
 
-jax must join the others before it starts its backend, and `import
-torch_on_tpu` starts it (torchax's environment makes a PRNG key), so the import
-itself joins when the environment describes a multi-process run; calling
-`initialize_distributed()` afterwards (the recipes do) is then a no-op that
-reports the run. A single process with nothing configured stays alone.
+jax must join the others before it starts its backend, so the platform
+start-up (`runtime.setup()`, run on first use of the bridge) joins when the
+environment describes a multi-process run; calling `initialize_distributed()`
+afterwards is then a no-op that reports the run. A single process with nothing
+configured stays alone.
 
 When a process dies the others must not hang in a collective: process 0's
 coordinator marks a process dead after `TOT_HEARTBEAT_TIMEOUT` seconds without a
@@ -29,6 +29,7 @@ import os
 
 import jax
 
+from torch_on_tpu import _compat
 from torch_on_tpu.errors import TorchOnTpuError
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def initialize_distributed(
   Arguments override the `TOT_*` environment variables; with neither, a
   managed cluster jax recognises (a multi-host TPU pod slice, Slurm, Open MPI)
   is joined automatically and anything else is a single-process no-op.
-  Calling it again (or after `import torch_on_tpu` joined) does nothing more.
+  Calling it again (or after `tot.setup()` joined) does nothing more.
   """
   if jax.distributed.is_initialized():
     return jax.process_count() > 1
@@ -92,7 +93,7 @@ def initialize_distributed(
       local_device_ids=local_device_ids,
       **timeouts,
     )
-  elif _managed_cluster_size() > 1:
+  elif _compat.managed_cluster_size() > 1:
     _join(local_device_ids=local_device_ids, **timeouts)
   else:
     return False
@@ -103,13 +104,11 @@ def initialize_distributed(
 
 
 def _join(**kwargs) -> None:
-  from jax._src import xla_bridge  # jax has no public "has the backend started" query
-
-  if xla_bridge.backends_are_initialized():
+  if _compat.backend_started():
     raise TorchOnTpuError(
       "jax already started its backend in this process, so it can no longer join the other "
       f"processes; set {ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} in the "
-      "environment (then `import torch_on_tpu` joins before jax starts) or launch with "
+      "environment and call `tot.setup()` before any other jax use, or launch with "
       "`python -m torch_on_tpu.launch`."
     )
   if jax.config.jax_cpu_collectives_implementation is None:
@@ -127,13 +126,3 @@ def _setting(value, env_name: str) -> int | None:
     return int(text)
   except ValueError:
     raise TorchOnTpuError(f"{env_name}={text!r} is not an integer; set it to a whole number.") from None
-
-
-def _managed_cluster_size() -> int:
-  """Processes of the cluster jax would auto-detect (TPU pod, Slurm, Open MPI); 0 if none."""
-  from jax._src import clusters  # the detectors jax.distributed.initialize() itself uses
-
-  for env in clusters.ClusterEnv._cluster_types:
-    if not env.opt_in_only_method and env.is_env_present():
-      return int(env.get_process_count())
-  return 0

@@ -47,11 +47,11 @@ def problems(found: dict[str, str | None]) -> list[str]:
 
 
 def import_problem() -> str | None:
-  """Why torch_on_tpu (and torchax through its shim) cannot be imported, or None."""
+  """Why torch_on_tpu cannot start (torchax through its shim, our lowerings), or None."""
   try:
-    from torch_on_tpu import _compat
+    from torch_on_tpu import runtime
 
-    _compat.import_torchax()
+    runtime.setup()
     importlib.import_module("torch_on_tpu.module")
   except Exception as e:  # noqa: BLE001 - any import failure is the diagnosis
     return f"torch_on_tpu cannot import torchax ({type(e).__name__}: {e}); run {INSTALL_HINT}."

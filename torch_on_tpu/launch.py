@@ -35,9 +35,9 @@ import threading
 import time
 from pathlib import Path
 
+from torch_on_tpu import xla_flags
 from torch_on_tpu.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
-_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _POLL_SECONDS = 0.05
 DEFAULT_GRACE_SECONDS = 300.0
 # After one process failed the others cannot finish a save (it needs every
@@ -124,9 +124,7 @@ def process_env(base: dict, index: int, count: int, port: int, cpu_devices: int 
   env[ENV_PROCESS_ID] = str(index)
   env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed, not at exit
   if cpu_devices is not None:
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
-    env["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={cpu_devices}"])
-    env["JAX_PLATFORMS"] = "cpu"
+    xla_flags.simulate_cpu_devices(cpu_devices, env, cpu_only=True)
   return env
 
 

@@ -1,4 +1,4 @@
-"""ATen lowerings torchax lacks, registered into its environment at import.
+"""ATen lowerings torchax lacks, registered into its environment by `runtime.setup()`.
 
 torchax lowers most functional ATen ops but misses some in-place variants that
 model init code uses (`erfinv_`, reached from `nn.init.trunc_normal_`). Any
@@ -55,7 +55,7 @@ torchax = _compat.import_torchax()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from torchax.interop import torch_view  # noqa: E402
-from torchax.ops import mappings, op_base, ops_registry  # noqa: E402
+from torchax.ops import mappings, op_base  # noqa: E402
 from torchax.tensor import Tensor as TorchaxTensor  # noqa: E402
 from torchax.view import View  # noqa: E402
 
@@ -63,10 +63,6 @@ from torchax.view import View  # noqa: E402
 # In-place ops that change the tensor's shape or strides: writing the functional
 # result back with copy_ would be wrong, so they are left to torchax.
 _SHAPE_CHANGING = {"as_strided_", "t_", "transpose_", "squeeze_", "unsqueeze_", "resize_", "set_", "swapdims_", "swapaxes_"}
-
-
-def _has_lowering(env, packet) -> bool:
-  return packet in env._ops or getattr(packet, "default", None) in env._ops
 
 
 def missing_inplace_variants(env) -> list[tuple[str, object, object]]:
@@ -81,9 +77,9 @@ def missing_inplace_variants(env) -> list[tuple[str, object, object]]:
     functional = getattr(torch.ops.aten, name[:-1], None)
     if inplace is None or functional is None:
       continue
-    if _has_lowering(env, inplace) or env._decomps.get(getattr(inplace, "default", None)):
+    if _compat.has_lowering(env, inplace) or _compat.has_decomposition(env, inplace):
       continue
-    if _has_lowering(env, functional):
+    if _compat.has_lowering(env, functional):
       out.append((name, inplace, functional))
   return out
 
@@ -96,7 +92,7 @@ def _normal_(self, mean=0.0, std=1.0, *, generator=None, env=None):
   if isinstance(self, View):
     self.update(env.j2t_iso(sample.astype(dtype)))
   else:
-    self._elem = sample.astype(dtype)
+    _compat.set_array(self, sample.astype(dtype))
   return self
 
 
@@ -212,9 +208,7 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
 
 
 def _register_jax_lowering(env, packet, fn) -> None:
-  env._ops[packet] = ops_registry.Operator(
-    packet, fn, is_jax_function=True, is_user_defined=False, needs_env=False, is_view_op=False
-  )
+  _compat.set_op(env, packet, _compat.make_operator(packet, fn, jax_function=True))
 
 
 def _batch_norm(input, weight, bias, running_mean, running_var, training=False, momentum=0.1, eps=1e-5):
@@ -233,30 +227,20 @@ def _batch_norm(input, weight, bias, running_mean, running_var, training=False, 
     unbiased = jnp.var(x, axis=axes) * (count / max(count - 1, 1))
     for stat, batch in ((running_mean, mean), (running_var, unbiased)):
       old = stat.jax()
-      stat._elem = ((1 - momentum) * old + momentum * batch).astype(old.dtype)
+      _compat.set_array(stat, ((1 - momentum) * old + momentum * batch).astype(old.dtype))
   return tuple(torch_view(o) for o in out)
 
 
 def register(env) -> list[str]:
   """Registers the missing lowerings into `env`; returns the in-place ops added."""
-  env._ops[torch.ops.aten.normal_] = ops_registry.Operator(
+  _compat.set_op(
+    env,
     torch.ops.aten.normal_,
-    _normal_,
-    is_jax_function=False,
-    is_user_defined=False,
-    needs_env=True,
-    is_view_op=True,
+    _compat.make_operator(torch.ops.aten.normal_, _normal_, jax_function=False, needs_env=True, view_op=True),
   )
   # torch's device-side assert (torchtitan's RoPE bounds check on `positions`):
   # jax has no asynchronous device assert, so the check is skipped.
-  env._ops[torch.ops.aten._assert_async] = ops_registry.Operator(
-    torch.ops.aten._assert_async,
-    lambda *args, **kwargs: None,
-    is_jax_function=True,
-    is_user_defined=False,
-    needs_env=False,
-    is_view_op=False,
-  )
+  _register_jax_lowering(env, torch.ops.aten._assert_async, lambda *args, **kwargs: None)
   for packet in (torch.ops.aten.split, torch.ops.aten.split_copy, torch.ops.aten.split_with_sizes):
     _register_jax_lowering(env, packet, _split)
   _register_jax_lowering(env, torch.ops.aten.embedding, _embedding)
@@ -266,24 +250,14 @@ def register(env) -> list[str]:
   for function in (torch.take_along_dim, torch.Tensor.take_along_dim):
     _register_jax_lowering(env, function, _take_along_dim)
   for packet in (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default):
-    env._ops[packet] = ops_registry.Operator(
-      packet, _batch_norm, is_jax_function=False, is_user_defined=False, needs_env=False, is_view_op=False
-    )
+    _compat.set_op(env, packet, _compat.make_operator(packet, _batch_norm, jax_function=False))
   TorchaxTensor.cpu = _to_host
   TorchaxTensor.item = _item
   TorchaxTensor.__float__ = lambda self: float(_item(self))
   TorchaxTensor.__int__ = lambda self: int(_item(self))
   added = []
   for name, inplace, functional in missing_inplace_variants(env):
-    op = ops_registry.Operator(
-      inplace,
-      op_base.InplaceOp(functional),
-      is_jax_function=False,
-      is_user_defined=False,
-      needs_env=False,
-      is_view_op=True,
-    )
-    env._ops[inplace] = op
+    _compat.set_op(env, inplace, _compat.make_operator(inplace, op_base.InplaceOp(functional), jax_function=False, view_op=True))
     added.append(name)
   return added
 

@@ -13,6 +13,7 @@ import math
 import jax
 from jax.sharding import AxisType, Mesh
 
+from torch_on_tpu import runtime
 from torch_on_tpu.errors import TorchOnTpuError
 
 # Mesh axes that carry the batch, in the order a batch dim is split over them.
@@ -27,6 +28,7 @@ def make_mesh(devices=None, **axes: int) -> Mesh:
   `make_mesh(fsdp=-1)` puts every device on one `fsdp` axis;
   `make_mesh(fsdp=4, tp=2)` needs exactly 8 devices.
   """
+  runtime.setup()  # before jax lists devices: XLA flags, a multi-process join
   if not axes:
     axes = {"fsdp": -1}
   devices = list(jax.devices() if devices is None else devices)

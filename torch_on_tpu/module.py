@@ -20,7 +20,6 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -29,16 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-import torch.utils._pytree as torch_pytree
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from torch_on_tpu import _compat, materialize, ops, xla_flags
+from torch_on_tpu import _compat, materialize, models, module_state, ops, runtime, xla_flags
 from torch_on_tpu import attention as attention_lib
 from torch_on_tpu import scan as scan_lib
 from torch_on_tpu import mesh as mesh_lib
 from torch_on_tpu import sharding as sharding_lib
 from torch_on_tpu.errors import TorchOnTpuError
-from torch_on_tpu.models import hf
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
@@ -94,9 +91,10 @@ class JittableModule:
       raise TorchOnTpuError(
         f"JittableModule wraps a torch.nn.Module, got {type(module).__name__}."
       )
+    runtime.setup()
     self.module = module
-    if hf.is_hf(module):
-      hf.use_jittable_experts(module)
+    self.family = models.family_of(module)
+    self.family.prepare(module)
     self.mesh = mesh if mesh is not None else mesh_lib.make_mesh(fsdp=-1)
     self.data_axes = tuple(data_axes) if data_axes is not None else mesh_lib.data_axes(self.mesh)
     for axis in self.data_axes:
@@ -138,7 +136,7 @@ class JittableModule:
 
     if abstract or materialize.is_meta(module):
       arrays = materialize.materialize(
-        module, entries, stored, seed=seed, init_fn=init_fn, restructure=restructure, abstract=abstract
+        module, entries, stored, seed=seed, init_fn=init_fn or self.family.init_fn(module), restructure=restructure, abstract=abstract
       )
     else:
       arrays = materialize.upload(module, entries, self._resolved.shardings(self.mesh))
@@ -224,11 +222,10 @@ class JittableModule:
     # Random ops rotate the env's key; scoping the key keeps a traced key from
     # leaking into torchax's global state (pass a fresh key with
     # `env.override_property(prng=key)` around the call for per-step randomness).
-    if self._layout and hf.is_hf(self.module):
-      kwargs = {**hf.CALL_DEFAULTS_WITH_LAYER_STACK, **kwargs}
+    kwargs = {**self.family.call_defaults(self.module, layer_stack=bool(self._layout)), **kwargs}
     with env, env.override_property(prng=env.param.prng):
       with self._activation_constraints(), self._attention_kernels():
-        with torch.nn.utils.stateless._reparametrize_module(self.module, tensors), _running_wrapped():
+        with _compat.reparametrized(self.module, tensors), _running_wrapped():
           out = self.module(*args, **kwargs)
           after = {n: jax_view(self.module.get_buffer(n)) for n in before}
     changed = {n: self._as_stored(n, a, before[n]) for n, a in after.items() if a is not before[n]}
@@ -251,7 +248,7 @@ class JittableModule:
     """Jitted forward. Tensors are traced (CPU ones placed on the mesh); every
     other argument (flags like `use_cache=False`) is static. Buffers the forward
     changes (BatchNorm's running statistics in train mode) are written back."""
-    leaves, treedef = torch_pytree.tree_flatten((args, kwargs))
+    leaves, treedef = _compat.torch_pytree.tree_flatten((args, kwargs))
     is_tensor = tuple(isinstance(x, torch.Tensor) for x in leaves)
     statics = tuple(None if t else x for x, t in zip(leaves, is_tensor))
     dynamic = [self.place(x) for x, t in zip(leaves, is_tensor) if t]
@@ -278,11 +275,11 @@ class JittableModule:
     def forward(params, buffers, dynamic, rng):
       it = iter(dynamic)
       leaves = [torch_view(next(it)) if t else s for t, s in zip(is_tensor, statics)]
-      args, kwargs = torch_pytree.tree_unflatten(leaves, treedef)
+      args, kwargs = _compat.torch_pytree.tree_unflatten(leaves, treedef)
       env = torchax.default_env()
       with env.override_property(prng=rng):
         out, changed = self.functional_call_with_buffers(params, buffers, *args, **kwargs)
-      flat, out_tree = torch_pytree.tree_flatten(out)
+      flat, out_tree = _compat.torch_pytree.tree_flatten(out)
       _check_output_leaves(flat)
       out_spec["tree"] = out_tree
       out_spec["is_tensor"] = [isinstance(x, torch.Tensor) for x in flat]
@@ -391,8 +388,8 @@ class LazyStateDict(Mapping):
     return tensor if dtype.is_floating_point or tensor.dtype == dtype else tensor.to(dtype)
 
   def _from_hooked_module(self, prefix, mod):
-    own = {n: torch_view(self._jm.array_for(f"{prefix}.{n}")) for n, _ in _named_state(mod)}
-    with torchax.default_env(), torch.nn.utils.stateless._reparametrize_module(mod, own):
+    own = {n: torch_view(self._jm.array_for(f"{prefix}.{n}")) for n, _ in module_state.named_tensors(mod)}
+    with torchax.default_env(), _compat.reparametrized(mod, own):
       return mod.state_dict(prefix=prefix + ".", keep_vars=True)
 
   def __iter__(self):
@@ -405,12 +402,6 @@ class LazyStateDict(Mapping):
     """`torch.save(jm.state_dict())` / pickle: saved as an OrderedDict of CPU tensors, as
     torch's own state_dict (what `torch.load`'s weights_only unpickler accepts)."""
     return (collections.OrderedDict, (list(self.items()),))
-
-
-def _named_state(mod):
-  yield from mod.named_parameters(remove_duplicate=False)
-  for name, buf in mod.named_buffers(remove_duplicate=False):
-    yield name, buf
 
 
 @dataclasses.dataclass
@@ -450,7 +441,7 @@ def to_cpu(tree):
       return torch.from_numpy(np.array(host))
     return x
 
-  return torch_pytree.tree_map(convert, tree, is_leaf=lambda x: isinstance(x, jax.Array))
+  return _compat.torch_pytree.tree_map(convert, tree, is_leaf=lambda x: isinstance(x, jax.Array))
 
 
 def _check_output_leaves(flat):
@@ -467,7 +458,7 @@ def _unflatten_output(out_spec, out_leaves):
   flat = [
     torch_view(next(it)) if t else s for t, s in zip(out_spec["is_tensor"], out_spec["statics"])
   ]
-  return torch_pytree.tree_unflatten(flat, out_spec["tree"])
+  return _compat.torch_pytree.tree_unflatten(flat, out_spec["tree"])
 
 
 def _constrain_hook(name, pattern, spec, mesh):
@@ -524,8 +515,6 @@ def _refuse_direct_call(module, args):
 
 def _sharding_map_for(module, sharding):
   if isinstance(sharding, str) and sharding not in ("fsdp", "replicated", "ep"):
-    from torch_on_tpu import models
-
     return models.sharding_map(module, sharding)
   return sharding
 

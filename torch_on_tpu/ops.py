@@ -22,10 +22,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from torch_on_tpu import _compat
+from torch_on_tpu import _compat, runtime
 
-torchax = _compat.import_torchax()
-from torchax.ops import ops_registry  # noqa: E402
 
 _generation = 0
 _lock = threading.Lock()
@@ -48,7 +46,9 @@ class override_op(contextlib.ContextDecorator):
   def __init__(self, target, impl=None, *, env=None):
     self.target = target
     self.impl = impl
-    self.env = env or torchax.default_env()
+    if env is None:
+      runtime.setup()
+    self.env = env or _compat.torchax_env()
     self._previous = None
     self._active = False
     if impl is not None:
@@ -66,8 +66,7 @@ class override_op(contextlib.ContextDecorator):
   def _install(self):
     if self._active:
       return
-    ops = self.env._ops
-    self._previous = ops.get(self.target)
+    self._previous = _compat.registered_op(self.env, self.target)
     previous = self._previous
     impl = self.impl
     env = self.env
@@ -75,32 +74,21 @@ class override_op(contextlib.ContextDecorator):
 
     def run_with_previous(*args, **kwargs):
       # While the override runs, the target means what it meant before.
-      mine = env._ops.get(target)
-      _set(env, target, previous)
+      mine = _compat.registered_op(env, target)
+      _compat.set_op(env, target, previous)
       try:
         return impl(*args, **kwargs)
       finally:
-        _set(env, target, mine)
+        _compat.set_op(env, target, mine)
 
-    _set(
-      env,
-      target,
-      ops_registry.Operator(
-        target,
-        run_with_previous,
-        is_jax_function=False,
-        is_user_defined=True,
-        needs_env=False,
-        is_view_op=False,
-      ),
-    )
+    env.override_op_definition(target, run_with_previous)  # torchax's public hook
     self._active = True
     _bump()
 
   def remove(self):
     if not self._active:
       return
-    _set(self.env, self.target, self._previous)
+    _compat.set_op(self.env, self.target, self._previous)
     self._active = False
     _bump()
 
@@ -121,30 +109,12 @@ def bridge_overrides(overrides: dict, *, env=None, is_jax_function: bool = False
   the same overrides on every trace, so they are part of what a compiled
   program is keyed on already (the module's settings), not a user change.
   """
-  env = env or torchax.default_env()
-  previous = {t: env._ops.get(t) for t in overrides}
+  env = env or _compat.torchax_env()
+  previous = {t: _compat.registered_op(env, t) for t in overrides}
   for target, impl in overrides.items():
-    _set(
-      env,
-      target,
-      ops_registry.Operator(
-        target,
-        impl,
-        is_jax_function=is_jax_function,
-        is_user_defined=True,
-        needs_env=False,
-        is_view_op=False,
-      ),
-    )
+    _compat.set_op(env, target, _compat.make_operator(target, impl, jax_function=is_jax_function, user=True))
   try:
     yield
   finally:
     for target, op in previous.items():
-      _set(env, target, op)
-
-
-def _set(env, target, operator):
-  if operator is None:
-    env._ops.pop(target, None)
-  else:
-    env._ops[target] = operator
+      _compat.set_op(env, target, op)

@@ -21,18 +21,16 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-import torch.utils._pytree as torch_pytree
 from jax.sharding import PartitionSpec
 
-from torch_on_tpu import _compat, remat as remat_lib
+from torch_on_tpu import _compat, models, module_state, remat as remat_lib
 from torch_on_tpu.errors import TorchOnTpuError
-from torch_on_tpu.models import hf
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
@@ -103,6 +101,7 @@ class ScannedModule(torch.nn.Module):
     if problem:
       raise TorchOnTpuError(f"ScannedModule needs identical layers: {problem}.")
     self.num_layers = len(layers)
+    self._family = models.family_of(layers[0])  # whose hooks capture per-layer outputs
     self.remat = remat_lib.layer_policy(remat, scanned=not loop)
     if remat is None and not loop:
       _say_default_policy_once()
@@ -112,12 +111,7 @@ class ScannedModule(torch.nn.Module):
     stacked_params = {n: _stack_params(layers, n, True) for n, _ in template.named_parameters()}
     stacked_buffers = {n: _stack_params(layers, n, False) for n, _ in template.named_buffers()}
     for name, t in {**stacked_params, **stacked_buffers}.items():
-      owner_path, _, leaf = name.rpartition(".")
-      owner = template.get_submodule(owner_path) if owner_path else template
-      if name in stacked_params:
-        owner._parameters[leaf] = t
-      else:
-        owner._buffers[leaf] = t
+      module_state.set_tensor(template, name, t, is_param=name in stacked_params)
     self.add_module(LAYER, template)
     # Every layer's own module object (a tuple is not registered as submodules, so
     # their stale per-layer tensors never show in named_parameters()).
@@ -141,7 +135,7 @@ class ScannedModule(torch.nn.Module):
     return self
 
   def _stacked(self) -> dict[str, jax.Array]:
-    return {n: jax_view(t) for n, t in _tensors(self._modules[LAYER])}
+    return {n: jax_view(t) for n, t in module_state.named_tensors(self._modules[LAYER])}
 
   def _run_one(self, index: int, extras: dict, args, kwargs, h, tensors, key):
     """Layer `index`'s own module on the hidden state `h`, with its slice of the stacked
@@ -150,7 +144,7 @@ class ScannedModule(torch.nn.Module):
     layer = self._layers[index]
     template = self._modules[LAYER]
     with torchax.default_env().override_property(prng=key), _swapped(layer, tensors):
-      with hf.deferred_output_capture(layer, template) as records:
+      with self._family.deferred_layer_outputs(layer, template) as records:
         out = layer(torch_view(h), *args, **kwargs)
       _refuse_buffer_updates(layer, tensors)
     hidden, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
@@ -209,7 +203,7 @@ class ScannedModule(torch.nn.Module):
     """Every layer in order; returns the last layer's output."""
     outputs = self._stack(hidden, args, kwargs)
     for _, records in outputs:
-      hf.replay_output_capture(self._modules[LAYER], records)
+      self._family.replay_layer_outputs(self._modules[LAYER], records)
     return outputs[-1][0]
 
   def _period(self, extras, args, kwargs, h, stacked, keys) -> int:
@@ -266,7 +260,7 @@ class ScannedModule(torch.nn.Module):
   def _serve(self, index: int):
     cache = self._stack_cache
     out, records = cache.outputs[index]
-    hf.replay_output_capture(self._modules[LAYER], records)
+    self._family.replay_layer_outputs(self._modules[LAYER], records)
     cache.returned[index] = out[0] if isinstance(out, tuple) else out
     if index == self.num_layers - 1:
       self._stack_cache = None  # the pass is over; keep no traced values
@@ -282,7 +276,7 @@ class ScannedModule(torch.nn.Module):
     run = remat_lib.checkpoint(functools.partial(self._run_one, index, extras, args, kwargs), self.remat)
     h, produced = run(jax_view(hidden), tensors, key)
     out, records = self._layer_output(extras, index, h, produced)
-    hf.replay_output_capture(self._modules[LAYER], records)
+    self._family.replay_layer_outputs(self._modules[LAYER], records)
     return out
 
 
@@ -301,8 +295,8 @@ class _StackCache:
 
 def _same_arguments(a, b) -> bool:
   """The same tensors (by identity) and equal plain values."""
-  flat_a, tree_a = torch_pytree.tree_flatten(a)
-  flat_b, tree_b = torch_pytree.tree_flatten(b)
+  flat_a, tree_a = _compat.torch_pytree.tree_flatten(a)
+  flat_b, tree_b = _compat.torch_pytree.tree_flatten(b)
   if tree_a != tree_b:
     return False
   for x, y in zip(flat_a, flat_b):
@@ -335,7 +329,7 @@ class _LayerView:
   def __getattr__(self, name):
     module = self._module()
     full = f"{self._path}.{name}" if self._path else name
-    if name in module._parameters or name in module._buffers:
+    if any(name in own for own in _compat.module_tensor_dicts(module)):
       template = self._scanned._modules[LAYER]
       owner = template.get_submodule(self._path) if self._path else template
       stacked = getattr(owner, name)
@@ -458,7 +452,7 @@ def homogeneity_problem(layers: list[torch.nn.Module]) -> str | None:
   """Why these layers cannot be stacked (first differing layer and tensor), or None."""
   first = layers[0]
   ref = _signature(first)
-  seen = {id(t) for _, t in _tensors(first)}
+  seen = {id(t) for _, t in module_state.named_tensors(first)}
   for i, layer in enumerate(layers[1:], start=1):
     if type(layer) is not type(first):
       return f"layer {i} is a {type(layer).__name__}, layer 0 a {type(first).__name__}"
@@ -471,10 +465,10 @@ def homogeneity_problem(layers: list[torch.nn.Module]) -> str | None:
     extra = [n for n in sig if n not in ref]
     if extra:
       return f"layer {i} has a tensor '{extra[0]}' that layer 0 lacks"
-    shared = [n for n, t in _tensors(layer) if id(t) in seen]
+    shared = [n for n, t in module_state.named_tensors(layer) if id(t) in seen]
     if shared:
       return f"layer {i} shares its tensor '{shared[0]}' with another layer"
-    seen.update(id(t) for _, t in _tensors(layer))
+    seen.update(id(t) for _, t in module_state.named_tensors(layer))
   return None
 
 
@@ -491,7 +485,7 @@ class ScanLayout:
     self.internal_prefix = f"{self.prefix}{SCAN}.{LAYER}."
     per_layer = [f"{self.prefix}{k}." for k in stack.keys]
     template = stack.layers[0]
-    self.names_in_layer = [n for n, _ in _tensors(template)]
+    self.names_in_layer = [n for n, _ in module_state.named_tensors(template)]
     self.groups: dict[str, list[str]] = {
       self.internal_prefix + n: [p + n for p in per_layer] for n in self.names_in_layer
     }
@@ -561,7 +555,7 @@ def plan(module: torch.nn.Module, entries) -> ScanLayout | None:
   if stack is None:
     logger.warning("scan=True: found no stack of two or more identical blocks; running unscanned.")
     return None
-  problem = hf.per_layer_inputs_problem(module, stack.layers)
+  problem = models.family_of(module).layer_stack_problem(module, stack.layers)
   if problem:
     logger.warning("scan=True: cannot scan '%s' because %s; running unscanned.", stack.path, problem)
     return None
@@ -577,11 +571,6 @@ def plan(module: torch.nn.Module, entries) -> ScanLayout | None:
     )
     stack = run
   return ScanLayout(stack, entries)
-
-
-def _tensors(module):
-  yield from module.named_parameters(remove_duplicate=False)
-  yield from module.named_buffers(remove_duplicate=False)
 
 
 _default_policy_said = False
@@ -601,7 +590,7 @@ def _say_default_policy_once() -> None:
 
 def _split_tree(tree) -> tuple[list, tuple]:
   """A pytree holding torch tensors → (its tensors as jax arrays, what rebuilds it)."""
-  flat, spec = torch_pytree.tree_flatten(tree)
+  flat, spec = _compat.torch_pytree.tree_flatten(tree)
   is_tensor = [isinstance(x, torch.Tensor) for x in flat]
   return [jax_view(x) for x, t in zip(flat, is_tensor) if t], (spec, is_tensor, [None if t else x for x, t in zip(flat, is_tensor)])
 
@@ -609,7 +598,7 @@ def _split_tree(tree) -> tuple[list, tuple]:
 def _rebuild_tree(layout, leaves):
   spec, is_tensor, static = layout
   it = iter(leaves)
-  return torch_pytree.tree_unflatten([torch_view(next(it)) if t else x for x, t in zip(static, is_tensor)], spec)
+  return _compat.torch_pytree.tree_unflatten([torch_view(next(it)) if t else x for x, t in zip(static, is_tensor)], spec)
 
 
 def _split_records(records) -> tuple[list, tuple]:
@@ -636,13 +625,13 @@ def _jaxpr_signature(closed) -> tuple:
 
 
 def _signature(module) -> dict[str, tuple]:
-  return {n: (tuple(t.shape), t.dtype) for n, t in _tensors(module)}
+  return {n: (tuple(t.shape), t.dtype) for n, t in module_state.named_tensors(module)}
 
 
 @contextlib.contextmanager
 def _swapped(layer: torch.nn.Module, tensors: Mapping[str, jax.Array]):
   views = {n: torch_view(a) for n, a in tensors.items()}
-  with torch.nn.utils.stateless._reparametrize_module(layer, views):
+  with _compat.reparametrized(layer, views):
     yield
 
 

@@ -1,8 +1,8 @@
 """XLA flags torch_on_tpu sets by default, before jax's backend starts.
 
 XLA reads `XLA_FLAGS` once, when the first backend is created, so these are
-appended to the environment at `import torch_on_tpu` (and passed on to the
-processes it launches). A flag the user already sets in `XLA_FLAGS` is never
+appended to the environment by the platform start-up, `tot.setup()`, which the
+bridge runs on first use (and passed on to the processes it launches). A flag the user already sets in `XLA_FLAGS` is never
 touched; none of them changes results, only which kernels run.
 
 - `--xla_cpu_experimental_ynn_fusion_type=` (empty: no YNNPACK fusions). On
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +52,27 @@ def compile_options(platform: str) -> dict[str, str]:
   return dict(_COMPILE_OPTIONS.get(platform, {}))
 
 
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def with_cpu_devices(flags: str, count: int, *, replace: bool = True) -> str:
+  """`flags` asking XLA's CPU backend for `count` simulated devices; a count `flags`
+  already asks for is replaced, or kept when `replace=False`."""
+  kept = flags.split()
+  if any(f.startswith(DEVICE_COUNT_FLAG) for f in kept) and not replace:
+    return flags
+  kept = [f for f in kept if not f.startswith(DEVICE_COUNT_FLAG)]
+  return " ".join([*kept, f"{DEVICE_COUNT_FLAG}={count}"])
+
+
+def simulate_cpu_devices(count: int, environ=os.environ, *, replace: bool = True, cpu_only: bool = False) -> None:
+  """Sets `environ` up for `count` simulated CPU devices (how sharding runs without
+  accelerators); `cpu_only` also keeps jax off any GPU/TPU. Before jax starts."""
+  environ["XLA_FLAGS"] = with_cpu_devices(environ.get("XLA_FLAGS", ""), count, replace=replace)
+  if cpu_only:
+    environ["JAX_PLATFORMS"] = "cpu"
+
+
 def _names(flags: str) -> set[str]:
   return {f.split("=", 1)[0] for f in flags.split()}
 
@@ -64,16 +84,6 @@ def with_defaults(flags: str) -> str:
   return " ".join([*flags.split(), *added])
 
 
-def backend_started() -> bool:
-  """True once jax has created a backend: XLA_FLAGS changes no longer apply."""
-  if "jax" not in sys.modules:
-    return False
-  from jax._src import xla_bridge
-
-  started = getattr(xla_bridge, "backends_are_initialized", None)  # private: may move
-  return bool(started and started())
-
-
 def apply_defaults(environ=os.environ) -> None:
   """Adds the defaults to `environ["XLA_FLAGS"]`; says so if jax already started."""
   current = environ.get("XLA_FLAGS", "")
@@ -81,9 +91,11 @@ def apply_defaults(environ=os.environ) -> None:
   if updated == current:
     return
   environ["XLA_FLAGS"] = updated
-  if backend_started():
+  from torch_on_tpu import _compat  # here, not at the top: the launcher reads DEFAULTS without torch
+
+  if _compat.backend_started():
     logger.info(
-      "jax started its backend before torch_on_tpu was imported, so this process runs without "
-      "torch_on_tpu's default XLA flags (%s); import torch_on_tpu first, or set them in XLA_FLAGS.",
+      "jax started its backend before torch_on_tpu's platform start-up, so this process runs "
+      "without torch_on_tpu's default XLA flags (%s); call tot.setup() first, or set them in XLA_FLAGS.",
       ", ".join(DEFAULTS),
     )

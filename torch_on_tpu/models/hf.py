@@ -10,7 +10,9 @@ import logging
 
 import torch
 
+from torch_on_tpu import _compat
 from torch_on_tpu.models._maps import present_rules
+from torch_on_tpu.models.family import DecoderShape, Family
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +105,7 @@ def _capture_hook_paths(template: torch.nn.Module) -> list[str]:
   return [
     path
     for path, module in template.named_modules()
-    if any(getattr(fn, "__name__", "") == "output_capturing_hook" for fn in module._forward_hooks.values())
+    if any(getattr(fn, "__name__", "") == "output_capturing_hook" for fn in _compat.forward_hooks(module).values())
   ]
 
 
@@ -147,7 +149,7 @@ def replay_output_capture(template: torch.nn.Module, records) -> None:
   """Runs HF's capture hooks of `template` on recorded (path, args, output) calls, in order."""
   for path, args, output in records:
     module = template.get_submodule(path) if path else template
-    for fn in list(module._forward_hooks.values()):
+    for fn in list(_compat.forward_hooks(module).values()):
       if getattr(fn, "__name__", "") == "output_capturing_hook":
         fn(module, args, output)
 
@@ -158,3 +160,79 @@ def build_causal_lm(config, *, device="meta") -> torch.nn.Module:
 
   with torch.device(device):
     return AutoModelForCausalLM.from_config(config)
+
+
+def _hf_model(module: torch.nn.Module):
+  """The HF model itself, or the one a peft wrapper holds; None when neither."""
+  if is_hf(module):
+    return module
+  inner = getattr(getattr(module, "base_model", None), "model", None)  # peft's PeftModel → LoraModel → model
+  return inner if inner is not None and is_hf(inner) else None
+
+
+def _init_weights_afresh(module: torch.nn.Module) -> None:
+  """HF's `initialize_weights`, run as if for the first time.
+
+  HF marks modules `_is_hf_initialized` and then skips them; the marks would
+  make a second materialisation of the same meta model leave zeros.
+  """
+  saved = {m: m.__dict__.pop("_is_hf_initialized") for m in module.modules() if "_is_hf_initialized" in m.__dict__}
+  try:
+    module.initialize_weights()
+  finally:
+    for m in module.modules():
+      m.__dict__.pop("_is_hf_initialized", None)
+    for m, flag in saved.items():
+      m._is_hf_initialized = flag
+
+
+class HFFamily(Family):
+  """HF transformers causal LMs (and peft models around one)."""
+
+  name = "hf"
+
+  def claims(self, module):
+    # The model (or a peft wrapper around one), or one of its parts (a decoder layer).
+    return _hf_model(module) is not None or type(module).__module__.startswith("transformers.")
+
+  def prepare(self, module):
+    use_jittable_experts(module)
+
+  def init_fn(self, module):
+    return _init_weights_afresh if callable(getattr(module, "initialize_weights", None)) else None
+
+  def call_defaults(self, module, *, layer_stack):
+    return dict(CALL_DEFAULTS_WITH_LAYER_STACK) if layer_stack else {}
+
+  def model_inputs(self, module, input_ids, positions=None):
+    inputs = {"input_ids": input_ids}
+    if positions is not None:
+      inputs["position_ids"] = positions
+    return inputs
+
+  def decoder_shape(self, module):
+    config = getattr(_hf_model(module) or module, "config", None)
+    if not hasattr(config, "num_hidden_layers"):
+      return None
+    heads = config.num_attention_heads
+    return DecoderShape(
+      layers=config.num_hidden_layers,
+      dim=config.hidden_size,
+      ffn_dim=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
+      heads=heads,
+      kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+      head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+      vocab=config.vocab_size,
+    )
+
+  def sharding_map(self, module, preset):
+    return fsdp_tp_map(module) if preset == "fsdp_tp" else None
+
+  def layer_stack_problem(self, module, layers):
+    return per_layer_inputs_problem(module, layers)
+
+  def deferred_layer_outputs(self, layer, template):
+    return deferred_output_capture(layer, template)
+
+  def replay_layer_outputs(self, template, records):
+    replay_output_capture(template, records)

@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 
 import jax
 import torch
-import torch.utils._pytree as torch_pytree
 from torch.nn.attention.flex_attention import BlockMask
 
+from torch_on_tpu import _compat
 from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.models._maps import present_rules
+from torch_on_tpu.models.family import DecoderShape, Family
 
 FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
 
@@ -117,7 +119,7 @@ class FlexMasks(BlockMask):
     return f"FlexMasks(document-causal, segment_ids {tuple(self.segment_ids.shape)})"
 
 
-torch_pytree.register_pytree_node(
+_compat.torch_pytree.register_pytree_node(
   FlexMasks,
   lambda m: ([m.segment_ids], None),
   lambda children, _: FlexMasks(children[0]),
@@ -174,3 +176,42 @@ def flex_routed_to(attend):
     yield
   finally:
     FlexAttention._compiled_flex_attn = original
+
+
+class TorchtitanFamily(Family):
+  """torchtitan's decoders (Llama 3 and those built like it)."""
+
+  name = "torchtitan"
+
+  def claims(self, module):
+    return is_torchtitan(module)
+
+  def init_fn(self, module):
+    if callable(getattr(module, "init_states", None)):
+      return lambda m: m.init_states(buffer_device=torch.device("jax"))
+    return None
+
+  def decoder_shape(self, module):
+    layers = getattr(module, "layers", None)
+    if layers is None or not len(layers) or not hasattr(module, "tok_embeddings"):
+      return None
+    first = next(iter(layers.values() if hasattr(layers, "values") else layers))
+    attention = first.attention
+    return DecoderShape(
+      layers=len(layers),
+      dim=module.tok_embeddings.embedding_dim,
+      ffn_dim=first.feed_forward.w1.out_features,
+      heads=attention.n_heads,
+      kv_heads=attention.n_kv_heads or attention.n_heads,
+      head_dim=attention.head_dim,
+      vocab=module.tok_embeddings.num_embeddings,
+    )
+
+  def sharding_map(self, module, preset):
+    return fsdp_tp_map(module) if preset == "fsdp_tp" else None
+
+  def attention_routes(self, attend):
+    # Any model built from torchtitan's attention modules (not only its top-level classes).
+    if "torchtitan.models.common.attention" not in sys.modules:
+      return []
+    return [flex_routed_to(attend)]

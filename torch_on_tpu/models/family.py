@@ -1,0 +1,86 @@
+"""The family interface: what the core asks about a kind of model, answered in one place.
+
+A family (torchtitan, HF transformers, a user's own) subclasses `Family` and
+overrides only what it knows; every hook's default is the generic answer, the
+one a plain `nn.Module` gets. `torch_on_tpu.models.family_of(module)` picks the
+family once per model; the core never tests for a family itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderShape:
+  """The numbers of a dense decoder that activation memory and FLOPs depend on."""
+
+  layers: int
+  dim: int
+  ffn_dim: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  vocab: int
+
+
+class Family:
+  """A model family. Subclass it, override what the family knows, `models.register` it."""
+
+  name = "generic"
+
+  def claims(self, module: torch.nn.Module) -> bool:
+    """Whether `module` (the top-level model the user wraps) belongs to this family."""
+    return True
+
+  def prepare(self, module: torch.nn.Module) -> None:
+    """Adjusts the model before it is wrapped, without changing its results
+    (HF: run mixture-of-experts layers through their grouped path)."""
+
+  def init_fn(self, module: torch.nn.Module) -> Callable[[torch.nn.Module], None] | None:
+    """The model's own initialisation, run on device at materialisation; None: every
+    submodule's `reset_parameters()`."""
+    return None
+
+  def call_defaults(self, module: torch.nn.Module, *, layer_stack: bool) -> dict:
+    """Keyword arguments every forward gets unless the caller passes them (HF: no KV cache
+    while a scanned or rematerialised layer stack runs)."""
+    return {}
+
+  def model_inputs(self, module: torch.nn.Module, input_ids, positions=None):
+    """What the model is called with for a batch of token ids (and per-token positions,
+    for packed documents): an array, a tuple of positional arguments, or a dict."""
+    return input_ids if positions is None else (input_ids, positions)
+
+  def decoder_shape(self, module: torch.nn.Module) -> DecoderShape | None:
+    """The decoder's shape for the memory plan and FLOPs; None when not a known decoder."""
+    return None
+
+  def sharding_map(self, module: torch.nn.Module, preset: str) -> dict | None:
+    """The named sharding preset (`"fsdp_tp"`) for this model; None when unknown."""
+    return None
+
+  def attention_routes(self, attend) -> list[contextlib.AbstractContextManager]:
+    """Contexts that send the family's own attention entry points (beyond torch's SDPA)
+    to the bridge's kernel `attend` while a model is traced."""
+    return []
+
+  def layer_stack_problem(self, module: torch.nn.Module, layers) -> str | None:
+    """Why the layers of this model must not be stacked into one scanned step, or None."""
+    return None
+
+  def deferred_layer_outputs(self, layer: torch.nn.Module, template: torch.nn.Module):
+    """Context around one scanned layer's trace that records what the family's hooks
+    would capture from it (HF's `output_hidden_states`, router logits); yields the
+    records or None. `replay_layer_outputs` hands them to the hooks afterwards."""
+    return contextlib.nullcontext(None)
+
+  def replay_layer_outputs(self, template: torch.nn.Module, records) -> None:
+    """Feeds records from `deferred_layer_outputs` to the family's hooks, in order."""
+
+  def __repr__(self) -> str:
+    return f"<model family {self.name}>"
