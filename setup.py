@@ -19,23 +19,24 @@ setup(
     "torchax==0.0.13",
     "jax>=0.10",
     "optax>=0.2.8",
-    "torchtitan==0.3.0",
-    "triton",  # torchtitan 0.3.0 imports it unconditionally
-    "fire",
     "orbax-checkpoint",
-    "peft",  # LoRA (recipes.hf --lora_rank, torch_on_tpu.lora)
     "safetensors",
-    "tokenizers",
-    "transformers>=5",
-    "datasets",
-    "pyarrow",
-    "tensorboard",
     "tqdm",
-    "matplotlib",
     "psutil",
     "numpy",
   ],
+  # Heavy libraries only some features use (torch_on_tpu/extras.py says which, and
+  # names the extra when one is missing). `all` is what the recipes and tests use.
   extras_require={
+    "torchtitan": ["torchtitan==0.3.0", "triton"],  # torchtitan 0.3.0 imports triton unconditionally
+    "hf": ["transformers>=5", "peft"],  # HF models, LoRA
+    "data": ["tokenizers", "datasets", "pyarrow"],  # tokenizer training, HF datasets, parquet
+    "logging": ["tensorboard", "matplotlib"],  # TensorBoard scalars, the training plot
+    "recipes": ["fire"],
+    "all": [
+      "torchtitan==0.3.0", "triton", "transformers>=5", "peft", "tokenizers", "datasets", "pyarrow",
+      "tensorboard", "matplotlib", "fire",
+    ],
     "cpu": ["jax[cpu]"],
     "tpu": ["jax[tpu]"],
     "cuda": ["jax[cuda12]"],

@@ -143,7 +143,9 @@ def fire_main(main: Callable, argv: list[str] | None = None) -> None:
   Python literal of the flag's type. A mistake exits with status 2 and one
   sentence, before anything is built.
   """
-  import fire
+  from torch_on_tpu import extras
+
+  fire = extras.require("fire", "The recipes' command line")
 
   argv = sys.argv[1:] if argv is None else argv
   try:

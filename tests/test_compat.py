@@ -273,3 +273,31 @@ def test_every_internal_api_has_a_check():
 @pytest.mark.parametrize("name", sorted(_INTERNAL_API_CHECKS))
 def test_internal_api_behaves_as_we_rely_on(name):
   _INTERNAL_API_CHECKS[name]()
+
+
+# ---- optional dependencies -----------------------------------------------------------------
+
+
+def test_a_missing_extra_is_named_in_one_sentence(monkeypatch):
+  from torch_on_tpu import extras
+
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError, as when not installed
+  with pytest.raises(tot.TorchOnTpuError, match=r"The plot needs matplotlib, which is not installed; .*torch_on_tpu\[logging\]"):
+    extras.require("matplotlib", "The plot")
+  monkeypatch.setitem(sys.modules, "torchtitan", None)
+  from torch_on_tpu.models import torchtitan
+
+  with pytest.raises(tot.TorchOnTpuError, match=r"torch_on_tpu\[torchtitan\]"):
+    torchtitan.llama3_config("debugmodel")
+
+
+def test_metrics_are_logged_without_the_logging_extra(tmp_path, monkeypatch):
+  from torch_on_tpu import metrics
+
+  monkeypatch.setattr(metrics.importlib.util, "find_spec", lambda name: None)
+  log = metrics.RunLog(tmp_path)
+  log.log(1, {"loss": 2.0})
+  log.close()
+  assert not log.can_plot
+  assert (tmp_path / "metrics.jsonl").read_text().strip() == '{"step": 1, "loss": 2.0}'
+  assert not (tmp_path / "tensorboard").exists()

@@ -24,6 +24,6 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" --upgrade pip
 # torch first and by exact version, so no dependency can pull a CUDA build.
 "${pip[@]}" -c constraints.txt torch==2.13.0
-"${pip[@]}" -c constraints.txt -e ".[cpu,test]"
+"${pip[@]}" -c constraints.txt -e ".[cpu,all,test]"
 echo "$want" > "$stamp"
 echo "setup_env: .venv ready ($(.venv/bin/python -c 'import torch, jax; print("torch", torch.__version__, "jax", jax.__version__)'))"

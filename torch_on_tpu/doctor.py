@@ -15,14 +15,15 @@ import os
 import platform
 import sys
 
-PACKAGES = ("torch", "torchax", "jax", "jaxlib", "optax", "torchtitan", "orbax-checkpoint", "transformers")
+PACKAGES = ("torch", "torchax", "jax", "jaxlib", "optax", "orbax-checkpoint")
+OPTIONAL_PACKAGES = ("torchtitan", "transformers", "peft", "tokenizers", "datasets", "tensorboard", "matplotlib", "fire")
 PINNED_TORCH = "2.13.0"
-INSTALL_HINT = "bash tools/setup_env.sh (or pip install -c constraints.txt -e '.[cpu]')"
+INSTALL_HINT = "bash tools/setup_env.sh (or pip install -c constraints.txt -e '.[cpu,all]')"
 
 
 def versions() -> dict[str, str | None]:
   found = {"python": platform.python_version()}
-  for name in PACKAGES:
+  for name in (*PACKAGES, *OPTIONAL_PACKAGES):
     try:
       found[name] = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
@@ -33,7 +34,7 @@ def versions() -> dict[str, str | None]:
 def problems(found: dict[str, str | None]) -> list[str]:
   out = []
   for name, version in found.items():
-    if version is None:
+    if version is None and name not in OPTIONAL_PACKAGES:
       out.append(f"{name} is not installed; run {INSTALL_HINT}.")
   torch_version = found.get("torch")
   if torch_version and not torch_version.startswith(PINNED_TORCH):
@@ -94,7 +95,8 @@ def main() -> int:
   width = max(len(k) for k in found)
   print("torch_on_tpu doctor")
   for name, version in found.items():
-    print(f"  {name:<{width}}  {version or 'MISSING'}")
+    missing = "not installed (optional: see extras.py)" if name in OPTIONAL_PACKAGES else "MISSING"
+    print(f"  {name:<{width}}  {version or missing}")
   if not issues:
     problem = import_problem()
     if problem:

@@ -18,7 +18,9 @@ fp32 matmul rate of this machine, cached under `~/.cache/torch_on_tpu`.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import logging
 import math
 import os
 import pathlib
@@ -30,7 +32,10 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from torch_on_tpu import extras
 from torch_on_tpu.errors import TorchOnTpuError
+
+logger = logging.getLogger(__name__)
 
 # ---- FLOPs per token --------------------------------------------------------------------
 
@@ -245,6 +250,18 @@ def _record_step(line: str) -> float:
     return math.inf
 
 
+def _tensorboard_writer(directory: pathlib.Path):
+  """A TensorBoard writer, or None (said once) where the `logging` extra is not installed."""
+  if importlib.util.find_spec("tensorboard") is None:
+    logger.info(
+      "TensorBoard scalars are off (metrics.jsonl is written): pip install 'torch_on_tpu[logging]' for them."
+    )
+    return None
+  from torch.utils.tensorboard import SummaryWriter
+
+  return SummaryWriter(str(directory))
+
+
 class RunLog:
   """Per-step scalars to `metrics.jsonl` and TensorBoard under `log_dir`, and a PNG plot.
 
@@ -256,14 +273,12 @@ class RunLog:
   """
 
   def __init__(self, log_dir, start_step: int = 0):
-    from torch.utils.tensorboard import SummaryWriter
-
     self.log_dir = pathlib.Path(log_dir)
     self.log_dir.mkdir(parents=True, exist_ok=True)
     self.jsonl_path = self.log_dir / "metrics.jsonl"
     self._drop_records_after(start_step)
     self._jsonl = self.jsonl_path.open("a")
-    self._tb = SummaryWriter(str(self.log_dir / "tensorboard"))
+    self._tb = _tensorboard_writer(self.log_dir / "tensorboard")
     self.history: list[dict] = []
 
   def _drop_records_after(self, step: int) -> None:
@@ -284,13 +299,17 @@ class RunLog:
     self._jsonl.write(json.dumps(record) + "\n")
     self._jsonl.flush()
     for name, value in record.items():
-      if name != "step":
+      if name != "step" and self._tb is not None:
         self._tb.add_scalar(name, value, step)
+
+  @property
+  def can_plot(self) -> bool:
+    """matplotlib (the `logging` extra) is installed."""
+    return importlib.util.find_spec("matplotlib") is not None
 
   def plot(self, path=None) -> pathlib.Path:
     """Loss and tokens/s per step, side by side, as a PNG."""
-    import matplotlib
-
+    matplotlib = extras.require("matplotlib", "The training plot (RunLog.plot)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -313,4 +332,5 @@ class RunLog:
 
   def close(self) -> None:
     self._jsonl.close()
-    self._tb.close()
+    if self._tb is not None:
+      self._tb.close()

@@ -328,7 +328,7 @@ class Trainer:
       "compile_seconds": self.train_step.compile_seconds,  # ahead-of-time compiles included
     }
     if self.is_main:
-      if self._log is not None and train:
+      if self._log is not None and train and self._log.can_plot:
         summary["plot"] = str(self._log.plot())
       print(summary_line(summary), flush=True)
     return summary

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from torch_on_tpu import _compat
+from torch_on_tpu import _compat, extras
 from torch_on_tpu.models._maps import present_rules
 from torch_on_tpu.models.family import DecoderShape, Family
 
@@ -156,7 +156,7 @@ def replay_output_capture(template: torch.nn.Module, records) -> None:
 
 def build_causal_lm(config, *, device="meta") -> torch.nn.Module:
   """`AutoModelForCausalLM.from_config` on `device` (meta: nothing allocated)."""
-  from transformers import AutoModelForCausalLM
+  AutoModelForCausalLM = extras.require("transformers", "An HF model").AutoModelForCausalLM
 
   with torch.device(device):
     return AutoModelForCausalLM.from_config(config)

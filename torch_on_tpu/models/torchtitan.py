@@ -29,7 +29,7 @@ import jax
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from torch_on_tpu import _compat
+from torch_on_tpu import _compat, extras
 from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.models._maps import present_rules
 from torch_on_tpu.models.family import DecoderShape, Family
@@ -73,6 +73,7 @@ def llama3_config(flavor: str = "debugmodel", *, attention: str = "flex", max_se
   `max_seq_len` sizes the RoPE cache the way torchtitan's trainer does for
   the training sequence length (otherwise every layer holds 131072 positions).
   """
+  extras.require("torchtitan", "torchtitan's Llama 3")
   from torchtitan.models.common.attention import ScaledDotProductAttention
   from torchtitan.models.llama3 import model_registry
 
