@@ -358,6 +358,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   import torch_on_tpu as tot
   from torch_on_tpu import checkpoint, data, lora, plan
   from torch_on_tpu import remat as remat_lib
+  from torch_on_tpu.trainer import default_split
 
   mesh = tot.make_mesh(fsdp=flags.fsdp, tp=flags.tp)
   if main:
@@ -398,8 +399,10 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   if main:
     print(memory, flush=True)
   spec = jax.ShapeDtypeStruct((flags.global_batch_size, flags.seqlen), jnp.int32)
-  abstract_batch = {"input_ids": spec, "labels": spec, "positions": spec, "segment_ids": spec}
-  split = _splitter(recipe, flags)
+  documents = ("positions", "segment_ids") if recipe.family == "titan" else ()  # what data.batches yields
+  abstract_batch = {key: spec for key in ("input_ids", "labels", *documents)}
+  family_model = abstract_step.model  # how this family's model is called (structure only, no arrays)
+  split = lambda batch: default_split(family_model, batch)  # noqa: E731
   if flags.dry_run:
     if main and memory.fits is False:
       print(f"Would not fit: {memory.message()}", flush=True)
@@ -612,19 +615,6 @@ def _loss(outputs, labels):
 
   logits = outputs.logits if hasattr(outputs, "logits") else outputs
   return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
-def _splitter(recipe: Recipe, flags: Flags) -> Callable:
-  """`batch → (inputs, labels)` the way this recipe's model is called."""
-  if recipe.family == "hf":
-    return lambda b: ({"input_ids": b["input_ids"], "use_cache": False}, b["labels"])
-  if flags.attention == "none":  # torchtitan built with SDPA: plain causal attention
-    return lambda b: ((b["input_ids"], b["positions"]), b["labels"])
-  from torch_on_tpu.models.torchtitan import FlexMasks
-
-  # torchtitan's flex attention, document-causal: where its trainer passes
-  # get_attention_masks(positions), we pass the documents' ids.
-  return lambda b: ((b["input_ids"], b["positions"], FlexMasks(b["segment_ids"])), b["labels"])
 
 
 def _profile_steps(spec) -> tuple[int, int] | None:

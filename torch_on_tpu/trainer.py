@@ -57,7 +57,6 @@ from tqdm.auto import tqdm
 
 from torch_on_tpu import metrics as metrics_lib
 from torch_on_tpu.errors import TorchOnTpuError
-from torch_on_tpu.models import hf
 from torch_on_tpu.train import TrainStep
 
 
@@ -403,19 +402,13 @@ def _check_token_ids(batch, vocab: int | None, step: int) -> None:
 
 
 def default_split(model, batch):
-  """`{input_ids, labels[, positions]}` → (inputs, labels) for torchtitan and HF models."""
+  """`{input_ids, labels[, positions, segment_ids]}` → (inputs, labels), inputs as the
+  model's family calls it (`Family.model_inputs`)."""
   if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
     raise TorchOnTpuError(
       "The default Trainer batch is a dict with 'input_ids' and 'labels'; pass "
       "split_batch=lambda batch: (inputs, labels) for other layouts."
     )
-  ids, positions = batch["input_ids"], batch.get("positions")
-  if hf.is_hf(model.module):
-    inputs = {"input_ids": ids}
-    if positions is not None:
-      inputs["position_ids"] = positions
-  else:
-    inputs = ids if positions is None else (ids, positions)
-  return inputs, batch["labels"]
+  return model.family.model_inputs(model.module, batch), batch["labels"]
 
 

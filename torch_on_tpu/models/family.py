@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -51,10 +51,12 @@ class Family:
     while a scanned or rematerialised layer stack runs)."""
     return {}
 
-  def model_inputs(self, module: torch.nn.Module, input_ids, positions=None):
-    """What the model is called with for a batch of token ids (and per-token positions,
-    for packed documents): an array, a tuple of positional arguments, or a dict."""
-    return input_ids if positions is None else (input_ids, positions)
+  def model_inputs(self, module: torch.nn.Module, batch: Mapping):
+    """What the model is called with for a batch of the data pipeline's arrays
+    (`input_ids`, optionally `positions` and `segment_ids` of packed documents):
+    an array, a tuple of positional arguments, or a dict."""
+    ids, positions = batch["input_ids"], batch.get("positions")
+    return ids if positions is None else (ids, positions)
 
   def decoder_shape(self, module: torch.nn.Module) -> DecoderShape | None:
     """The decoder's shape for the memory plan and FLOPs; None when not a known decoder."""

@@ -204,10 +204,10 @@ class HFFamily(Family):
   def call_defaults(self, module, *, layer_stack):
     return dict(CALL_DEFAULTS_WITH_LAYER_STACK) if layer_stack else {}
 
-  def model_inputs(self, module, input_ids, positions=None):
-    inputs = {"input_ids": input_ids}
-    if positions is not None:
-      inputs["position_ids"] = positions
+  def model_inputs(self, module, batch):
+    inputs = {"input_ids": batch["input_ids"], "use_cache": False}  # a train step needs no KV cache
+    if batch.get("positions") is not None:
+      inputs["position_ids"] = batch["positions"]
     return inputs
 
   def decoder_shape(self, module):

@@ -211,8 +211,23 @@ class TorchtitanFamily(Family):
   def sharding_map(self, module, preset):
     return fsdp_tp_map(module) if preset == "fsdp_tp" else None
 
+  def model_inputs(self, module, batch):
+    ids, positions, segments = batch["input_ids"], batch.get("positions"), batch.get("segment_ids")
+    if positions is None:
+      return ids
+    if segments is not None and _uses_flex_attention(module):
+      # Document-causal, where torchtitan's trainer passes get_attention_masks(positions).
+      return ids, positions, FlexMasks(segments)
+    return ids, positions
+
   def attention_routes(self, attend):
     # Any model built from torchtitan's attention modules (not only its top-level classes).
     if "torchtitan.models.common.attention" not in sys.modules:
       return []
     return [flex_routed_to(attend)]
+
+
+def _uses_flex_attention(module: torch.nn.Module) -> bool:
+  from torchtitan.models.common.attention import FlexAttention
+
+  return any(isinstance(m, FlexAttention) for m in module.modules())
