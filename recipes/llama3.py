@@ -22,6 +22,9 @@ MODELS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
 class Llama3Flags(common.Flags):
   model: str = common.flag("debugmodel", f"torchtitan Llama 3 flavor: {', '.join(MODELS)}")
   model_impl: str = common.flag("titan", "titan (torchtitan's model) or hf (transformers' Llama, same numbers)")
+  titan_attention: str = common.flag(
+    "flex", "the attention module torchtitan builds: flex (document-causal over packed documents) or sdpa (plain causal)"
+  )
 
 
 def hf_config(flavor: str):
@@ -65,8 +68,14 @@ def recipe(flags: Llama3Flags) -> common.Recipe:
   if flags.model_impl == "titan":
     from torch_on_tpu.models.torchtitan import build_llama3
 
-    inner = "sdpa" if flags.attention == "none" else "flex"
-    build = lambda: build_llama3(flags.model, attention=inner, max_seq_len=flags.seqlen)  # noqa: E731
+    if flags.titan_attention not in ("flex", "sdpa"):
+      raise TorchOnTpuError(f"--titan_attention={flags.titan_attention!r} is not flex or sdpa; pick one of those.")
+    if flags.titan_attention == "flex" and flags.attention == "none":
+      raise TorchOnTpuError(
+        "--attention=none leaves attention to torchax's own SDPA lowering, which cannot run torchtitan's "
+        "flex attention; add --titan_attention=sdpa (plain causal attention) or pick an --attention kernel."
+      )
+    build = lambda: build_llama3(flags.model, attention=flags.titan_attention, max_seq_len=flags.seqlen)  # noqa: E731
     return common.Recipe(
       name=f"llama3-{flags.model}", build=build, family="titan", convert_model=f"--model=llama3:{flags.model}"
     )

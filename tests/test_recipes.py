@@ -191,6 +191,10 @@ def test_bad_flags_are_one_sentence(tmp_path):
     llama3.run(titan_flags(tmp_path, model="7B"))
   with pytest.raises(tot.TorchOnTpuError, match="--dtype='fp8'"):
     llama3.run(titan_flags(tmp_path, dtype="fp8"))
+  with pytest.raises(tot.TorchOnTpuError, match="--attention=none leaves attention to torchax's own SDPA"):
+    llama3.run(titan_flags(tmp_path, attention="none"))
+  with pytest.raises(tot.TorchOnTpuError, match="--titan_attention='causal' is not flex or sdpa"):
+    llama3.run(titan_flags(tmp_path, titan_attention="causal"))
   with pytest.raises(tot.TorchOnTpuError, match="--cpu_devices=3 but jax already started with 8"):
     llama3.run(titan_flags(tmp_path, cpu_devices=3))
   with pytest.raises(tot.TorchOnTpuError, match="--config='nowhere' does not exist"):
