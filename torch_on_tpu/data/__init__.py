@@ -1,0 +1,27 @@
+"""Real training data (`data.batches`, `data.build_tokenizer`, `data.to_global`, ...); see `loader`."""
+
+from torch_on_tpu.data.loader import (  # noqa: F401
+  BLOCK_BYTES,
+  BLOCK_ROWS,
+  CHUNK_CHARS,
+  DEFAULT_VOCAB_SIZE,
+  EOS_TOKEN,
+  STATE_VERSION,
+  Batches,
+  HFDataset,
+  JsonLines,
+  Parquet,
+  Source,
+  Stream,
+  TextFiles,
+  Tokenizer,
+  batches,
+  build_tokenizer,
+  check_model_fit,
+  default_corpus,
+  default_num_shards,
+  eval_batches,
+  merge_states,
+  source,
+  to_global,
+)
