@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec
 
 import torch_on_tpu as tot
 from torch_on_tpu import data
+from torch_on_tpu.data import tokenizer as tokenizer_lib
 from torch_on_tpu.errors import TorchOnTpuError
 
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega tensor shard mesh token".split()
@@ -114,8 +115,8 @@ def test_tokenizer_file_and_pretrained_directory_match_the_bpe(tok, tmp_path):
 
 def test_bpe_cache_trains_once_per_corpus_and_size(src, tmp_path, monkeypatch):
   trained = []
-  real = data._train_bpe
-  monkeypatch.setattr(data, "_train_bpe", lambda *a: trained.append(a) or real(*a))
+  real = tokenizer_lib._train_bpe
+  monkeypatch.setattr(tokenizer_lib, "_train_bpe", lambda *a: trained.append(a) or real(*a))
   first = data.build_tokenizer(None, corpus=src, vocab_size=280, cache_dir=tmp_path)
   (cached,) = (tmp_path / "tokenizers").glob("bpe-280-*.json")
   mtime = cached.stat().st_mtime_ns

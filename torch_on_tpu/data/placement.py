@@ -1,0 +1,47 @@
+"""Onto the mesh: each process's host rows → global `jax.Array`s, the batch dim over the data axes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from torch_on_tpu import mesh as mesh_lib
+from torch_on_tpu.errors import TorchOnTpuError
+
+
+def to_global(
+  batch: Mapping[str, np.ndarray], mesh: Mesh, axes: Sequence[str] | None = None
+) -> dict[str, jax.Array]:
+  """This process's rows → global `jax.Array`s, dim 0 sharded over `axes`, the rest replicated.
+
+  `axes` defaults to the mesh's data axes (`torch_on_tpu.mesh.data_axes`).
+  Every process calls this with its own rows, in the same step.
+  """
+  axes = mesh_lib.data_axes(mesh) if axes is None else tuple(axes)
+  for axis in axes:
+    if axis not in mesh.shape:
+      raise TorchOnTpuError(
+        f"Batch axis '{axis}' is not in the mesh {dict(mesh.shape)}; pass axes from its names."
+      )
+  ways = math.prod(mesh.shape[a] for a in axes)
+  lead = (axes[0] if len(axes) == 1 else axes) if axes else None
+  if not axes and jax.process_count() > 1:
+    raise TorchOnTpuError(
+      f"The mesh {dict(mesh.shape)} has no data axis to split the processes' rows over; pass axes=."
+    )
+  out = {}
+  for name, local in batch.items():
+    local = np.asarray(local)
+    rows = local.shape[0] * jax.process_count()
+    if rows % ways:
+      raise TorchOnTpuError(
+        f"The global batch of {rows} rows ('{name}') does not divide over the {ways}-way data axes {axes}; "
+        f"use a global batch size that is a multiple of {ways}."
+      )
+    sharding = NamedSharding(mesh, PartitionSpec(lead, *([None] * (local.ndim - 1))))
+    out[name] = jax.make_array_from_process_local_data(sharding, local, (rows, *local.shape[1:]))
+  return out
