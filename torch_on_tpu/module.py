@@ -32,7 +32,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from torch_on_tpu import _compat, materialize, ops, xla_flags
+from torch_on_tpu import _compat, lowerings, materialize, ops, xla_flags
 from torch_on_tpu import attention as attention_lib
 from torch_on_tpu import scan as scan_lib
 from torch_on_tpu import mesh as mesh_lib
@@ -227,7 +227,7 @@ class JittableModule:
     if self._layout and hf.is_hf(self.module):
       kwargs = {**hf.CALL_DEFAULTS_WITH_LAYER_STACK, **kwargs}
     with env, env.override_property(prng=env.param.prng):
-      with self._activation_constraints(), self._attention_kernels():
+      with self._activation_constraints(), self._attention_kernels(), lowerings.cpu_linear(self.mesh):
         with torch.nn.utils.stateless._reparametrize_module(self.module, tensors), _running_wrapped():
           out = self.module(*args, **kwargs)
           after = {n: jax_view(self.module.get_buffer(n)) for n in before}
