@@ -43,7 +43,7 @@ def mesh():
 @pytest.fixture
 def fresh_notices(monkeypatch):
   """Each notice is logged once per process; tests that look for one start afresh."""
-  monkeypatch.setattr(attention, "_said", set())
+  monkeypatch.setattr(attention.routing, "_said", set())
 
 
 def torch_sdpa(tensors, cotangent, **kwargs):
@@ -232,9 +232,9 @@ def test_xla_kernel_memory_is_tiles_not_score_matrices():
 def test_reduce_last_equals_the_plain_reduction(width):
   x = jax.random.normal(jax.random.PRNGKey(width), (3, 5, width), jnp.float32)
   x = x.at[0, 0].set(-jnp.inf).at[1, 2, : width // 2].set(-jnp.inf)  # masked rows
-  got_max = attention._reduce_last(jnp.maximum, jnp.max, x)
+  got_max = attention.xla_flash._reduce_last(jnp.maximum, jnp.max, x)
   np.testing.assert_array_equal(got_max, x.max(-1))
-  got_sum = attention._reduce_last(jnp.add, jnp.sum, jnp.exp(x))
+  got_sum = attention.xla_flash._reduce_last(jnp.add, jnp.sum, jnp.exp(x))
   np.testing.assert_allclose(got_sum, jnp.exp(x).sum(-1), rtol=1e-6)
 
 

@@ -44,3 +44,47 @@ def test_split_matches_torch_and_its_gradient_is_one_concatenate(shape, sizes, d
 def test_split_sizes_that_miss_the_dimension_are_named():
   with torchax.default_env(), pytest.raises(tot.TorchOnTpuError, match=r"sum to 14, but dimension -1 has size 20"):
     torch.split(torch_view(jnp.ones((6, 20))), [4, 10], -1)
+
+
+def _mlp_and_batch():
+  torch.manual_seed(0)
+  model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8, bias=False))
+  gen = torch.Generator().manual_seed(1)
+  return model, torch.randn(8, 5, 16, generator=gen), torch.randn(8, 5, 8, generator=gen)
+
+
+def _jax_grads(jm, x, cotangent):
+  """Jaxpr text and gradients of sum(out * cotangent) through the module's own forward."""
+  def loss(params):
+    out = jax_view(jm.functional_call(params, jm.buffers, torch_view(x)))
+    return (out * cotangent).sum()
+
+  return str(jax.make_jaxpr(jax.grad(loss))(jm.params)), jax.grad(loss)(jm.params)
+
+
+def test_cpu_linear_runs_in_the_module_forward_with_torch_gradients():
+  model, x, cotangent = _mlp_and_batch()
+  (model(x) * cotangent).sum().backward()
+  expected = {name: p.grad.numpy() for name, p in model.named_parameters()}
+  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=8))  # the model moves to meta
+  jaxpr, grads = _jax_grads(jm, jnp.asarray(x.numpy()), jnp.asarray(cotangent.numpy()))
+  assert jaxpr.count("custom_vjp_call") == 2  # both layers, outside the train step too
+  for name, ref in expected.items():
+    rel = np.linalg.norm(np.asarray(grads[name]) - ref) / np.linalg.norm(ref)
+    assert rel < 1e-5, (name, rel)
+
+
+def test_a_user_override_of_linear_wins_over_the_cpu_kernel():
+  model, x, cotangent = _mlp_and_batch()
+  with torch.no_grad():
+    expected = model[2](2 * model[1](2 * model[0](x)))
+  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=8))
+
+  def doubled(x, weight, bias=None):
+    return 2 * torch.nn.functional.linear(x, weight, bias)
+
+  with tot.override_op(torch.nn.functional.linear, doubled):
+    jaxpr, _ = _jax_grads(jm, jnp.asarray(x.numpy()), jnp.asarray(cotangent.numpy()))
+    out = jm(x)
+  assert "custom_vjp_call" not in jaxpr
+  np.testing.assert_allclose(out.cpu().numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)

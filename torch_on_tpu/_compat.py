@@ -170,6 +170,11 @@ def set_op(env, target, operator) -> None:
     env._ops[target] = operator
 
 
+def overridden_by_user(env, target) -> bool:
+  """`target` runs an override installed with `override_op` (or the bridge's own)."""
+  return bool(getattr(env._ops.get(target), "is_user_defined", False))
+
+
 def has_lowering(env, packet) -> bool:
   """torchax lowers `packet` (or its `.default` overload) itself."""
   return packet in env._ops or getattr(packet, "default", None) in env._ops

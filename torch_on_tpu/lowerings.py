@@ -41,19 +41,29 @@ torch does (torchax computes them and drops them, and with the biased
 variance): the momentum average with the unbiased batch variance. Under jit
 the batch statistics are over the whole global batch, whatever its sharding
 (torch's `SyncBatchNorm`, not DDP's per-device statistics).
+
+On CPU, `F.linear` runs a kernel whose weight gradient XLA CPU lays out well
+(`cpu_linear`): JittableModule enters it around every trace of the model, so
+its forward and the train step both get it. It is installed per trace, not at
+import, because it depends on the mesh's platform; a user's own override of
+`F.linear` (`tot.override_op`) is left in place.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
-from torch_on_tpu import _compat, ragged
+from torch_on_tpu import _compat, ops, ragged
+from torch_on_tpu import remat as remat_lib
 from torch_on_tpu.errors import TorchOnTpuError
 
 torchax = _compat.import_torchax()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.ad_checkpoint import checkpoint_name  # noqa: E402
 from torchax.interop import torch_view  # noqa: E402
 from torchax.ops import mappings, op_base  # noqa: E402
 from torchax.tensor import Tensor as TorchaxTensor  # noqa: E402
@@ -205,6 +215,48 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
   if bias is not None:
     out = out + bias
   return out.astype(dtype)
+
+
+def cpu_linear(mesh):
+  """While active on a CPU mesh, `F.linear` runs `_linear` (see there); elsewhere,
+  or where the user overrides `F.linear`, a no-op."""
+  overridden = _compat.overridden_by_user(_compat.torchax_env(), torch.nn.functional.linear)
+  if mesh.devices.flat[0].platform != "cpu" or overridden:
+    return contextlib.nullcontext()
+  return ops.bridge_overrides({torch.nn.functional.linear: _linear_with_bias}, is_jax_function=True)
+
+
+def _linear_with_bias(x, weight, bias=None):
+  out = checkpoint_name(_linear(x, weight), remat_lib.MATMUL_NAME)
+  return out if bias is None else out + bias
+
+
+@jax.custom_vjp
+def _linear(x, weight):
+  """`x @ weight.T`, whose weight gradient contracts the tokens as `[in, tokens] @ [tokens, out]`.
+
+  Differentiating the einsum gives `dW = dYᵀ·X`, for which XLA CPU transposes
+  dY inside the elementwise fusion that produces it (a strided, slow loop);
+  written this way it transposes the activation X and the small result
+  instead (docs/performance.md has the measurements).
+  """
+  return jnp.einsum("...a,ba->...b", x, weight)
+
+
+def _linear_fwd(x, weight):
+  return _linear(x, weight), (x, weight)
+
+
+def _linear_bwd(residuals, grad):
+  x, weight = residuals
+  dx = jnp.einsum("...b,ba->...a", grad, weight)
+  x2 = x.reshape(-1, x.shape[-1])
+  g2 = grad.reshape(-1, grad.shape[-1])
+  dw = (x2.T @ g2).T
+  return dx.astype(x.dtype), dw.astype(weight.dtype)
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
 
 
 def _register_jax_lowering(env, packet, fn) -> None:

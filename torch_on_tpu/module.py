@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from torch_on_tpu import _compat, materialize, models, module_state, ops, runtime, xla_flags
+from torch_on_tpu import _compat, lowerings, materialize, models, module_state, ops, runtime, xla_flags
 from torch_on_tpu import attention as attention_lib
 from torch_on_tpu import scan as scan_lib
 from torch_on_tpu import mesh as mesh_lib
@@ -224,7 +224,7 @@ class JittableModule:
     # `env.override_property(prng=key)` around the call for per-step randomness).
     kwargs = {**self.family.call_defaults(self.module, layer_stack=bool(self._layout)), **kwargs}
     with env, env.override_property(prng=env.param.prng):
-      with self._activation_constraints(), self._attention_kernels():
+      with self._activation_constraints(), self._attention_kernels(), lowerings.cpu_linear(self.mesh):
         with _compat.reparametrized(self.module, tensors), _running_wrapped():
           out = self.module(*args, **kwargs)
           after = {n: jax_view(self.module.get_buffer(n)) for n in before}

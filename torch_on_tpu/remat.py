@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 NAMES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "dots_and_attention", "offload_dots")
 
 # Matmuls the bridge runs inside a `custom_vjp` (the CPU `F.linear` of
-# `torch_on_tpu.train`) are invisible to the dot-based policies; they tag their
+# `torch_on_tpu.lowerings`) are invisible to the dot-based policies; they tag their
 # output with this `checkpoint_name` so those policies keep it all the same.
 MATMUL_NAME = "torch_on_tpu.matmul"
 _NAMED_MATMULS = jax.checkpoint_policies.save_only_these_names(MATMUL_NAME)

@@ -76,7 +76,6 @@ import numpy as np
 import optax
 import torch
 import torch.utils._pytree as torch_pytree
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
 from torch_on_tpu import _compat, losses, ops
@@ -456,7 +455,7 @@ class TrainStep:
     if self.compute_dtype is not None:
       params = {k: _cast_floating(v, self.compute_dtype) for k, v in params.items()}
     env = torchax.default_env()
-    with env, env.override_property(prng=rng), _linear_lowering(self.model.mesh), losses.installed(self.model):
+    with env, env.override_property(prng=rng), losses.installed(self.model):
       outputs, changed = call_model(self.model, params, buffers, inputs)
       outputs = _to_fp32(outputs)
       loss = self.loss_fn(outputs, _torch_tree(labels))
@@ -796,46 +795,6 @@ def call_model(model: JittableModule, params, buffers, inputs):
   if isinstance(viewed, (tuple, list)):
     return model.functional_call_with_buffers(params, buffers, *viewed)
   return model.functional_call_with_buffers(params, buffers, viewed)
-
-
-def _linear_lowering(mesh):
-  """On CPU, `F.linear` with a weight gradient XLA CPU lays out well (see `_linear`)."""
-  if mesh.devices.flat[0].platform != "cpu":
-    return contextlib.nullcontext()
-  return ops.bridge_overrides({torch.nn.functional.linear: _linear_with_bias}, is_jax_function=True)
-
-
-def _linear_with_bias(x, weight, bias=None):
-  out = checkpoint_name(_linear(x, weight), remat_lib.MATMUL_NAME)
-  return out if bias is None else out + bias
-
-
-@jax.custom_vjp
-def _linear(x, weight):
-  """`x @ weight.T`, whose weight gradient contracts the tokens as `[in, tokens] @ [tokens, out]`.
-
-  Differentiating the einsum gives `dW = dYᵀ·X`, for which XLA CPU transposes
-  dY inside the elementwise fusion that produces it (a strided, slow loop);
-  written this way it transposes the activation X and the small result
-  instead: about 20% off a SwiGLU block's forward + backward on CPU.
-  """
-  return jnp.einsum("...a,ba->...b", x, weight)
-
-
-def _linear_fwd(x, weight):
-  return _linear(x, weight), (x, weight)
-
-
-def _linear_bwd(residuals, grad):
-  x, weight = residuals
-  dx = jnp.einsum("...b,ba->...a", grad, weight)
-  x2 = x.reshape(-1, x.shape[-1])
-  g2 = grad.reshape(-1, grad.shape[-1])
-  dw = (x2.T @ g2).T
-  return dx.astype(x.dtype), dw.astype(weight.dtype)
-
-
-_linear.defvjp(_linear_fwd, _linear_bwd)
 
 
 def _to_fp32(outputs):

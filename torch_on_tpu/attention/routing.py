@@ -1,0 +1,377 @@
+"""Which kernel runs an SDPA or flex call, and how it is fed: the mode resolved per
+platform, q/k/v and masks broadcast like torch, the call spread over the mesh in
+`shard_map` (batch over the data axes, heads over `tp`), the override installed
+for one trace."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import torch
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from torch_on_tpu import _compat, ops
+from torch_on_tpu import remat as remat_lib
+from torch_on_tpu.attention import splash, xla_flash
+from torch_on_tpu.errors import TorchOnTpuError
+
+torchax = _compat.import_torchax()
+from torchax.interop import jax_view, torch_view  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+MODES = ("auto", "splash", "cudnn", "xla")
+
+_said: set[str] = set()
+
+
+def _say_once(level: int, message: str) -> None:
+  if message not in _said:
+    _said.add(message)
+    logger.log(level, message)
+
+
+def kernels(mode, *, mesh, data_axes, block_sizes):
+  """While active, SDPA (and torchtitan's flex attention) run our kernel.
+
+  `mode=None` leaves torchax's default lowering untouched.
+  """
+  if mode is None:
+    return contextlib.nullcontext()
+  return installed(Attention(mode, mesh=mesh, data_axes=data_axes, block_sizes=block_sizes))
+
+
+@contextlib.contextmanager
+def installed(attn: Attention):
+  """While active, SDPA (and torchtitan's flex attention) run `attn`'s kernel."""
+  sdpa = attn.sdpa
+  overrides = {
+    torch.nn.functional.scaled_dot_product_attention: sdpa,
+    torch.ops.aten.scaled_dot_product_attention: sdpa,
+  }
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(ops.bridge_overrides(overrides, is_jax_function=True))
+    if "torchtitan.models.common.attention" in sys.modules:
+      from torch_on_tpu.models import torchtitan as titan
+
+      stack.enter_context(titan.flex_routed_to(attn.flex))
+    yield
+
+
+
+class Attention:
+  """One resolved kernel choice: `mode` on this mesh's platform, with its settings."""
+
+  def __init__(self, mode, *, mesh=None, data_axes=(), block_sizes=None):
+    if mode not in MODES:
+      raise TorchOnTpuError(
+        f"attention={mode!r} is not a kernel; use one of {', '.join(map(repr, MODES))} or None."
+      )
+    self.mesh = mesh
+    self.data_axes = tuple(a for a in (data_axes or ()) if mesh is not None and mesh.shape[a] > 1)
+    self.block_sizes = splash.check_block_sizes(block_sizes)
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    platform = device.platform
+    if platform == "gpu" and "rocm" in getattr(device.client, "platform_version", "").lower():
+      platform = "rocm"
+    self.platform = platform
+    self.xla_block = xla_flash.default_block(platform)
+    self.kind, self.accelerated, reason = _resolve(mode, platform)
+    _say_once(logging.INFO, f"attention={mode!r} on {platform}: {reason}")
+
+  # ---- the torch side ----------------------------------------------------------------
+
+  def sdpa(
+    self,
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+  ):
+    """`F.scaled_dot_product_attention`'s signature, on jax arrays (torchax unwraps them)."""
+    if attn_mask is not None and is_causal:
+      raise TorchOnTpuError(
+        "scaled_dot_product_attention got both attn_mask and is_causal=True, which torch "
+        "rejects too; fold the causal mask into attn_mask or drop it."
+      )
+    rng = torchax.default_env().get_and_rotate_prng_key() if dropout_p > 0 else None
+    return self(
+      query,
+      key,
+      value,
+      mask=attn_mask,
+      causal=is_causal,
+      scale=scale,
+      dropout_rate=dropout_p,
+      dropout_key=rng,
+      enable_gqa=enable_gqa,
+    )
+
+  def flex(self, q, k, v, *, segment_ids, scale, enable_gqa):
+    """Causal (document-causal with `segment_ids`) attention on torch tensors (B, N, L, H)."""
+    seg = None if segment_ids is None else jax_view(segment_ids)
+    out = self(
+      jax_view(q),
+      jax_view(k),
+      jax_view(v),
+      causal=True,
+      segment_ids=None if seg is None else (seg, seg),
+      scale=scale,
+      enable_gqa=enable_gqa,
+    )
+    return torch_view(out)
+
+  # ---- the jax side ------------------------------------------------------------------
+
+  def __call__(
+    self,
+    q,
+    k,
+    v,
+    *,
+    mask=None,
+    causal=False,
+    segment_ids=None,
+    scale=None,
+    dropout_rate=0.0,
+    dropout_key=None,
+    enable_gqa=False,
+  ):
+    """Attention on jax arrays laid out like torch's: q (..., Hq, L, D), k/v (..., Hkv, S, D).
+
+    `mask` is bool (True = attend) or additive, broadcastable to (..., Hq, L, S);
+    `segment_ids` is a (q_ids (B, L), kv_ids (B, S)) pair: only equal ids attend.
+    """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    out_ndim = max(q.ndim, k.ndim, v.ndim)
+    q, k, v = _broadcast_like_torch(q, k, v, enable_gqa)
+    lead = q.shape[:-3]
+    hq, length, dim = q.shape[-3:]
+    hkv, kv_len = k.shape[-3], k.shape[-2]
+    batch = math.prod(lead)
+    q = q.reshape(batch, hq, length, dim)
+    k = k.reshape(batch, hkv, kv_len, dim)
+    v = v.reshape(batch, hkv, kv_len, v.shape[-1])
+    if mask is not None:
+      mask = _mask_4d(jnp.asarray(mask), lead, (hq, length, kv_len))
+    if segment_ids is not None:
+      segment_ids = tuple(jnp.asarray(s, jnp.int32).reshape(batch, -1) for s in segment_ids)
+    scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
+    seed = None
+    if dropout_rate > 0:
+      if dropout_key is None:
+        raise TorchOnTpuError("attention dropout_rate > 0 needs a dropout_key (a jax PRNG key).")
+      seed = jax.random.bits(dropout_key, (2,), jnp.uint32)
+
+    kind = self._kind_for(q, k, v, mask, causal, segment_ids, dropout_rate)
+    call = functools.partial(
+      self._local, kind=kind, causal=causal, scale=scale, dropout_rate=float(dropout_rate)
+    )
+    out = checkpoint_name(self._sharded(call, q, k, v, mask, segment_ids, seed), remat_lib.ATTENTION_NAME)
+    out = out.reshape(*lead, hq, length, v.shape[-1])
+    return out.reshape(out.shape[len(out.shape) - out_ndim :]) if out_ndim < out.ndim else out
+
+  def _kind_for(self, q, k, v, mask, causal, segment_ids, dropout_rate) -> str:
+    """The configured kernel, or "xla" (said once) where it cannot express the call."""
+    if self.kind == "xla":
+      return "xla"
+    reason = None
+    length, kv_len = q.shape[2], k.shape[2]
+    if dropout_rate > 0:
+      reason = "dropout"
+    elif mask is not None:
+      reason = "an explicit attn_mask"
+    elif self.kind == "splash" and length != kv_len:
+      reason = f"query length {length} != key length {kv_len}"
+    elif self.kind == "cudnn":
+      if segment_ids is not None:
+        reason = "document (segment id) masks"
+      elif causal and length != kv_len:
+        reason = f"a causal mask with query length {length} != key length {kv_len}"
+      elif v.shape[-1] != q.shape[-1]:
+        reason = f"a value head dim ({v.shape[-1]}) unlike the query's ({q.shape[-1]})"
+      elif self.accelerated and q.dtype not in (jnp.bfloat16, jnp.float16):
+        reason = f"{q.dtype} inputs (cuDNN flash attention takes bf16/fp16)"
+      elif self.accelerated and (q.shape[-1] % 8 or q.shape[-1] > 128):
+        reason = f"head dim {q.shape[-1]} (cuDNN takes multiples of 8 up to 128)"
+    if reason is None:
+      return self.kind
+    _say_once(
+      logging.WARNING,
+      f"attention: the {self.kind} kernel cannot express {reason}; those calls run the XLA kernel.",
+    )
+    return "xla"
+
+  def _local(self, q, k, v, mask, segment_ids, seed, offsets, *, kind, causal, scale, dropout_rate):
+    """One shard's attention, (B, H, L, D) in and out."""
+    if kind == "splash":
+      return splash.splash_attention(
+        q, k, v, segment_ids, causal=causal, scale=scale,
+        block_sizes=self.block_sizes, interpret=not self.accelerated,
+      )
+    if kind == "cudnn":
+      out = jax.nn.dot_product_attention(
+        q.transpose(0, 2, 1, 3),
+        k.transpose(0, 2, 1, 3),
+        v.transpose(0, 2, 1, 3),
+        scale=scale,
+        is_causal=causal,
+        implementation="cudnn" if self.accelerated else "xla",
+      )
+      return out.transpose(0, 2, 1, 3)
+    return xla_flash.xla_attention(
+      q, k, v, mask=mask, segment_ids=segment_ids, causal=causal, scale=scale,
+      dropout_rate=dropout_rate, dropout_seed=seed, offsets=offsets,
+      block_q=self.block_sizes.get("block_q", self.xla_block),
+      block_kv=self.block_sizes.get("block_kv", self.xla_block),
+    )
+
+  def _sharded(self, call, q, k, v, mask, segment_ids, seed):
+    """Runs `call` per shard: batch over the data axes, heads over `tp`, where they divide."""
+    batch, hq = q.shape[:2]
+    hkv = k.shape[1]
+    mesh = self.mesh
+    data = self.data_axes
+    if mesh is None or mesh.size == 1:
+      return call(q, k, v, mask, segment_ids, seed, None)
+    ways = math.prod(mesh.shape[a] for a in data)
+    b_axes = (data if len(data) > 1 else data[0]) if data and batch % ways == 0 else None
+    tp = mesh.shape.get("tp", 1)
+    h_axis = "tp" if tp > 1 and hq % tp == 0 and hkv % tp == 0 else None
+    if b_axes is None and h_axis is None:
+      return call(q, k, v, mask, segment_ids, seed, None)
+    qkv_spec = P(b_axes, h_axis, None, None)
+    args, specs = [q, k, v], [qkv_spec] * 3
+    if mask is not None:
+      args.append(mask)
+      specs.append(
+        P(b_axes if mask.shape[0] > 1 else None, h_axis if mask.shape[1] > 1 else None, None, None)
+      )
+    if segment_ids is not None:
+      args.extend(segment_ids)
+      specs.extend([P(b_axes, None)] * 2)
+    if seed is not None:
+      args.append(seed)
+      specs.append(P(None))
+
+    def body(q, k, v, *rest):
+      rest = iter(rest)
+      m = next(rest) if mask is not None else None
+      seg = (next(rest), next(rest)) if segment_ids is not None else None
+      s = next(rest) if seed is not None else None
+      b_off = lax.axis_index(b_axes) * q.shape[0] if b_axes is not None else 0
+      h_off = lax.axis_index(h_axis) * q.shape[1] if h_axis is not None else 0
+      return call(q, k, v, m, seg, s, (b_off, h_off))
+
+    return jax.shard_map(
+      body, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec, check_vma=False
+    )(*args)
+
+
+def _resolve(mode: str, platform: str) -> tuple[str, bool, str]:
+  """(kernel, runs natively on this platform, why) for a mode on a platform."""
+  if mode == "auto":
+    if platform == "tpu":
+      return "splash", True, "Pallas splash attention (auto on TPU)"
+    if platform == "gpu":
+      return "cudnn", True, "cuDNN flash attention via jax.nn.dot_product_attention (auto on GPU)"
+    return "xla", True, f"blocked XLA attention with a recomputing backward (auto on {platform})"
+  if mode == "splash":
+    if platform == "tpu":
+      return "splash", True, "Pallas splash attention"
+    return "splash", False, (
+      f"Pallas splash attention in interpret mode (slow: {platform} has no TPU)"
+    )
+  if mode == "cudnn":
+    if platform == "gpu":
+      return "cudnn", True, "cuDNN flash attention via jax.nn.dot_product_attention"
+    return "cudnn", False, (
+      f"jax.nn.dot_product_attention's XLA implementation ({platform} has no cuDNN; "
+      f"same arguments, full score matrix)"
+    )
+  return "xla", True, "blocked XLA attention with a recomputing backward"
+
+
+def _broadcast_like_torch(q, k, v, enable_gqa):
+  """q (..., Hq, L, D), k (..., Hk, S, D), v (..., Hv, S, Dv) broadcast as torch's SDPA
+  does (its matmuls broadcast every dim but the last two): equal leading dims,
+  k and v with the same heads, q's heads a multiple of theirs (GQA; MQA when 1)."""
+  if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
+    raise TorchOnTpuError(
+      f"attention needs query/key/value with a sequence and a feature dim; got shapes "
+      f"{q.shape}, {k.shape}, {v.shape}."
+    )
+  ndim = max(q.ndim, k.ndim, v.ndim, 3)
+  q, k, v = (x.reshape((1,) * (ndim - x.ndim) + x.shape) for x in (q, k, v))
+  if k.shape[-1] != q.shape[-1] or v.shape[-2] != k.shape[-2]:
+    raise TorchOnTpuError(
+      f"attention key {k.shape} / value {v.shape} do not fit query {q.shape}; key needs the "
+      f"query's feature dim and value the key's length."
+    )
+  try:
+    lead = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+  except ValueError:
+    raise TorchOnTpuError(
+      f"attention query {q.shape}, key {k.shape} and value {v.shape} have batch dims that do "
+      f"not broadcast together."
+    ) from None
+  hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+  if enable_gqa:
+    if hk != hv or hq % hk:
+      raise TorchOnTpuError(
+        f"attention with enable_gqa=True needs key and value with the same heads and query heads a "
+        f"multiple of them; got {hq} query, {hk} key and {hv} value heads."
+      )
+    heads_q = heads_kv = None
+  elif hk == hv and (hq == hk or hk == 1):
+    heads_q = heads_kv = None  # one key/value head for all query heads is GQA with one group
+  else:
+    try:
+      heads = jnp.broadcast_shapes((hq,), (hk,), (hv,))[0]
+    except ValueError:
+      raise TorchOnTpuError(
+        f"attention query has {hq} heads but key/value have {hk}/{hv}; pass enable_gqa=True "
+        f"(with query heads a multiple of key/value heads) or repeat the key/value heads."
+      ) from None
+    heads_q = heads_kv = heads
+  q = jnp.broadcast_to(q, (*lead, heads_q or hq, *q.shape[-2:]))
+  k = jnp.broadcast_to(k, (*lead, heads_kv or hk, *k.shape[-2:]))
+  v = jnp.broadcast_to(v, (*lead, heads_kv or hv, *v.shape[-2:]))
+  return q, k, v
+
+
+def _mask_4d(mask, lead, tail):
+  """torch-broadcastable mask → (1 or B, 1 or Hq, 1 or L, 1 or S), dtype kept."""
+  full = (*lead, *tail)
+  if mask.ndim > len(full):
+    raise TorchOnTpuError(
+      f"attn_mask of shape {mask.shape} has more dims than the scores {full}; drop its "
+      f"extra leading dims."
+    )
+  mask = mask.reshape((1,) * (len(full) - mask.ndim) + mask.shape)
+  for have, want in zip(mask.shape, full):
+    if have not in (1, want):
+      raise TorchOnTpuError(
+        f"attn_mask of shape {mask.shape} does not broadcast to the scores' shape {full}; "
+        f"each dim must be 1 or match."
+      )
+  lead_mask = mask.shape[: len(lead)]
+  if any(d != 1 for d in lead_mask):
+    mask = jnp.broadcast_to(mask, (*lead, *mask.shape[len(lead):]))
+    mask = mask.reshape(math.prod(lead), *mask.shape[len(lead):])
+  else:
+    mask = mask.reshape(1, *mask.shape[len(lead):])
+  return mask
+

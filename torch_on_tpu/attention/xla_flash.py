@@ -1,0 +1,406 @@
+"""The blocked XLA attention kernel: online softmax over (query tile × key tile)
+loops, a custom VJP that recomputes each tile's scores in backward, hashed dropout.
+
+It runs wherever XLA does (the CPU default; the fallback for calls splash or
+cuDNN cannot express) and only ever holds a few tiles of scores per batch and head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from torch_on_tpu import remat as remat_lib
+from torch_on_tpu.attention.padding import pad_to, round_up
+
+# Tiles: on CPU smaller tiles were faster (cache-resident, finer causal skipping;
+# tools/bench_attention.py); accelerators favour fewer, larger steps.
+_BLOCK_CPU = 256
+_BLOCK_ACCELERATOR = 512
+
+
+def default_block(platform: str) -> int:
+  """The query and key tile length on `platform` when the user sets none."""
+  return _BLOCK_CPU if platform == "cpu" else _BLOCK_ACCELERATOR
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+  causal: bool
+  scale: float
+  rate: float
+  block_q: int
+  block_kv: int
+  length: int
+  kv_length: int
+
+  @property
+  def padded(self) -> tuple[int, int]:
+    return round_up(self.length, self.block_q), round_up(self.kv_length, self.block_kv)
+
+
+def xla_attention(
+  q,
+  k,
+  v,
+  *,
+  mask=None,
+  segment_ids=None,
+  causal=False,
+  scale,
+  dropout_rate=0.0,
+  dropout_seed=None,
+  offsets=None,
+  block_q=_BLOCK_CPU,
+  block_kv=_BLOCK_CPU,
+):
+  """Blocked attention: q (B, Hq, L, D), k/v (B, Hkv, S, D) → (B, Hq, L, Dv).
+
+  Loops over query tiles and, inside, over the key tiles a tile can see (causal
+  skips the rest), keeping a running max and sum (online softmax). Backward
+  recomputes each tile's scores from q, k and the saved log-sum-exp, so memory
+  stays O(L·D) plus a few tiles. `mask` is (1|B, 1|Hq, 1|L, 1|S), bool or additive
+  (float masks get a gradient when differentiated). Dropout keeps an element
+  by hashing (seed, global batch, head, row, col), so any tiling or sharding
+  (`offsets` = this shard's first batch and head) drops the same elements.
+  """
+  batch, hq, length, dim = q.shape
+  hkv, kv_length = k.shape[1], k.shape[2]
+  groups = hq // hkv
+  tiles = _Tiles(
+    causal=bool(causal),
+    scale=float(scale),
+    rate=float(dropout_rate),
+    block_q=min(block_q, length),
+    block_kv=min(block_kv, kv_length),
+    length=length,
+    kv_length=kv_length,
+  )
+  q5 = q.reshape(batch, hkv, groups, length, dim)
+  if mask is not None:
+    mh = mask.shape[1]
+    heads = (hkv, groups) if mh > 1 else (1, 1)
+    mask = mask.reshape(mask.shape[0], *heads, *mask.shape[2:])
+  q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
+  if tiles.rate > 0:
+    offsets = jnp.asarray((0, 0) if offsets is None else offsets, jnp.uint32)
+  else:
+    dropout_seed = offsets = None
+  out = _flash(q5, k, v, mask, q_seg, kv_seg, dropout_seed, offsets, tiles)
+  return out.reshape(batch, hq, length, v.shape[-1])
+
+
+
+def _tile(x, axis: int, index, size: int):
+  """Tile `index` of `x` along `axis` (the whole of a broadcast, size-1 axis)."""
+  if x is None:
+    return None
+  if x.shape[axis] == 1:
+    return x
+  return lax.dynamic_slice_in_dim(x, index * size, size, axis)
+
+
+# XLA CPU rewrites any reduction over an axis longer than this into a reduce-window
+# plus a reduce, and runs that reduce-window as a separate, slow loop over the tile.
+_CPU_REDUCE_WINDOW = 32
+
+
+def _reduce_last(combine, reduce, x):
+  """`reduce(x, axis=-1)`, folded in halves down to 32 columns first.
+
+  The halves combine elementwise, so XLA fuses them with the ops that make `x`
+  and the final 32-wide reduce escapes XLA CPU's tree-reduction rewrite: about
+  15% off the forward of a 256-wide tile on CPU (docs/performance.md).
+  """
+  while x.shape[-1] > _CPU_REDUCE_WINDOW and x.shape[-1] % 2 == 0:
+    half = x.shape[-1] // 2
+    x = combine(x[..., :half], x[..., half:])
+  return reduce(x, axis=-1)
+
+
+def _einsum32(spec, a, b):
+  """einsum accumulating in fp32 (inputs may be bf16)."""
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _mix32(x):
+  """A 32-bit integer hash with full avalanche (xor-shift-multiply rounds)."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def dropout_keep_scale(seed, batch_ids, head_ids, rows, cols, rate: float):
+  """1/(1-rate) where the element is kept, else 0; broadcast over the index arrays.
+
+  A pure function of (seed, global batch, head, row, col): tiling, sharding and
+  recomputation in backward all see the same dropout pattern.
+  """
+  u = jnp.uint32
+  batch_ids, head_ids, rows, cols = (
+    jnp.asarray(x).astype(u) for x in (batch_ids, head_ids, rows, cols)
+  )
+  h = _mix32(seed[0] + batch_ids * u(0x9E3779B9) + head_ids * u(0x85EBCA6B))
+  h = _mix32(h ^ (seed[1] + rows * u(0xC2B2AE35)))
+  h = _mix32(h + cols * u(0x27D4EB2F))
+  threshold = min(int(round(rate * 2.0**32)), 2**32 - 1)
+  keep = h >= u(threshold)
+  kept = 0.0 if rate >= 1 else 1.0 / (1.0 - rate)
+  return jnp.where(keep, jnp.float32(kept), jnp.float32(0.0))
+
+
+def _scores(t: _Tiles, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, *, keys_first=False):
+  """Scaled, masked fp32 scores of query tile i against key tile j: (B, K, G, bq, bk),
+  or with `keys_first` (B, K, bk, G, bq), the layout in which the backward's
+  key-side matmuls (dK, dV) contract the tile without transposing it."""
+  if keys_first:
+    s = _einsum32("bksd,bkgqd->bksgq", kj, qi) * t.scale
+    grid, q_axis, kv_axis = (t.block_kv, 1, t.block_q), 2, 0
+  else:
+    s = _einsum32("bkgqd,bksd->bkgqs", qi, kj) * t.scale
+    grid, q_axis, kv_axis = (t.block_q, t.block_kv), 0, 1
+  rows = i * t.block_q + lax.broadcasted_iota(jnp.int32, grid, q_axis)
+  cols = j * t.block_kv + lax.broadcasted_iota(jnp.int32, grid, kv_axis)
+  allowed = None
+
+  def both(a, b):
+    return b if a is None else a & b
+
+  if t.causal:
+    allowed = both(allowed, cols <= rows)
+  if t.kv_length % t.block_kv:
+    allowed = both(allowed, cols < t.kv_length)
+  if q_seg_i is not None:
+    if keys_first:
+      same = kv_seg_j[:, None, :, None, None] == q_seg_i[:, None, None, None, :]
+    else:
+      same = (q_seg_i[:, :, None] == kv_seg_j[:, None, :])[:, None, None]
+    allowed = both(allowed, same)
+  if mask_ij is not None:
+    if keys_first:
+      mask_ij = jnp.moveaxis(mask_ij, 4, 2)
+    if mask_ij.dtype == jnp.bool_:
+      allowed = both(allowed, mask_ij)
+    else:
+      s = s + mask_ij.astype(jnp.float32)
+  if allowed is not None:
+    s = jnp.where(allowed, s, -jnp.inf)
+  return s
+
+
+def _drop(t: _Tiles, seed, offsets, shape, i, j, *, keys_first=False):
+  """Dropout keep-scale for a scores tile of `shape` (laid out as `_scores` makes it)."""
+  batch, hkv = shape[:2]
+  groups = shape[3] if keys_first else shape[2]
+  head_shape = (1, hkv, 1, groups, 1) if keys_first else (1, hkv, groups, 1, 1)
+  group_axis = 3 if keys_first else 2
+  b = offsets[0] + lax.broadcasted_iota(jnp.uint32, (batch, 1, 1, 1, 1), 0)
+  h = offsets[1] + (
+    lax.broadcasted_iota(jnp.uint32, head_shape, 1) * groups
+    + lax.broadcasted_iota(jnp.uint32, head_shape, group_axis)
+  )
+  if keys_first:
+    rows = i * t.block_q + lax.broadcasted_iota(jnp.int32, (1, 1, t.block_q), 2)
+    cols = j * t.block_kv + lax.broadcasted_iota(jnp.int32, (t.block_kv, 1, 1), 0)
+  else:
+    rows = i * t.block_q + lax.broadcasted_iota(jnp.int32, (t.block_q, 1), 0)
+    cols = j * t.block_kv + lax.broadcasted_iota(jnp.int32, (1, t.block_kv), 1)
+  return dropout_keep_scale(seed, b, h, rows, cols, t.rate)
+
+
+def _kv_tiles_seen(t: _Tiles, i, n_kv: int):
+  """Key tiles query tile i attends to: all, or (causal) up to its last row."""
+  if not t.causal:
+    return n_kv
+  last = ((i + 1) * t.block_q - 1) // t.block_kv + 1
+  return min(n_kv, last) if isinstance(i, int) else jnp.minimum(n_kv, last)
+
+
+# Loops that run inline when they have a single, static step: short sequences
+# (one tile) then compile like plain dense attention.
+
+
+def _for(lo, hi, body, carry):
+  if isinstance(lo, int) and isinstance(hi, int) and hi - lo == 1:
+    return body(lo, carry)
+  return lax.fori_loop(lo, hi, body, carry)
+
+
+def _map(fn, n: int):
+  if n == 1:
+    return jax.tree.map(lambda x: x[None], fn(0))
+  return lax.map(fn, jnp.arange(n))
+
+
+def _scan(fn, carry, n: int):
+  if n == 1:
+    carry, y = fn(carry, 0)
+    return carry, jax.tree.map(lambda x: x[None], y)
+  return lax.scan(fn, carry, jnp.arange(n))
+
+
+def _padded_inputs(t: _Tiles, q, k, v, mask, q_seg, kv_seg):
+  lp, sp = t.padded
+  return (
+    pad_to(q, 3, lp),
+    pad_to(k, 2, sp),
+    pad_to(v, 2, sp),
+    pad_to(pad_to(mask, 3, lp, broadcast=True), 4, sp, broadcast=True),
+    pad_to(q_seg, 1, lp),
+    pad_to(kv_seg, 1, sp),
+  )
+
+
+def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets):
+  """(out (B, K, G, L, Dv), log-sum-exp (B, K, G, Lp) fp32)."""
+  batch, hkv, groups, length, _ = q.shape
+  dv = v.shape[-1]
+  qp, kp, vp, maskp, q_segp, kv_segp = _padded_inputs(t, q, k, v, mask, q_seg, kv_seg)
+  lp, sp = t.padded
+  n_q, n_kv = lp // t.block_q, sp // t.block_kv
+  stat_shape = (batch, hkv, groups, t.block_q)
+
+  def query_tile(i):
+    qi = _tile(qp, 3, i, t.block_q)
+    mask_i = _tile(maskp, 3, i, t.block_q)
+    q_seg_i = _tile(q_segp, 1, i, t.block_q)
+
+    def step(j, carry):
+      m, l, acc = carry
+      kj, vj = _tile(kp, 2, j, t.block_kv), _tile(vp, 2, j, t.block_kv)
+      mask_ij, kv_seg_j = _tile(mask_i, 4, j, t.block_kv), _tile(kv_segp, 1, j, t.block_kv)
+      s = _scores(t, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j)
+      m_new = jnp.maximum(m, _reduce_last(jnp.maximum, jnp.max, s))
+      m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+      p = jnp.exp(s - m_safe[..., None])
+      correction = jnp.exp(m - m_safe)
+      l = l * correction + _reduce_last(jnp.add, jnp.sum, p)
+      if t.rate > 0:
+        p = p * _drop(t, seed, offsets, s.shape, i, j)
+      pv = _einsum32("bkgqs,bksd->bkgqd", p.astype(vj.dtype), vj)
+      return m_new, l, acc * correction[..., None] + pv
+
+    init = (
+      jnp.full(stat_shape, -jnp.inf, jnp.float32),
+      jnp.zeros(stat_shape, jnp.float32),
+      jnp.zeros((*stat_shape, dv), jnp.float32),
+    )
+    m, l, acc = _for(0, _kv_tiles_seen(t, i, n_kv), step, init)
+    seen = l > 0
+    out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    return out.astype(q.dtype), lse
+
+  outs, lses = _map(query_tile, n_q)
+  out = jnp.moveaxis(outs, 0, 3).reshape(batch, hkv, groups, lp, dv)[:, :, :, :length]
+  lse = jnp.moveaxis(lses, 0, 3).reshape(batch, hkv, groups, lp)
+  return out, lse
+
+
+def _flash_backward(
+  t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets, out, lse, dout, mask_grad
+):
+  batch, hkv, groups, length, dim = q.shape
+  kv_length = k.shape[2]
+  qp, kp, vp, maskp, q_segp, kv_segp = _padded_inputs(t, q, k, v, mask, q_seg, kv_seg)
+  lp, sp = t.padded
+  n_q, n_kv = lp // t.block_q, sp // t.block_kv
+  doutp = pad_to(dout, 3, lp)
+  out_dot_dout = doutp.astype(jnp.float32) * pad_to(out, 3, lp).astype(jnp.float32)
+  delta = _reduce_last(jnp.add, jnp.sum, out_dot_dout)
+  lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
+  # dQ accumulates with the query axis last, (B, K, D, G, Lp): the tile matmul that
+  # produces it then reads the keys-first score gradient without transposing it.
+  dq0 = jnp.zeros((batch, hkv, dim, groups, lp), jnp.float32)
+  dmask0 = jnp.zeros(maskp.shape, jnp.float32) if mask_grad else None
+
+  def key_tile(carry, j):
+    dq, dmask = carry
+    kj, vj = _tile(kp, 2, j, t.block_kv), _tile(vp, 2, j, t.block_kv)
+    kv_seg_j = _tile(kv_segp, 1, j, t.block_kv)
+    mask_j = _tile(maskp, 4, j, t.block_kv)
+    first = (j * t.block_kv) // t.block_q if t.causal else 0
+
+    def step(i, c):
+      dq, dmask, dk, dv = c
+      qi, doi = _tile(qp, 3, i, t.block_q), _tile(doutp, 3, i, t.block_q)
+      mask_ij, q_seg_i = _tile(mask_j, 3, i, t.block_q), _tile(q_segp, 1, i, t.block_q)
+      # Tiles are keys-first, (B, K, bk, G, bq): dK and dV contract their trailing axes.
+      s = _scores(t, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, keys_first=True)
+      p = jnp.exp(s - _tile(lse_safe, 3, i, t.block_q)[:, :, None])
+      dp = _einsum32("bksd,bkgqd->bksgq", vj, doi)
+      if t.rate > 0:
+        keep = _drop(t, seed, offsets, s.shape, i, j, keys_first=True)
+        pd, dp = p * keep, dp * keep
+      else:
+        pd = p
+      dv = dv + _einsum32("bksgq,bkgqd->bksd", pd.astype(doi.dtype), doi)
+      ds = p * (dp - _tile(delta, 3, i, t.block_q)[:, :, None])
+      dq_i = _einsum32("bksd,bksgq->bkdgq", kj, ds.astype(kj.dtype))
+      dq = lax.dynamic_update_slice_in_dim(
+        dq, _tile(dq, 4, i, t.block_q) + dq_i * t.scale, i * t.block_q, 4
+      )
+      dk = dk + _einsum32("bksgq,bkgqd->bksd", ds.astype(qi.dtype), qi)
+      if dmask is not None:
+        dmask = _accumulate_mask_grad(t, dmask, jnp.moveaxis(ds, 2, 4), i, j)
+      return dq, dmask, dk, dv
+
+    zeros_kv = jnp.zeros((batch, hkv, t.block_kv, dim), jnp.float32)
+    zeros_v = jnp.zeros((batch, hkv, t.block_kv, vp.shape[-1]), jnp.float32)
+    dq, dmask, dk, dv = _for(first, n_q, step, (dq, dmask, zeros_kv, zeros_v))
+    return (dq, dmask), (dk * t.scale, dv)
+
+  (dq, dmask), (dks, dvs) = _scan(key_tile, (dq0, dmask0), n_kv)
+  dq = jnp.moveaxis(dq, 2, 4)[:, :, :, :length].astype(q.dtype)
+  dk = jnp.moveaxis(dks, 0, 2).reshape(batch, hkv, sp, dim)[:, :, :kv_length].astype(k.dtype)
+  dv = jnp.moveaxis(dvs, 0, 2).reshape(batch, hkv, sp, -1)[:, :, :kv_length].astype(v.dtype)
+  if dmask is not None:
+    dmask = dmask[:, :, :, : mask.shape[3], : mask.shape[4]].astype(mask.dtype)
+  return dq, dk, dv, dmask
+
+
+def _accumulate_mask_grad(t: _Tiles, dmask, ds, i, j):
+  """Adds tile (i, j)'s score gradient into the additive mask's gradient, summed over
+  the dims the mask broadcasts along."""
+  summed = tuple(a for a in range(5) if dmask.shape[a] == 1 and ds.shape[a] != 1)
+  update = ds.sum(axis=summed, keepdims=True) if summed else ds
+  starts = [0, 0, 0, 0, 0]
+  if dmask.shape[3] != 1:
+    starts[3] = i * t.block_q
+  if dmask.shape[4] != 1:
+    starts[4] = j * t.block_kv
+  current = lax.dynamic_slice(dmask, starts, update.shape)
+  return lax.dynamic_update_slice(dmask, current + update, starts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _flash(q, k, v, mask, q_seg, kv_seg, seed, offsets, t):
+  return _flash_forward(t, q, k, v, mask, q_seg, kv_seg, seed, offsets)[0]
+
+
+def _flash_fwd(q, k, v, mask, q_seg, kv_seg, seed, offsets, t):
+  # symbolic_zeros: primals arrive wrapped, saying whether each is differentiated.
+  def value(x):
+    return None if x is None else x.value
+
+  mask_grad = mask is not None and mask.perturbed and value(mask).dtype != jnp.bool_
+  args = [value(x) for x in (q, k, v, mask, q_seg, kv_seg, seed, offsets)]
+  out, lse = _flash_forward(t, *args)
+  out, lse = (checkpoint_name(x, remat_lib.ATTENTION_NAME) for x in (out, lse))
+  return out, (*args, out, lse, jnp.zeros(()) if mask_grad else None)
+
+
+def _flash_bwd(t, res, dout):
+  *args, out, lse, mask_grad = res
+  dq, dk, dv, dmask = _flash_backward(t, *args, out, lse, dout, mask_grad is not None)
+  return dq, dk, dv, dmask, None, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
