@@ -9,7 +9,6 @@ import contextlib
 import functools
 import logging
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from torch_on_tpu import _compat, ops
+from torch_on_tpu import _compat, models, ops
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu.attention import splash, xla_flash
 from torch_on_tpu.errors import TorchOnTpuError
@@ -40,7 +39,7 @@ def _say_once(level: int, message: str) -> None:
 
 
 def kernels(mode, *, mesh, data_axes, block_sizes):
-  """While active, SDPA (and torchtitan's flex attention) run our kernel.
+  """While active, SDPA (and the families' own attention, torchtitan's flex) run our kernel.
 
   `mode=None` leaves torchax's default lowering untouched.
   """
@@ -51,18 +50,14 @@ def kernels(mode, *, mesh, data_axes, block_sizes):
 
 @contextlib.contextmanager
 def installed(attn: Attention):
-  """While active, SDPA (and torchtitan's flex attention) run `attn`'s kernel."""
+  """While active, SDPA (and the model families' own attention entry points, such as
+  torchtitan's flex attention) run `attn`'s kernel."""
   sdpa = attn.sdpa
   overrides = {
     torch.nn.functional.scaled_dot_product_attention: sdpa,
     torch.ops.aten.scaled_dot_product_attention: sdpa,
   }
-  with contextlib.ExitStack() as stack:
-    stack.enter_context(ops.bridge_overrides(overrides, is_jax_function=True))
-    if "torchtitan.models.common.attention" in sys.modules:
-      from torch_on_tpu.models import torchtitan as titan
-
-      stack.enter_context(titan.flex_routed_to(attn.flex))
+  with ops.bridge_overrides(overrides, is_jax_function=True), models.attention_routes(attn.flex):
     yield
 
 
