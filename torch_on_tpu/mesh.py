@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import jax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from torch_on_tpu import runtime
 from torch_on_tpu.errors import TorchOnTpuError
@@ -68,6 +68,18 @@ def data_axes(mesh: Mesh) -> tuple[str, ...]:
   them (say only `tp`) replicates the batch.
   """
   return tuple(a for a in mesh.axis_names if a in DATA_AXIS_NAMES)
+
+
+def batch_ways(mesh: Mesh, axes) -> int:
+  """How many pieces the mesh axes `axes` split a batch into."""
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def batch_spec(axes, ndim: int) -> PartitionSpec:
+  """Dim 0 over the mesh axes `axes` (none: replicated), the other `ndim - 1` dims replicated."""
+  axes = tuple(axes)
+  lead = None if not axes else axes[0] if len(axes) == 1 else axes
+  return PartitionSpec(lead, *([None] * (ndim - 1)))
 
 
 def _fmt(axes: dict) -> str:

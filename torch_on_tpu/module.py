@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from torch_on_tpu import _compat, lowerings, materialize, models, module_state, ops, runtime, xla_flags
 from torch_on_tpu import attention as attention_lib
@@ -176,16 +176,13 @@ class JittableModule:
   @property
   def batch_ways(self) -> int:
     """How many ways the data axes split a batch."""
-    return math.prod(self.mesh.shape[a] for a in self.data_axes)
+    return mesh_lib.batch_ways(self.mesh, self.data_axes)
 
   def batch_sharding(self, ndim: int, batch_size: int | None = None) -> NamedSharding:
     """Dim 0 over the data axes (replicated where they do not divide it: the
     forward takes any batch; the train step refuses one that does not split)."""
-    axes = self.data_axes
-    if not axes or (batch_size is not None and batch_size % self.batch_ways):
-      return NamedSharding(self.mesh, PartitionSpec(*([None] * ndim)))
-    lead = axes[0] if len(axes) == 1 else axes
-    return NamedSharding(self.mesh, PartitionSpec(lead, *([None] * (ndim - 1))))
+    splits = batch_size is None or batch_size % self.batch_ways == 0
+    return NamedSharding(self.mesh, mesh_lib.batch_spec(self.data_axes if splits else (), ndim))
 
   def place(self, tensor: torch.Tensor) -> jax.Array:
     """A host tensor → a global array, batch dim sharded over the data axes."""

@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from torch_on_tpu import _compat, models, ops
+from torch_on_tpu import mesh as mesh_lib
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu.attention import splash, xla_flash
 from torch_on_tpu.errors import TorchOnTpuError
@@ -241,8 +242,7 @@ class Attention:
     data = self.data_axes
     if mesh is None or mesh.size == 1:
       return call(q, k, v, mask, segment_ids, seed, None)
-    ways = math.prod(mesh.shape[a] for a in data)
-    b_axes = (data if len(data) > 1 else data[0]) if data and batch % ways == 0 else None
+    b_axes = mesh_lib.batch_spec(data, 1)[0] if batch % mesh_lib.batch_ways(mesh, data) == 0 else None
     tp = mesh.shape.get("tp", 1)
     h_axis = "tp" if tp > 1 and hq % tp == 0 and hkv % tp == 0 else None
     if b_axes is None and h_axis is None:

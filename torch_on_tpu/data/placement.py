@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from torch_on_tpu import mesh as mesh_lib
 from torch_on_tpu.errors import TorchOnTpuError
@@ -27,8 +26,7 @@ def to_global(
       raise TorchOnTpuError(
         f"Batch axis '{axis}' is not in the mesh {dict(mesh.shape)}; pass axes from its names."
       )
-  ways = math.prod(mesh.shape[a] for a in axes)
-  lead = (axes[0] if len(axes) == 1 else axes) if axes else None
+  ways = mesh_lib.batch_ways(mesh, axes)
   if not axes and jax.process_count() > 1:
     raise TorchOnTpuError(
       f"The mesh {dict(mesh.shape)} has no data axis to split the processes' rows over; pass axes=."
@@ -42,6 +40,6 @@ def to_global(
         f"The global batch of {rows} rows ('{name}') does not divide over the {ways}-way data axes {axes}; "
         f"use a global batch size that is a multiple of {ways}."
       )
-    sharding = NamedSharding(mesh, PartitionSpec(lead, *([None] * (local.ndim - 1))))
+    sharding = NamedSharding(mesh, mesh_lib.batch_spec(axes, local.ndim))
     out[name] = jax.make_array_from_process_local_data(sharding, local, (rows, *local.shape[1:]))
   return out
