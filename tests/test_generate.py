@@ -159,7 +159,7 @@ def test_cache_settings_are_checked(llama):
   with pytest.raises(tot.TorchOnTpuError, match="a custom inputs_fn is given the whole token buffer"):
     tot.generate(jm, PROMPT, max_new_tokens=2, cache=True, inputs_fn=lambda ids: {"input_ids": ids, "use_cache": False})
   scanned = tot.JittableModule(h.hf(), mesh=tot.make_mesh(fsdp=8), scan=True)
-  assert "runs as one scan" in gen._why_no_cache(scanned, None, 8)
+  assert "its layers are stacked" in gen._why_no_cache(scanned, None, 8)
   plain = tot.JittableModule(torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)), mesh=tot.make_mesh(fsdp=8))
   with pytest.raises(tot.TorchOnTpuError, match="torchtitan's Llama 3 has no KV cache"):
     tot.generate(plain, PROMPT % 16, max_new_tokens=2, cache=True)

@@ -119,7 +119,7 @@ def _compiled(model, inputs_fn, length, new, top_k, cache, tokens, key, keep_log
     except _NotCarried as e:
       reason = str(e)
     except Exception as e:  # noqa: BLE001 (whatever stops the cached form, the full forward may still run)
-      reason = f"tracing it failed ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]})"
+      reason = f"tracing it failed ({_first_line(e)})"
   if cache is True:
     raise TorchOnTpuError(
       f"generate(cache=True) cannot use this model's KV cache: {reason}; pass cache=None to run a full "
@@ -139,16 +139,23 @@ def _why_no_cache(model: JittableModule, inputs_fn, max_cache_len: int) -> str |
   if inputs_fn is not None:
     return "a custom inputs_fn is given the whole token buffer"
   if any(stacked for _, stacked in model.stored_layout().values()):
-    return "its layer stack runs as one scan (scan=True or a remat policy), which carries no cache"
+    return "its layers are stacked (scan=True or a remat policy) and run as one step, which carries no KV cache"
   if not getattr(module, "_can_compile_fullgraph", False):
     return f"transformers does not mark {type(module).__name__} as compilable with a static cache"
   from transformers.cache_utils import StaticLayer
 
-  layers = _CacheCarry(module.config, max_cache_len).cache.layers
+  try:
+    layers = _CacheCarry(module.config, max_cache_len).cache.layers
+  except Exception as e:  # noqa: BLE001 (a config StaticCache cannot read: the full forward may still run)
+    return f"transformers cannot build its StaticCache ({_first_line(e)})"
   other = sorted({type(layer).__name__ for layer in layers if type(layer) is not StaticLayer})
   if other:
     return f"its static cache has {', '.join(other)} layers, whose state moves in Python between steps"
   return None
+
+
+def _first_line(error: Exception) -> str:
+  return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
 class _NotCarried(Exception):
