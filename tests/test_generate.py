@@ -4,7 +4,6 @@ import importlib
 import logging
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -62,7 +61,7 @@ def built(builder):
 def programs(jm, new, top_k=None, cache=True):
   """(tokens, each step's logits) from the compiled program, cached or full forward."""
   length = PROMPT.shape[1]
-  tokens = jnp.zeros((PROMPT.shape[0], length + new), jnp.int32).at[:, :length].set(jnp.asarray(PROMPT.numpy()))
+  tokens = gen._token_buffer(PROMPT, new)
   key = jax.random.key(0)
   ids, logits = gen._compiled(jm, None, length, new, top_k, cache, tokens, key, keep_logits=True)(
     jm.params, jm.buffers, tokens, key
@@ -108,7 +107,7 @@ def test_the_cached_program_runs_one_token_per_step(llama):
   """Prefill (5 tokens) + one token in the loop, against a 30-token forward per step."""
   jm, _ = llama
   length, new = PROMPT.shape[1], 25
-  tokens = jnp.zeros((PROMPT.shape[0], length + new), jnp.int32)
+  tokens = gen._token_buffer(PROMPT, new)
   flops = {
     cache: gen._compiled(jm, None, length, new, None, cache, tokens, jax.random.key(0)).cost_analysis()["flops"]
     for cache in (True, False)

@@ -11,6 +11,7 @@ same weights is the third row. The three must give the same greedy tokens.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import statistics
 import sys
@@ -32,7 +33,6 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
   args = parse_args(argv)
   import jax
-  import jax.numpy as jnp
   import numpy as np
   import torch
   import transformers
@@ -48,11 +48,9 @@ def main(argv=None) -> int:
   config._attn_implementation = "sdpa"
   torch.manual_seed(0)
   ref = transformers.AutoModelForCausalLM.from_config(config).eval()
-  import copy
-
   jm = tot.JittableModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=1, devices=jax.devices()[:1]))
   prompt = torch.randint(0, args.vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
-  tokens = jnp.zeros((args.batch, args.prompt + args.new), jnp.int32).at[:, : args.prompt].set(jnp.asarray(prompt.numpy()))
+  tokens = gen._token_buffer(prompt, args.new)
   key = jax.random.key(0)
   rows, outputs = [], {}
   for name, cache in (("KV cache", True), ("full forward", False)):

@@ -11,18 +11,19 @@ The whole loop is one `jax.jit`, in one of two forms:
   in-place writes (`index_copy_`, `add_` on torchax tensors) rebind each
   tensor's jax array, so after a step the layers' tensors are read out as jax
   arrays and carried to the next iteration, which puts them back before the
-  model runs. Whatever cannot be carried that way (Python state on the cache
-  that changes per step, as a sliding-window layer's counter) makes the whole
-  cached path give way to the full forward, with one log line saying why.
+  model runs. What cannot be carried that way (cache layers other than the
+  plain `StaticLayer`, as a sliding window whose position is a Python int;
+  any Python state a decode step changes) makes the whole cached path give
+  way to the full forward, with one log line saying why.
 - Full forward (torchtitan's Llama 3, which has no KV cache; other modules; HF
   models the cache cannot serve): the prompt sits at the start of a fixed-size
   token buffer and each iteration runs the model's forward over the buffer and
   writes the next token after the last one. Causal attention keeps the
   not-yet-written positions from affecting the logits read.
 
-Both read the same logits for the same tokens (the parity tests hold them to
-each other and to eager torch), so they pick the same tokens; the cache only
-saves the work. Meant for a look at the text during training, not for serving.
+Both read the same logits up to the order of fp32 sums (the parity tests
+hold them to each other and to eager torch, ≤ 1e-5 relative), so they pick
+the same tokens; the cache only saves the work. Meant for a look at the text during training, not for serving.
 """
 
 from __future__ import annotations
@@ -89,10 +90,8 @@ def generate(
     raise TorchOnTpuError(f"top_k must be None (greedy) or a positive integer, got {top_k!r}.")
   if cache not in (None, True, False):
     raise TorchOnTpuError(f"cache must be None (auto), True or False, got {cache!r}.")
-  batch, length = prompt.shape
-  tokens = jnp.zeros((batch, length + max_new_tokens), jnp.int32).at[:, :length].set(
-    jnp.asarray(prompt.numpy(), jnp.int32)
-  )
+  length = prompt.shape[1]
+  tokens = _token_buffer(prompt, max_new_tokens)
   key = jax.random.key(seed)
   module = model.module
   was_training = module.training
@@ -103,6 +102,12 @@ def generate(
   finally:
     module.train(was_training)
   return to_cpu(out).long()
+
+
+def _token_buffer(prompt: torch.Tensor, new: int) -> jax.Array:
+  """`(batch, length + new)` int32 ids: the prompt, then zeros where the new tokens go."""
+  batch, length = prompt.shape
+  return jnp.zeros((batch, length + new), jnp.int32).at[:, :length].set(jnp.asarray(prompt.numpy(), jnp.int32))
 
 
 def _compiled(model, inputs_fn, length, new, top_k, cache, tokens, key, keep_logits=False):
