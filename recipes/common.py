@@ -479,7 +479,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
     last_checkpoint=os.path.join(config["ckpt_dir"], str(summary["steps"])),
   )
   if flags.sample is not None:
-    summary["sample"] = _sample(step, tokenizer, split, flags)  # every process runs the program
+    summary["sample"] = _sample(step, tokenizer, split, flags, recipe)  # every process runs the program
     if main:
       print(f"Sample: {flags.sample!r} → {summary['sample']!r}", flush=True)
   if main:
@@ -490,7 +490,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
 SAMPLE_TOKENS = 32  # what --sample adds to the prompt (fewer if --seqlen leaves less room)
 
 
-def _sample(step, tokenizer, split: Callable, flags: Flags) -> str:
+def _sample(step, tokenizer, split: Callable, flags: Flags, recipe: Recipe) -> str:
   """A greedy completion of `--sample` from the step's current weights."""
   import jax.numpy as jnp
   import torch
@@ -505,7 +505,9 @@ def _sample(step, tokenizer, split: Callable, flags: Flags) -> str:
     batch = {"input_ids": tokens, "labels": tokens, "positions": positions, "segment_ids": jnp.zeros_like(tokens)}
     return split(batch)[0]
 
-  out = tot.generate(step.model, torch.tensor([ids]), new, inputs_fn=inputs)
+  # HF models: generate's own call (input_ids), which can use the model's KV cache
+  inputs_fn = None if recipe.family == "hf" else inputs
+  out = tot.generate(step.model, torch.tensor([ids]), new, inputs_fn=inputs_fn)
   return tokenizer.decode(out[0, len(ids):].tolist())
 
 

@@ -2,6 +2,7 @@
 train, resume, eval, dry run, a plan that does not fit, a run-time OOM, HF + LoRA, --help."""
 
 import json
+import logging
 import pathlib
 import subprocess
 import sys
@@ -154,15 +155,17 @@ def hf_dir(tmp_path_factory):
   return path
 
 
-def test_hf_lora_trains_only_the_adapters(tmp_path, hf_dir):
+def test_hf_lora_trains_only_the_adapters(tmp_path, hf_dir, caplog):
   from safetensors.torch import load_file
 
   pretrained = load_file(hf_dir / "model.safetensors")
   flags = hf.HFFlags(
     config=str(hf_dir), weights=str(hf_dir), lora_rank=4, log_dir=str(tmp_path / "lora"),
-    steps=10, eval_every=10, **{**TINY, "lr": 1e-1},
+    steps=10, eval_every=10, scan=False, sample="The cat", **{**TINY, "lr": 1e-1},
   )
-  summary = hf.run(flags)
+  with caplog.at_level(logging.INFO, logger="torch_on_tpu.generate"):
+    summary = hf.run(flags)
+  assert len(summary["sample"]) > 10 and "without the model's KV cache" not in caplog.text  # the cache served it
   assert np.mean(losses(summary)[-3:]) < losses(summary)[0]
   assert summary["final_eval_loss"] < summary["start"]["eval_loss"] - 0.03
   jm = summary["train_step"].model

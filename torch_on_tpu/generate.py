@@ -3,17 +3,32 @@
     ids = tot.generate(model, prompt_ids, max_new_tokens=32)            # greedy
     ids = tot.generate(model, prompt_ids, max_new_tokens=32, top_k=40)  # sampled
 
-The whole loop is one `jax.jit`: the prompt sits at the start of a fixed-size
-token buffer and each of the `max_new_tokens` iterations of a `fori_loop` runs
-the model's own forward (eval mode) over the buffer and writes the next token
-after the last one. Causal attention keeps the not-yet-written positions from
-affecting the logits read. There is no KV cache, so each token costs a full
-forward of the buffer: meant for a look at the text during training, not for
-serving.
+The whole loop is one `jax.jit`, in one of two forms:
+
+- KV cache (HF causal LMs): the model's own `StaticCache`, sized prompt + new
+  tokens, is built inside the program; the prompt runs once (prefill), then
+  each iteration of a `fori_loop` feeds the one last token. The cache's
+  in-place writes (`index_copy_`, `add_` on torchax tensors) rebind each
+  tensor's jax array, so after a step the layers' tensors are read out as jax
+  arrays and carried to the next iteration, which puts them back before the
+  model runs. What cannot be carried that way (cache layers other than the
+  plain `StaticLayer`, as a sliding window whose position is a Python int;
+  any Python state a decode step changes) makes the whole cached path give
+  way to the full forward, with one log line saying why.
+- Full forward (torchtitan's Llama 3, which has no KV cache; other modules; HF
+  models the cache cannot serve): the prompt sits at the start of a fixed-size
+  token buffer and each iteration runs the model's forward over the buffer and
+  writes the next token after the last one. Causal attention keeps the
+  not-yet-written positions from affecting the logits read.
+
+Both read the same logits up to the order of fp32 sums (the parity tests
+hold them to each other and to eager torch, ≤ 1e-5 relative), so they pick
+the same tokens; the cache only saves the work. Meant for a look at the text during training, not for serving.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import jax
@@ -27,7 +42,9 @@ from torch_on_tpu.module import JittableModule, to_cpu
 from torch_on_tpu.train import call_model
 
 torchax = _compat.import_torchax()
-from torchax.interop import jax_view  # noqa: E402
+from torchax.interop import jax_view, torch_view  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 
 def generate(
@@ -38,22 +55,30 @@ def generate(
   top_k: int | None = None,
   seed: int = 0,
   inputs_fn: Callable | None = None,
+  cache: bool | None = None,
 ) -> torch.Tensor:
   """The prompt `(batch, length)` token ids followed by `max_new_tokens` more, as a CPU tensor.
 
   Args:
     model: the JittableModule of a causal LM (logits, or an output with `.logits`).
-    prompt: integer token ids, `(batch, length)` or `(length,)`.
+    prompt: integer token ids, `(batch, length)` or `(length,)`; the rows of a
+      batch have the same length (no padding).
     max_new_tokens: tokens to add.
     top_k: None: greedy (argmax); k: sample among the k likeliest tokens.
     seed: the sampling seed.
     inputs_fn: `token ids (a jax array) → what the model is called with`
       (an array, tuple or dict, as the train step's `inputs`); default
-      `input_ids=` (with `use_cache=False`) for HF models, the ids alone otherwise.
+      `input_ids=` (with `use_cache=False`) for HF models, the ids alone
+      otherwise. A custom one runs the full forward (it is given the whole buffer).
+    cache: None: the model's KV cache where it has one that can be carried
+      exactly, else a full forward per token (logged once, with why); True: the
+      KV cache or an error; False: always the full forward.
   """
   prompt = torch.as_tensor(prompt)
   if prompt.ndim == 1:
-    return generate(model, prompt[None], max_new_tokens, top_k=top_k, seed=seed, inputs_fn=inputs_fn)[0]
+    return generate(
+      model, prompt[None], max_new_tokens, top_k=top_k, seed=seed, inputs_fn=inputs_fn, cache=cache
+    )[0]
   if prompt.ndim != 2 or prompt.is_floating_point() or prompt.shape[1] == 0:
     raise TorchOnTpuError(
       f"generate needs a non-empty prompt of integer token ids shaped (batch, length), got "
@@ -63,23 +88,152 @@ def generate(
     raise TorchOnTpuError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
   if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
     raise TorchOnTpuError(f"top_k must be None (greedy) or a positive integer, got {top_k!r}.")
-  inputs_fn = inputs_fn or _default_inputs(model)
-  batch, length = prompt.shape
-  tokens = jnp.zeros((batch, length + max_new_tokens), jnp.int32).at[:, :length].set(
-    jnp.asarray(prompt.numpy(), jnp.int32)
-  )
-  program = jax.jit(_generation_loop(model, inputs_fn, length, max_new_tokens, top_k))
+  if cache not in (None, True, False):
+    raise TorchOnTpuError(f"cache must be None (auto), True or False, got {cache!r}.")
+  length = prompt.shape[1]
+  tokens = _token_buffer(prompt, max_new_tokens)
+  key = jax.random.key(seed)
   module = model.module
   was_training = module.training
   module.eval()  # traced once: dropout off
   try:
-    out = program(model.params, model.buffers, tokens, jax.random.key(seed))
+    program = _compiled(model, inputs_fn, length, max_new_tokens, top_k, cache, tokens, key)
+    out, _ = program(model.params, model.buffers, tokens, key)
   finally:
     module.train(was_training)
   return to_cpu(out).long()
 
 
-def _generation_loop(model, inputs_fn, length, new, top_k):
+def _token_buffer(prompt: torch.Tensor, new: int) -> jax.Array:
+  """`(batch, length + new)` int32 ids: the prompt, then zeros where the new tokens go."""
+  batch, length = prompt.shape
+  return jnp.zeros((batch, length + new), jnp.int32).at[:, :length].set(jnp.asarray(prompt.numpy(), jnp.int32))
+
+
+def _compiled(model, inputs_fn, length, new, top_k, cache, tokens, key, keep_logits=False):
+  """The compiled program `(params, buffers, tokens, key) → (tokens, kept logits)`: the
+  cached one where it can be had (see `cache` in `generate`), else the full forward.
+  `keep_logits` keeps each step's logits read, `(new, batch, vocab)`, else None."""
+  args = (model.params, model.buffers, tokens, key)
+  options = model.compile_options
+  reason = None if cache is False else _why_no_cache(model, inputs_fn, length + new)
+  if reason is None and cache is not False:
+    cached = jax.jit(_cached_loop(model, length, new, top_k, keep_logits), compiler_options=options)
+    try:
+      return cached.lower(*args).compile()
+    except _NotCarried as e:
+      reason = str(e)
+    except Exception as e:  # noqa: BLE001 (whatever stops the cached form, the full forward may still run)
+      reason = f"tracing it failed ({_first_line(e)})"
+  if cache is True:
+    raise TorchOnTpuError(
+      f"generate(cache=True) cannot use this model's KV cache: {reason}; pass cache=None to run a full "
+      f"forward per token instead."
+    )
+  if cache is None and reason is not None and hf.is_hf(model.module):
+    logger.info("generate runs a full forward per token, without the model's KV cache: %s.", reason)
+  full = _full_forward_loop(model, inputs_fn or _default_inputs(model), length, new, top_k, keep_logits)
+  return jax.jit(full, compiler_options=options).lower(*args).compile()
+
+
+def _why_no_cache(model: JittableModule, inputs_fn, max_cache_len: int) -> str | None:
+  """Why the model's own KV cache cannot serve `generate`, or None if it may."""
+  module = model.module
+  if not hf.is_hf(module):
+    return "only HF causal LMs have one here (torchtitan's Llama 3 has no KV cache)"
+  if inputs_fn is not None:
+    return "a custom inputs_fn is given the whole token buffer"
+  if any(stacked for _, stacked in model.stored_layout().values()):
+    return "its layers are stacked (scan=True or a remat policy) and run as one step, which carries no KV cache"
+  if not getattr(module, "_can_compile_fullgraph", False):
+    return f"transformers does not mark {type(module).__name__} as compilable with a static cache"
+  from transformers.cache_utils import StaticLayer
+
+  try:
+    layers = _CacheCarry(module.config, max_cache_len).cache.layers
+  except Exception as e:  # noqa: BLE001 (a config StaticCache cannot read: the full forward may still run)
+    return f"transformers cannot build its StaticCache ({_first_line(e)})"
+  other = sorted({type(layer).__name__ for layer in layers if type(layer) is not StaticLayer})
+  if other:
+    return f"its static cache has {', '.join(other)} layers, whose state moves in Python between steps"
+  return None
+
+
+def _first_line(error: Exception) -> str:
+  return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+
+
+class _NotCarried(Exception):
+  """The cache holds state a loop-carried value cannot (see `_CacheCarry.check`)."""
+
+
+class _CacheCarry:
+  """An HF `StaticCache` whose tensors travel between loop iterations as jax arrays.
+
+  Every torch tensor attribute of the cache's layers is carried; every other
+  attribute (ints, flags, dtypes) is Python state fixed at trace time, so it
+  must be the same after a decode step as before it, or the loop would replay
+  a stale value on every later step.
+  """
+
+  def __init__(self, config, max_cache_len: int):
+    from transformers import StaticCache
+
+    self.cache = StaticCache(config=config, max_cache_len=max_cache_len)
+
+  def arrays(self) -> list[dict[str, jax.Array]]:
+    layers = self.cache.layers
+    return [{k: jax_view(v) for k, v in vars(layer).items() if isinstance(v, torch.Tensor)} for layer in layers]
+
+  def load(self, arrays: list[dict[str, jax.Array]]) -> None:
+    for layer, tensors in zip(self.cache.layers, arrays):
+      for k, v in tensors.items():
+        setattr(layer, k, torch_view(v))
+
+  def python_state(self) -> list:
+    """The cache's and its layers' non-tensor attributes."""
+    owners = [self.cache, *self.cache.layers]
+    return [{k: v for k, v in vars(o).items() if not isinstance(v, (torch.Tensor, list))} for o in owners]
+
+  def check(self, before: list) -> None:
+    after = self.python_state()
+    if after != before:
+      changed = sorted({k for b, a in zip(before, after) for k in b.keys() | a.keys() if b.get(k) != a.get(k)})
+      raise _NotCarried(f"a decode step changes the cache's Python state ({', '.join(changed)})")
+
+
+def _cached_loop(model, length, new, top_k, keep_logits):
+  config = model.module.config
+
+  def step_logits(params, buffers, ids, carry):
+    inputs = {"input_ids": ids, "past_key_values": carry.cache, "use_cache": True}
+    out, _ = call_model(model, params, buffers, inputs)
+    return jax_view(out.logits)[:, -1].astype(jnp.float32)
+
+  def loop(params, buffers, tokens, key):
+    carry = _CacheCarry(config, length + new)
+    logits = step_logits(params, buffers, tokens[:, :length], carry)  # prefill
+    tokens, key = _write(tokens, length, logits, key, top_k)
+    state = carry.python_state()
+
+    def body(i, loop_state):
+      tokens, key, arrays, kept = loop_state
+      carry.load(arrays)
+      position = length + i + 1  # where this step's token goes
+      last = jax.lax.dynamic_slice_in_dim(tokens, position - 1, 1, axis=1)
+      logits = step_logits(params, buffers, last, carry)
+      carry.check(state)
+      tokens, key = _write(tokens, position, logits, key, top_k)
+      return tokens, key, carry.arrays(), _keep(kept, i + 1, logits)
+
+    kept = _keep(_logits_buffer(logits, new), 0, logits) if keep_logits else None
+    tokens, _, _, kept = jax.lax.fori_loop(0, new - 1, body, (tokens, key, carry.arrays(), kept))
+    return tokens, kept
+
+  return loop
+
+
+def _full_forward_loop(model, inputs_fn, length, new, top_k, keep_logits):
   def next_logits(params, buffers, tokens, position):
     out, _ = call_model(model, params, buffers, inputs_fn(tokens))
     logits = jax_view(out.logits if hasattr(out, "logits") else out)
@@ -87,22 +241,39 @@ def _generation_loop(model, inputs_fn, length, new, top_k):
 
   def loop(params, buffers, tokens, key):
     def body(i, state):
-      tokens, key = state
+      tokens, key, kept = state
       position = length + i
       logits = next_logits(params, buffers, tokens, position)
-      if top_k is None:
-        chosen = jnp.argmax(logits, axis=-1)
-      else:
-        key, draw = jax.random.split(key)
-        values, indices = jax.lax.top_k(logits, top_k)
-        pick = jax.random.categorical(draw, values, axis=-1)
-        chosen = jnp.take_along_axis(indices, pick[:, None], axis=-1)[:, 0]
-      tokens = jax.lax.dynamic_update_index_in_dim(tokens, chosen.astype(tokens.dtype), position, axis=1)
-      return tokens, key
+      tokens, key = _write(tokens, position, logits, key, top_k)
+      return tokens, key, _keep(kept, i, logits)
 
-    return jax.lax.fori_loop(0, new, body, (tokens, key))[0]
+    kept = _logits_buffer(jax.eval_shape(next_logits, params, buffers, tokens, length), new) if keep_logits else None
+    tokens, _, kept = jax.lax.fori_loop(0, new, body, (tokens, key, kept))
+    return tokens, kept
 
   return loop
+
+
+def _write(tokens, position, logits, key, top_k):
+  """`tokens` with the token chosen from `logits` written at `position`, and the next key."""
+  if top_k is None:
+    chosen = jnp.argmax(logits, axis=-1)
+  else:
+    key, draw = jax.random.split(key)
+    values, indices = jax.lax.top_k(logits, top_k)
+    pick = jax.random.categorical(draw, values, axis=-1)
+    chosen = jnp.take_along_axis(indices, pick[:, None], axis=-1)[:, 0]
+  tokens = jax.lax.dynamic_update_index_in_dim(tokens, chosen.astype(tokens.dtype), position, axis=1)
+  return tokens, key
+
+
+def _logits_buffer(logits, new):
+  """Room for each step's logits, `(new, batch, vocab)`."""
+  return jnp.zeros((new, *logits.shape), jnp.float32)
+
+
+def _keep(kept, step, logits):
+  return None if kept is None else jax.lax.dynamic_update_index_in_dim(kept, logits, step, axis=0)
 
 
 def _default_inputs(model: JittableModule) -> Callable:
