@@ -1,6 +1,7 @@
 """`_compat`: the torchax import shim (needed and sufficient on this stack, a no-op
 elsewhere), the quiet import, and every internal API we rely on."""
 
+import importlib
 import importlib.metadata
 import os
 import subprocess
@@ -301,3 +302,13 @@ def test_metrics_are_logged_without_the_logging_extra(tmp_path, monkeypatch):
   assert not log.can_plot
   assert (tmp_path / "metrics.jsonl").read_text().strip() == '{"step": 1, "loss": 2.0}'
   assert not (tmp_path / "tensorboard").exists()
+
+
+def test_public_names_are_not_shadowed_by_submodules():
+  import pkgutil
+
+  for info in pkgutil.walk_packages(tot.__path__, "torch_on_tpu."):
+    if not info.name.endswith(("__main__", ".doctor", ".launch")):
+      importlib.import_module(info.name)  # importing a submodule sets an attribute of its package
+  for name in tot.__all__:
+    assert not isinstance(getattr(tot, name), type(sys)), f"tot.{name} is a module"

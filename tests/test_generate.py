@@ -48,7 +48,7 @@ def test_top_k_samples_among_the_k_likeliest_reproducibly(llama):
 
 # ---- the KV cache (HF models) ---------------------------------------------------------
 
-gen = importlib.import_module("torch_on_tpu.generate")  # the module (tot.generate is the function)
+gen = importlib.import_module("torch_on_tpu.generation")
 PROMPT = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
 
 
@@ -127,7 +127,7 @@ def sliding_mistral(device="meta"):
 def test_a_cache_that_cannot_be_carried_falls_back_with_why(caplog):
   jm, ref = built(sliding_mistral)
   want, _ = eager_greedy(ref, 4)
-  with caplog.at_level(logging.INFO, logger="torch_on_tpu.generate"):
+  with caplog.at_level(logging.INFO, logger="torch_on_tpu.generation"):
     assert torch.equal(tot.generate(jm, PROMPT, max_new_tokens=4), want)
   assert "without the model's KV cache: its static cache has StaticSlidingWindowLayer layers" in caplog.text
   with pytest.raises(tot.TorchOnTpuError, match=r"generate\(cache=True\) cannot use this model's KV cache"):
@@ -144,7 +144,7 @@ def test_python_state_a_decode_step_changes_is_refused_not_replayed(llama, monke
     return update(self, *args, **kwargs)
 
   monkeypatch.setattr(StaticLayer, "update", counting)
-  with caplog.at_level(logging.INFO, logger="torch_on_tpu.generate"):
+  with caplog.at_level(logging.INFO, logger="torch_on_tpu.generation"):
     got = tot.generate(jm, PROMPT, max_new_tokens=3)
   assert "a decode step changes the cache's Python state (steps)" in caplog.text
   monkeypatch.undo()
@@ -158,7 +158,7 @@ def test_cache_settings_are_checked(llama):
   with pytest.raises(tot.TorchOnTpuError, match="a custom inputs_fn is given the whole token buffer"):
     tot.generate(jm, PROMPT, max_new_tokens=2, cache=True, inputs_fn=lambda ids: {"input_ids": ids, "use_cache": False})
   scanned = tot.JittableModule(h.hf(), mesh=tot.make_mesh(fsdp=8), scan=True)
-  assert "its layers are stacked" in gen._why_no_cache(scanned, None, 8)
+  assert "its layers are stacked" in gen._decode_cache(scanned, None, 8)[1]
   plain = tot.JittableModule(torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)), mesh=tot.make_mesh(fsdp=8))
-  with pytest.raises(tot.TorchOnTpuError, match="torchtitan's Llama 3 has no KV cache"):
+  with pytest.raises(tot.TorchOnTpuError, match="the model has no KV cache the bridge can carry"):
     tot.generate(plain, PROMPT % 16, max_new_tokens=2, cache=True)

@@ -163,7 +163,7 @@ def test_hf_lora_trains_only_the_adapters(tmp_path, hf_dir, caplog):
     config=str(hf_dir), weights=str(hf_dir), lora_rank=4, log_dir=str(tmp_path / "lora"),
     steps=10, eval_every=10, scan=False, sample="The cat", **{**TINY, "lr": 1e-1},
   )
-  with caplog.at_level(logging.INFO, logger="torch_on_tpu.generate"):
+  with caplog.at_level(logging.INFO, logger="torch_on_tpu.generation"):
     summary = hf.run(flags)
   assert len(summary["sample"]) > 10 and "without the model's KV cache" not in caplog.text  # the cache served it
   assert np.mean(losses(summary)[-3:]) < losses(summary)[0]

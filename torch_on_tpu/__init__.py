@@ -19,7 +19,7 @@ _EXPORTS = {
   "TrainState": "train",
   "TrainStep": "train",
   "Trainer": "trainer",
-  "generate": "generate",
+  "generate": "generation",
   "initialize_distributed": "distributed",
   "make_mesh": "mesh",
   "make_train_step": "train",

@@ -28,10 +28,15 @@ class DecoderShape:
   vocab: int
 
 
+class CacheNotCarried(Exception):
+  """A decode cache holds state that a loop-carried value cannot (raised while tracing)."""
+
+
 class Family:
   """A model family. Subclass it, override what the family knows, `models.register` it."""
 
   name = "generic"
+  has_decode_cache = False  # whether `decode_cache` can ever return one (generate says why not, then)
 
   def claims(self, module: torch.nn.Module) -> bool:
     """Whether `module` (the top-level model the user wraps) belongs to this family."""
@@ -83,6 +88,14 @@ class Family:
 
   def replay_layer_outputs(self, template: torch.nn.Module, records) -> None:
     """Feeds records from `deferred_layer_outputs` to the family's hooks, in order."""
+
+  def decode_cache(self, module: torch.nn.Module, max_len: int):
+    """The model's own KV cache for decoding one token at a time inside a jitted loop:
+    `(make, None)` where `make()`, called inside the trace, returns a cache carry
+    (`inputs(ids)`: the call for one step; `arrays()` / `load(arrays)`: its tensors
+    as jax arrays, carried between iterations; `python_state()` / `check(before)`:
+    raise `CacheNotCarried` if a step changed anything else), or `(None, why not)`."""
+    return None, "the model has no KV cache the bridge can carry"
 
   def __repr__(self) -> str:
     return f"<model family {self.name}>"

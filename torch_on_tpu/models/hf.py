@@ -12,7 +12,7 @@ import torch
 
 from torch_on_tpu import _compat, extras
 from torch_on_tpu.models._maps import present_rules
-from torch_on_tpu.models.family import DecoderShape, Family
+from torch_on_tpu.models.family import CacheNotCarried, DecoderShape, Family
 
 logger = logging.getLogger(__name__)
 
@@ -186,10 +186,58 @@ def _init_weights_afresh(module: torch.nn.Module) -> None:
       m._is_hf_initialized = flag
 
 
+class StaticCacheCarry:
+  """An HF `StaticCache` whose tensors travel between loop iterations as jax arrays.
+
+  The cache writes in place (`index_copy_`, `add_` on torchax tensors), which
+  rebinds each tensor's jax array; so after a step every torch tensor attribute
+  of its layers is read out and carried, and put back before the next step.
+  Every other attribute (ints, flags, dtypes) is Python state fixed at trace
+  time: it must be the same after a decode step as before it, or the loop
+  would replay a stale value on every later step.
+  """
+
+  def __init__(self, config, max_cache_len: int):
+    from transformers import StaticCache
+
+    self.cache = StaticCache(config=config, max_cache_len=max_cache_len)
+
+  def inputs(self, ids) -> dict:
+    return {"input_ids": ids, "past_key_values": self.cache, "use_cache": True}
+
+  def arrays(self) -> list[dict]:
+    from torchax.interop import jax_view
+
+    return [{k: jax_view(v) for k, v in vars(layer).items() if isinstance(v, torch.Tensor)} for layer in self.cache.layers]
+
+  def load(self, arrays: list[dict]) -> None:
+    from torchax.interop import torch_view
+
+    for layer, tensors in zip(self.cache.layers, arrays):
+      for k, v in tensors.items():
+        setattr(layer, k, torch_view(v))
+
+  def python_state(self) -> list:
+    """The cache's and its layers' non-tensor attributes."""
+    owners = [self.cache, *self.cache.layers]
+    return [{k: v for k, v in vars(o).items() if not isinstance(v, (torch.Tensor, list))} for o in owners]
+
+  def check(self, before: list) -> None:
+    after = self.python_state()
+    if after != before:
+      changed = sorted({k for b, a in zip(before, after) for k in b.keys() | a.keys() if b.get(k) != a.get(k)})
+      raise CacheNotCarried(f"a decode step changes the cache's Python state ({', '.join(changed)})")
+
+
+def _first_line(error: Exception) -> str:
+  return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+
+
 class HFFamily(Family):
   """HF transformers causal LMs (and peft models around one)."""
 
   name = "hf"
+  has_decode_cache = True
 
   def claims(self, module):
     # The model (or a peft wrapper around one), or one of its parts (a decoder layer).
@@ -236,3 +284,19 @@ class HFFamily(Family):
 
   def replay_layer_outputs(self, template, records):
     replay_output_capture(template, records)
+
+  def decode_cache(self, module, max_len):
+    if not is_hf(module):
+      return None, "a wrapped HF model (peft) is decoded with full forwards"
+    if not getattr(module, "_can_compile_fullgraph", False):
+      return None, f"transformers does not mark {type(module).__name__} as compilable with a static cache"
+    from transformers.cache_utils import StaticLayer
+
+    try:
+      layers = StaticCacheCarry(module.config, max_len).cache.layers
+    except Exception as e:  # noqa: BLE001 (a config StaticCache cannot read: the full forward may still run)
+      return None, f"transformers cannot build its StaticCache ({_first_line(e)})"
+    other = sorted({type(layer).__name__ for layer in layers if type(layer) is not StaticLayer})
+    if other:
+      return None, f"its static cache has {', '.join(other)} layers, whose state moves in Python between steps"
+    return (lambda: StaticCacheCarry(module.config, max_len)), None

@@ -220,6 +220,9 @@ class TorchtitanFamily(Family):
       return ids, positions, FlexMasks(segments)
     return ids, positions
 
+  def decode_cache(self, module, max_len):
+    return None, "torchtitan's Llama 3 has no KV cache"
+
   def attention_routes(self, attend):
     # Any model built from torchtitan's attention modules (not only its top-level classes).
     if "torchtitan.models.common.attention" not in sys.modules:

@@ -5,16 +5,15 @@
 
 The whole loop is one `jax.jit`, in one of two forms:
 
-- KV cache (HF causal LMs): the model's own `StaticCache`, sized prompt + new
-  tokens, is built inside the program; the prompt runs once (prefill), then
-  each iteration of a `fori_loop` feeds the one last token. The cache's
-  in-place writes (`index_copy_`, `add_` on torchax tensors) rebind each
-  tensor's jax array, so after a step the layers' tensors are read out as jax
-  arrays and carried to the next iteration, which puts them back before the
-  model runs. What cannot be carried that way (cache layers other than the
-  plain `StaticLayer`, as a sliding window whose position is a Python int;
-  any Python state a decode step changes) makes the whole cached path give
-  way to the full forward, with one log line saying why.
+- KV cache (where the model's family has one: HF causal LMs' `StaticCache`,
+  `models.hf.StaticCacheCarry`): the cache, sized prompt + new tokens, is built
+  inside the program; the prompt runs once (prefill), then each iteration of a
+  `fori_loop` feeds the one last token. The cache's tensors are read out as jax
+  arrays after a step and carried to the next iteration, which puts them back
+  before the model runs. What cannot be carried that way (a sliding window
+  whose position is a Python int; any Python state a decode step changes)
+  makes the whole cached path give way to the full forward, with one log line
+  saying why.
 - Full forward (torchtitan's Llama 3, which has no KV cache; other modules; HF
   models the cache cannot serve): the prompt sits at the start of a fixed-size
   token buffer and each iteration runs the model's forward over the buffer and
@@ -37,12 +36,12 @@ import torch
 
 from torch_on_tpu import _compat
 from torch_on_tpu.errors import TorchOnTpuError
-from torch_on_tpu.models import hf
+from torch_on_tpu.models.family import CacheNotCarried
 from torch_on_tpu.module import JittableModule, to_cpu
 from torch_on_tpu.train import call_model
 
 torchax = _compat.import_torchax()
-from torchax.interop import jax_view, torch_view  # noqa: E402
+from torchax.interop import jax_view  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +66,9 @@ def generate(
     top_k: None: greedy (argmax); k: sample among the k likeliest tokens.
     seed: the sampling seed.
     inputs_fn: `token ids (a jax array) → what the model is called with`
-      (an array, tuple or dict, as the train step's `inputs`); default
-      `input_ids=` (with `use_cache=False`) for HF models, the ids alone
-      otherwise. A custom one runs the full forward (it is given the whole buffer).
+      (an array, tuple or dict, as the train step's `inputs`); default: the
+      model family's call for a batch of ids (`Family.model_inputs`; HF:
+      `input_ids=`, `use_cache=False`; otherwise the ids alone). A custom one runs the full forward (it is given the whole buffer).
     cache: None: the model's KV cache where it has one that can be carried
       exactly, else a full forward per token (logged once, with why); True: the
       KV cache or an error; False: always the full forward.
@@ -116,12 +115,12 @@ def _compiled(model, inputs_fn, length, new, top_k, cache, tokens, key, keep_log
   `keep_logits` keeps each step's logits read, `(new, batch, vocab)`, else None."""
   args = (model.params, model.buffers, tokens, key)
   options = model.compile_options
-  reason = None if cache is False else _why_no_cache(model, inputs_fn, length + new)
-  if reason is None and cache is not False:
-    cached = jax.jit(_cached_loop(model, length, new, top_k, keep_logits), compiler_options=options)
+  make_cache, reason = (None, None) if cache is False else _decode_cache(model, inputs_fn, length + new)
+  if make_cache is not None:
+    cached = jax.jit(_cached_loop(model, make_cache, length, new, top_k, keep_logits), compiler_options=options)
     try:
       return cached.lower(*args).compile()
-    except _NotCarried as e:
+    except CacheNotCarried as e:
       reason = str(e)
     except Exception as e:  # noqa: BLE001 (whatever stops the cached form, the full forward may still run)
       reason = f"tracing it failed ({_first_line(e)})"
@@ -130,88 +129,33 @@ def _compiled(model, inputs_fn, length, new, top_k, cache, tokens, key, keep_log
       f"generate(cache=True) cannot use this model's KV cache: {reason}; pass cache=None to run a full "
       f"forward per token instead."
     )
-  if cache is None and reason is not None and hf.is_hf(model.module):
+  if cache is None and reason is not None and model.family.has_decode_cache:
     logger.info("generate runs a full forward per token, without the model's KV cache: %s.", reason)
   full = _full_forward_loop(model, inputs_fn or _default_inputs(model), length, new, top_k, keep_logits)
   return jax.jit(full, compiler_options=options).lower(*args).compile()
 
 
-def _why_no_cache(model: JittableModule, inputs_fn, max_cache_len: int) -> str | None:
-  """Why the model's own KV cache cannot serve `generate`, or None if it may."""
-  module = model.module
-  if not hf.is_hf(module):
-    return "only HF causal LMs have one here (torchtitan's Llama 3 has no KV cache)"
-  if inputs_fn is not None:
-    return "a custom inputs_fn is given the whole token buffer"
-  if any(stacked for _, stacked in model.stored_layout().values()):
-    return "its layers are stacked (scan=True or a remat policy) and run as one step, which carries no KV cache"
-  if not getattr(module, "_can_compile_fullgraph", False):
-    return f"transformers does not mark {type(module).__name__} as compilable with a static cache"
-  from transformers.cache_utils import StaticLayer
-
-  try:
-    layers = _CacheCarry(module.config, max_cache_len).cache.layers
-  except Exception as e:  # noqa: BLE001 (a config StaticCache cannot read: the full forward may still run)
-    return f"transformers cannot build its StaticCache ({_first_line(e)})"
-  other = sorted({type(layer).__name__ for layer in layers if type(layer) is not StaticLayer})
-  if other:
-    return f"its static cache has {', '.join(other)} layers, whose state moves in Python between steps"
-  return None
+def _decode_cache(model: JittableModule, inputs_fn, max_cache_len: int):
+  """`(make, None)`: the family's KV cache for this model (see `Family.decode_cache`), or `(None, why not)`."""
+  if model.family.has_decode_cache:
+    if inputs_fn is not None:
+      return None, "a custom inputs_fn is given the whole token buffer"
+    if any(stacked for _, stacked in model.stored_layout().values()):
+      return None, "its layers are stacked (scan=True or a remat policy) and run as one step, which carries no KV cache"
+  return model.family.decode_cache(model.module, max_cache_len)
 
 
 def _first_line(error: Exception) -> str:
   return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
-class _NotCarried(Exception):
-  """The cache holds state a loop-carried value cannot (see `_CacheCarry.check`)."""
-
-
-class _CacheCarry:
-  """An HF `StaticCache` whose tensors travel between loop iterations as jax arrays.
-
-  Every torch tensor attribute of the cache's layers is carried; every other
-  attribute (ints, flags, dtypes) is Python state fixed at trace time, so it
-  must be the same after a decode step as before it, or the loop would replay
-  a stale value on every later step.
-  """
-
-  def __init__(self, config, max_cache_len: int):
-    from transformers import StaticCache
-
-    self.cache = StaticCache(config=config, max_cache_len=max_cache_len)
-
-  def arrays(self) -> list[dict[str, jax.Array]]:
-    layers = self.cache.layers
-    return [{k: jax_view(v) for k, v in vars(layer).items() if isinstance(v, torch.Tensor)} for layer in layers]
-
-  def load(self, arrays: list[dict[str, jax.Array]]) -> None:
-    for layer, tensors in zip(self.cache.layers, arrays):
-      for k, v in tensors.items():
-        setattr(layer, k, torch_view(v))
-
-  def python_state(self) -> list:
-    """The cache's and its layers' non-tensor attributes."""
-    owners = [self.cache, *self.cache.layers]
-    return [{k: v for k, v in vars(o).items() if not isinstance(v, (torch.Tensor, list))} for o in owners]
-
-  def check(self, before: list) -> None:
-    after = self.python_state()
-    if after != before:
-      changed = sorted({k for b, a in zip(before, after) for k in b.keys() | a.keys() if b.get(k) != a.get(k)})
-      raise _NotCarried(f"a decode step changes the cache's Python state ({', '.join(changed)})")
-
-
-def _cached_loop(model, length, new, top_k, keep_logits):
-  config = model.module.config
-
+def _cached_loop(model, make_cache, length, new, top_k, keep_logits):
   def step_logits(params, buffers, ids, carry):
-    inputs = {"input_ids": ids, "past_key_values": carry.cache, "use_cache": True}
-    out, _ = call_model(model, params, buffers, inputs)
-    return jax_view(out.logits)[:, -1].astype(jnp.float32)
+    out, _ = call_model(model, params, buffers, carry.inputs(ids))
+    return jax_view(out.logits if hasattr(out, "logits") else out)[:, -1].astype(jnp.float32)
 
   def loop(params, buffers, tokens, key):
-    carry = _CacheCarry(config, length + new)
+    carry = make_cache()
     logits = step_logits(params, buffers, tokens[:, :length], carry)  # prefill
     tokens, key = _write(tokens, length, logits, key, top_k)
     state = carry.python_state()
@@ -277,6 +221,4 @@ def _keep(kept, step, logits):
 
 
 def _default_inputs(model: JittableModule) -> Callable:
-  if hf.is_hf(model.module):
-    return lambda ids: {"input_ids": ids, "use_cache": False}
-  return lambda ids: ids
+  return lambda ids: model.family.model_inputs(model.module, {"input_ids": ids})
