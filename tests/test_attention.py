@@ -588,3 +588,30 @@ def test_flex_rejects_what_it_cannot_route():
     with pytest.raises(tot.TorchOnTpuError, match="score_mod"):
       FlexAttention._compiled_flex_attn(q, q, q, score_mod=lambda s, *i: s, block_mask=titan.flex_masks())
   assert FlexAttention._compiled_flex_attn is call  # restored
+
+
+class _Attend(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.proj = torch.nn.Linear(16, 16)
+
+  def forward(self, x):
+    q = self.proj(x).unflatten(-1, (2, 8)).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+def test_a_user_override_of_sdpa_wins_over_the_bridge_kernel():
+  torch.manual_seed(0)
+  model, x = _Attend(), torch.randn(8, 4, 16)
+  with torch.no_grad():
+    q = model.proj(x).unflatten(-1, (2, 8)).transpose(1, 2)
+    expected = 3 * F.scaled_dot_product_attention(q, q, q, is_causal=True)
+  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=8), attention="xla")
+
+  def tripled(*args, **kwargs):
+    return 3 * F.scaled_dot_product_attention(*args, **kwargs)
+
+  with tot.override_op(F.scaled_dot_product_attention, tripled):
+    got = tot.to_cpu(jm(x))
+  assert rel(got, expected) < 1e-5
+  assert rel(tot.to_cpu(jm(x)), expected / 3) < 1e-5  # the bridge's kernel again once the override is gone

@@ -52,11 +52,14 @@ def kernels(mode, *, mesh, data_axes, block_sizes):
 @contextlib.contextmanager
 def installed(attn: Attention):
   """While active, SDPA (and the model families' own attention entry points, such as
-  torchtitan's flex attention) run `attn`'s kernel."""
+  torchtitan's flex attention) run `attn`'s kernel; an SDPA the user overrides with
+  `tot.override_op` keeps the user's definition."""
   sdpa = attn.sdpa
+  env = _compat.torchax_env()
   overrides = {
-    torch.nn.functional.scaled_dot_product_attention: sdpa,
-    torch.ops.aten.scaled_dot_product_attention: sdpa,
+    target: sdpa
+    for target in (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention)
+    if not _compat.overridden_by_user(env, target)
   }
   with ops.bridge_overrides(overrides, is_jax_function=True), models.attention_routes(attn.flex):
     yield
