@@ -161,22 +161,23 @@ def _state_tensors(jm) -> list[_Tensor]:
 
 def _merged(tensors: list[_Tensor], peft_model) -> list[_Tensor]:
   """peft names → the base model's, each adapted weight W + scaling·B·A (peft's own merge)."""
+  config = peft_model.peft_config[_ADAPTER]
+  if config.use_dora or config.rank_pattern or config.alpha_pattern:
+    raise TorchOnTpuError("Only LoRA adapters of one rank and alpha merge (not DoRA or per-module patterns); export mode='adapter'.")
+  scaling = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)  # peft's LoraLayer.scaling
+  merge = functools.partial(_merge, float(scaling), bool(config.fan_in_fan_out))
   by_name = {t.name: t for t in tensors}
   out = []
   for t in tensors:
     if lora.is_adapter(t.name):
       continue
-    if "lora_" in t.name:  # DoRA magnitudes, embedding adapters: not a plain B·A
+    if "lora_" in t.name:  # embedding adapters: not a Linear's B·A
       raise TorchOnTpuError(f"Cannot merge '{t.name}': only peft LoRA adapters on Linear layers merge; export mode='adapter'.")
     name = t.name
     if name.endswith(".base_layer.weight"):
       path = name.removesuffix(".base_layer.weight")
-      layer = peft_model.get_submodule(path)
-      if layer.use_dora.get(_ADAPTER):
-        raise TorchOnTpuError(f"Cannot merge the DoRA adapter of '{path}'; export mode='adapter'.")
       a, b = by_name[f"{path}.lora_A.{_ADAPTER}.weight"], by_name[f"{path}.lora_B.{_ADAPTER}.weight"]
-      merge = functools.partial(_merge, float(layer.scaling[_ADAPTER]), bool(layer.fan_in_fan_out))
-      t = dataclasses.replace(t, array=lambda t=t, a=a, b=b, merge=merge: merge(t.array(), a.array(), b.array()))
+      t = dataclasses.replace(t, array=lambda t=t, a=a, b=b: merge(t.array(), a.array(), b.array()))
     out.append(dataclasses.replace(t, name=lora.base_name(name)))
   return out
 
