@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from torch_on_tpu import checkpoint, lora
+from torch_on_tpu import checkpoint, data, lora
 from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.models import torchtitan
 
@@ -99,8 +99,6 @@ def export(
   if mode != "full" and peft_model is None:
     raise TorchOnTpuError(f"Export mode '{mode}' needs a LoRA model (lora.wrap) but this one has no adapters; use mode='full'.")
   if tokenizer is not None:
-    from torch_on_tpu import data
-
     tokenizer = data.build_tokenizer(tokenizer)  # a missing one is refused before anything is written
   if mode == "adapter":
     tensors = _adapters(_state_tensors(jm))
