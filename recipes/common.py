@@ -20,6 +20,7 @@ import importlib.util
 import inspect
 import json
 import os
+import shutil
 import sys
 import typing
 from collections.abc import Callable
@@ -420,6 +421,9 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   source = data.source(flags.data, field=flags.data_field)
   tokenizer = data.build_tokenizer(flags.tokenizer, vocab_size=min(data.DEFAULT_VOCAB_SIZE, shape.vocab), corpus=source)
   data.check_model_fit(tokenizer.vocab_size, shape.vocab, flags.seqlen)
+  tokenizer_dir = os.path.join(config["log_dir"], "tokenizer")
+  if main:
+    _keep_tokenizer(tokenizer, tokenizer_dir)
   titan = recipe.family == "titan"
   data_kwargs = dict(
     seqlen=flags.seqlen, global_batch_size=flags.global_batch_size, seed=flags.seed,
@@ -475,7 +479,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   summary.update(
     start={"step": first_step, "eval_loss": start_eval[0] if start_eval else None},
     first_loss=losses[0] if losses else None, records=trainer.records,
-    ckpt_dir=config["ckpt_dir"], log_dir=config["log_dir"], plan=memory, compile=report, train_step=step,
+    ckpt_dir=config["ckpt_dir"], log_dir=config["log_dir"], tokenizer_dir=tokenizer_dir, plan=memory, compile=report, train_step=step,
     last_checkpoint=os.path.join(config["ckpt_dir"], str(summary["steps"])),
   )
   if flags.sample is not None:
@@ -522,10 +526,21 @@ def where_things_are(summary: dict, recipe: Recipe) -> str:
   if recipe.convert_model:
     out = os.path.join(summary["log_dir"], "export")
     lines.append(
-      f"Export to safetensors: python tools/convert.py to_safetensors {summary['ckpt_dir']} {out} "
-      f"{recipe.convert_model} --step={summary['steps']}"
+      f"Export for transformers: python tools/convert.py to_hf {summary['ckpt_dir']} {out} "
+      f"{recipe.convert_model} --tokenizer={summary['tokenizer_dir']} --step={summary['steps']}"
     )
+    if recipe.lora:
+      lines.append("(LoRA: the adapters are merged into the base weights; --mode=adapter writes a peft adapter instead)")
   return "\n".join(lines)
+
+
+def _keep_tokenizer(tokenizer, directory: str) -> None:
+  """Saves the run's tokenizer into its run directory (a run is self-contained), whole or not at all."""
+  tmp = f"{directory}.tmp-{os.getpid()}"
+  shutil.rmtree(tmp, ignore_errors=True)
+  tokenizer.save_pretrained(tmp)
+  shutil.rmtree(directory, ignore_errors=True)
+  os.replace(tmp, directory)
 
 
 def _resume(ckpt, step, flags: Flags, config: dict, main: bool):

@@ -61,8 +61,9 @@ def recipe(flags: HFFlags) -> common.Recipe:
     raise TorchOnTpuError(f"--lora_rank must be 0 (off) or positive, got {flags.lora_rank}.")
   lora = None
   if flags.lora_rank:
-    targets = flags.lora_targets if flags.lora_targets == "all-linear" else [t.strip() for t in str(flags.lora_targets).split(",")]
-    lora = dict(rank=flags.lora_rank, alpha=flags.lora_alpha, targets=targets)
+    from torch_on_tpu.lora import parse_targets
+
+    lora = dict(rank=flags.lora_rank, alpha=flags.lora_alpha, targets=parse_targets(flags.lora_targets))
   directory = (os.path.dirname(flags.config) or ".") if os.path.isfile(flags.config) else flags.config
   name = os.path.basename(os.path.normpath(directory))
   return common.Recipe(
@@ -71,7 +72,7 @@ def recipe(flags: HFFlags) -> common.Recipe:
     family="hf",
     weights=flags.weights,
     lora=lora,
-    convert_model=None if lora else f"--hf_config={directory}",
+    convert_model=f"--hf_config={directory}",
   )
 
 

@@ -12,7 +12,9 @@ devices), so a test can check that every process count trains on the same rows
 in the same places. Checkpoints (with the data state) go to `--ckpt_dir` every
 `--save_every` steps, and `--resume_step N` restores step N from there first
 (on any process count). `--die_at N` makes the last process SIGKILL itself
-after step N, to test what the others do then.
+after step N, to test what the others do then. `--export_dir D` exports the
+trained model as an HF directory (every process taking part) and writes the
+model's logits on fixed tokens to `D.logits.npy`.
 
     python tests/multihost_worker.py --log_dir L --ckpt_dir C --steps 10 --save_every 5
 """
@@ -25,13 +27,14 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import optax
 import torch
 import torch.nn.functional as F
 from jax.experimental import multihost_utils
 
 import torch_on_tpu as tot
-from torch_on_tpu import checkpoint, data
+from torch_on_tpu import checkpoint, data, export
 from torch_on_tpu.models.torchtitan import llama3_config
 
 SEQ, BATCH, LAYERS = 16, 8, 2
@@ -67,6 +70,7 @@ def main(argv=None):
   p.add_argument("--resume_step", type=int, default=None)
   p.add_argument("--die_at", type=int, default=None)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--export_dir", default=None)
   args = p.parse_args(argv)
   tot.setup()  # joins the other processes before anything starts jax's backend
 
@@ -117,6 +121,11 @@ def main(argv=None):
   if ckpt is not None:
     ckpt.close()
   batches.close()
+  if args.export_dir:
+    export.export(jm, args.export_dir, tokenizer=tokenizer)
+    logits = multihost_utils.process_allgather(jm(torch.arange(2 * SEQ).reshape(2, SEQ)).jax(), tiled=True)
+    if jax.process_index() == 0:
+      np.save(f"{args.export_dir}.logits.npy", logits)
   return 0
 
 

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import torch_on_tpu as tot
-from torch_on_tpu import checkpoint
+from torch_on_tpu import checkpoint, export
 from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.models.hf import build_causal_lm
 from torch_on_tpu.models.torchtitan import llama3_config
@@ -389,9 +389,9 @@ def test_sigkill_sigterm_and_relaunches_match_an_uninterrupted_run_bitwise(
 
 
 def test_export_torchtitan_loads_into_plain_torch_strict(tmp_path, monkeypatch):
-  monkeypatch.setattr(checkpoint, "_CHUNK_BYTES", 50_000)  # many chunks per tensor
+  monkeypatch.setattr(export, "_CHUNK_BYTES", 50_000)  # many chunks per tensor
   jm = tot.JittableModule(tiny_titan(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp", seed=2)
-  out = checkpoint.export_safetensors(jm, tmp_path / "export", max_shard_bytes=3_000_000)
+  out = export.export_safetensors(jm, tmp_path / "export", max_shard_bytes=3_000_000)
   files = sorted(p.name for p in out.iterdir())
   assert "model.safetensors.index.json" in files and "model-00001-of-00004.safetensors" in files
   assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dir left
@@ -415,7 +415,7 @@ def test_export_torchtitan_loads_into_plain_torch_strict(tmp_path, monkeypatch):
 
 def test_export_hf_loads_with_from_pretrained(tmp_path, hf_run):
   jm, _, _ = hf_run
-  out = checkpoint.export_safetensors(jm, tmp_path / "hf")
+  out = export.export_safetensors(jm, tmp_path / "hf")
   assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
   with safe_open(out / "model.safetensors", "pt") as f:
     assert f.metadata() == {"format": "pt"}
@@ -429,7 +429,7 @@ def test_export_is_atomic(tmp_path, monkeypatch, hf_run):
   jm, _, _ = hf_run
   target = tmp_path / "out"
   calls = []
-  real = checkpoint._array_chunks
+  real = export._array_chunks
 
   def failing(arr):
     calls.append(1)
@@ -437,19 +437,19 @@ def test_export_is_atomic(tmp_path, monkeypatch, hf_run):
       raise OSError("disk full")
     return real(arr)
 
-  monkeypatch.setattr(checkpoint, "_array_chunks", failing)
+  monkeypatch.setattr(export, "_array_chunks", failing)
   with pytest.raises(OSError, match="disk full"):
-    checkpoint.export_safetensors(jm, target, max_shard_bytes=10_000)
+    export.export_safetensors(jm, target, max_shard_bytes=10_000)
   assert list(tmp_path.iterdir()) == []  # neither the target nor a temp dir
-  monkeypatch.setattr(checkpoint, "_array_chunks", real)
+  monkeypatch.setattr(export, "_array_chunks", real)
 
-  checkpoint.export_safetensors(jm, target)
+  export.export_safetensors(jm, target)
   before = dir_digest(target)
   with pytest.raises(TorchOnTpuError, match="already exists"):
-    checkpoint.export_safetensors(jm, target)
+    export.export_safetensors(jm, target)
   assert dir_digest(target) == before
   monkeypatch.setitem(jm.params, "model.norm.weight", jm.params["model.norm.weight"] + 1)
-  checkpoint.export_safetensors(jm, target, overwrite=True)
+  export.export_safetensors(jm, target, overwrite=True)
   assert dir_digest(target) != before
   assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
@@ -485,7 +485,7 @@ def test_import_hf_weights_reads_only_each_devices_slice(tmp_path, monkeypatch):
 
 def test_import_torchtitan_merges_wq_wk_wv_into_wqkv_scanned_or_not(tmp_path, titan_run):
   source, _, _ = titan_run
-  checkpoint.export_safetensors(source, tmp_path / "w")
+  export.export_safetensors(source, tmp_path / "w")
   expected = source.state_dict()
   for scan in (False, True):
     jm = tot.JittableModule(
@@ -499,7 +499,7 @@ def test_import_torchtitan_merges_wq_wk_wv_into_wqkv_scanned_or_not(tmp_path, ti
     for name in expected:
       assert torch.equal(got[name], expected[name]), (scan, name)
     # and back out of the scanned layout, byte for byte
-    out = checkpoint.export_safetensors(jm, tmp_path / f"again-{scan}")
+    out = export.export_safetensors(jm, tmp_path / f"again-{scan}")
     assert (out / "model.safetensors").read_bytes() == (tmp_path / "w" / "model.safetensors").read_bytes()
 
 

@@ -15,7 +15,8 @@ import transformers
 
 import torch_on_tpu as tot
 from recipes import common, hf, llama3
-from torch_on_tpu import checkpoint, lora
+from tests import helpers as h
+from torch_on_tpu import checkpoint, data, lora
 
 ROOT = pathlib.Path(__file__).parent.parent
 TINY = dict(seqlen=32, global_batch_size=8, lr=1e-2, warmup_steps=2, eval_batches=2)
@@ -38,8 +39,8 @@ def test_train_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch, c
     f"Run directory: {log_dir} (metrics.jsonl, TensorBoard)",
     f"Last checkpoint: {log_dir / 'ckpt' / '8'}",
     f"Plot: {log_dir / 'training.png'}",
-    f"Export to safetensors: python tools/convert.py to_safetensors {log_dir / 'ckpt'} {log_dir / 'export'} "
-    "--model=llama3:debugmodel --step=8",
+    f"Export for transformers: python tools/convert.py to_hf {log_dir / 'ckpt'} {log_dir / 'export'} "
+    f"--model=llama3:debugmodel --tokenizer={log_dir / 'tokenizer'} --step=8",
   ]
   # train and eval loss fall; checkpoints, metrics.jsonl, the plot, the saved config
   assert np.mean(losses(full)[-3:]) < losses(full)[0] - 0.5
@@ -155,7 +156,9 @@ def hf_dir(tmp_path_factory):
   return path
 
 
-def test_hf_lora_trains_only_the_adapters(tmp_path, hf_dir, caplog):
+def test_hf_lora_trains_only_the_adapters_and_exports(tmp_path, hf_dir, caplog, capsys):
+  import peft
+
   from safetensors.torch import load_file
 
   pretrained = load_file(hf_dir / "model.safetensors")
@@ -176,6 +179,24 @@ def test_hf_lora_trains_only_the_adapters(tmp_path, hf_dir, caplog):
     np.testing.assert_array_equal(np.asarray(jm.array_for(peft_names[name])), value.numpy(), err_msg=name)
   lora_b = [np.asarray(jm.params[k]) for k in adapters if ".lora_B." in k]
   assert all(np.abs(b).max() > 0 for b in lora_b)  # B starts at zero; training moved it
+
+  # The printed export command: the adapters merged into a model transformers loads, with
+  # the run's own tokenizer beside it; --mode=adapter: a peft adapter for the pretrained base.
+  command = [line for line in capsys.readouterr().out.splitlines() if "tools/convert.py to_hf" in line][0]
+  args = command.split("python tools/convert.py ")[1].split()
+  convert = h.load_module(ROOT / "tools" / "convert.py")
+  assert convert.main(args) == 0
+  out = pathlib.Path(args[2])
+  tokens = torch.randint(0, 256, (2, 16))
+  want = np.asarray(jm(tokens, use_cache=False).logits.jax())
+  merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  assert h.rel(merged(tokens).logits.detach().numpy(), want) < 1e-5  # fp32 on CPU: ‖Δ‖/‖ref‖
+  tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+  assert tokenizer("hello")["input_ids"] == data.build_tokenizer(summary["tokenizer_dir"]).encode_batch(["hello"])[0]
+  assert convert.main([*args[:2], str(tmp_path / "adapter"), *args[3:], "--mode=adapter"]) == 0
+  base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+  adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+  assert h.rel(adapted(tokens).logits.detach().numpy(), want) < 1e-5
 
 
 def test_llama3_hf_impl_is_the_same_architecture():

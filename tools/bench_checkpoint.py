@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import torch_on_tpu as tot  # noqa: E402
-from torch_on_tpu import checkpoint  # noqa: E402
+from torch_on_tpu import checkpoint, export  # noqa: E402
 from torch_on_tpu.models.torchtitan import build_llama3  # noqa: E402
 from torchax.interop import jax_view, torch_view  # noqa: E402
 
@@ -150,7 +150,7 @@ def main(
   baseline = rss()
   t = time.perf_counter()
   with PeakRss() as peak:
-    checkpoint.export_safetensors(jm, root / "export")
+    export.export_safetensors(jm, root / "export")
   results["export_s"] = time.perf_counter() - t
   results["export_rss_baseline"] = baseline
   results["export_rss_increase"] = peak.peak - baseline

@@ -1,17 +1,24 @@
-"""Convert model weights between orbax training checkpoints and safetensors.
+"""Convert model weights between orbax training checkpoints, safetensors and HF directories.
 
-A training run writes orbax checkpoints; PyTorch and HF load safetensors. Both
-directions need the model's parameter names and shapes, which come from
-building the model on meta (nothing is allocated until weights are read):
+A training run writes orbax checkpoints; PyTorch, transformers and peft load
+safetensors. Every direction needs the model's parameter names and shapes,
+which come from building the model on meta (nothing is allocated until
+weights are read):
 
+    python tools/convert.py to_hf runs/a/ckpt out/ --model=llama3:1B --tokenizer=runs/a/tokenizer [--step=1000]
+    python tools/convert.py to_hf runs/b/ckpt out/ --hf_config=path/with/config.json [--mode=adapter]
     python tools/convert.py to_safetensors runs/a/ckpt out/ --model=llama3:1B [--step=1000]
-    python tools/convert.py to_safetensors runs/b/ckpt out/ --hf_config=path/with/config.json
     python tools/convert.py to_orbax path/to/hf_model runs/c/ckpt [--hf_config=...] [--step=0] [--scan]
 
-`to_safetensors` reads the training state's `params` entry (only the weights,
-not the optimizer state) and writes `state_dict` names, tensor by tensor;
-`to_orbax` writes a checkpoint holding `{"params": ...}`, which a run restores
-with `Checkpointer.restore({"params": ...}, partial=True)`.
+`to_hf` writes a directory `AutoModelForCausalLM.from_pretrained` loads
+(weights, config.json, the run's tokenizer); for a LoRA run (its saved config
+names the rank) the adapters are merged into the base weights, or written
+alone for peft with `--mode=adapter` (`torch_on_tpu/export.py`).
+`to_safetensors` writes the model's own `state_dict` names (a LoRA run's are
+peft's). Both read the training state's `params` entry (only the weights, not
+the optimizer state), tensor by tensor; `to_orbax` writes a checkpoint holding
+`{"params": ...}`, which a run restores with
+`Checkpointer.restore({"params": ...}, partial=True)`.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import sys
 from pathlib import Path
 
 import torch_on_tpu as tot
-from torch_on_tpu import checkpoint
+from torch_on_tpu import checkpoint, export, lora
 from torch_on_tpu.errors import TorchOnTpuError
 
 
@@ -47,10 +54,47 @@ def build_model(model: str | None = None, hf_config: str | None = None):
   return build_llama3(flavor, attention="sdpa", max_seq_len=1)
 
 
-def _abstract_module(model, hf_config, scan=False):
-  return tot.JittableModule(
-    build_model(model, hf_config), mesh=tot.make_mesh(fsdp=-1), sharding="fsdp", scan=scan, abstract=True
-  )
+def _abstract_module(model, hf_config, scan=False, adapters: dict | None = None):
+  """The model on meta, sharded over the local devices; with `adapters` (lora.wrap's
+  rank, alpha, targets) the LoRA model a run with them trained."""
+  mesh = tot.make_mesh(fsdp=-1)
+  if not adapters:
+    return tot.JittableModule(build_model(model, hf_config), mesh=mesh, sharding="fsdp", scan=scan, abstract=True)
+  base = tot.JittableModule(build_model(model, hf_config), mesh=mesh, sharding="fsdp", abstract=True)
+  return lora.wrap(base, build_model(model, hf_config), scan=scan, **adapters)
+
+
+def _adapters(ckpt, step) -> dict | None:
+  """The LoRA settings the run's saved config names (recipes' --lora_rank ...), None without."""
+  config = ckpt.saved_config(step) or {}
+  if not config.get("lora_rank"):
+    return None
+  return dict(rank=config["lora_rank"], alpha=config.get("lora_alpha"), targets=lora.parse_targets(config.get("lora_targets", "all-linear")))
+
+
+def _restore(checkpoint_dir: str, model, hf_config, step):
+  """(the abstract model holding the checkpoint's params, the step read).
+
+  A run with `scan=True` stored its layers stacked; that layout is tried when
+  the plain one does not match.
+  """
+  if not Path(checkpoint_dir).is_dir():
+    raise TorchOnTpuError(f"No checkpoint directory at {checkpoint_dir}.")
+  with checkpoint.Checkpointer(checkpoint_dir, read_only=True) as ckpt:
+    adapters = _adapters(ckpt, step)
+    try:
+      jm = _abstract_module(model, hf_config, adapters=adapters)
+      restored = ckpt.restore({checkpoint.PARAMS_KEY: jm.params}, step=step, partial=True)
+    except TorchOnTpuError as plain_error:
+      jm = _abstract_module(model, hf_config, scan=True, adapters=adapters)
+      try:
+        restored = ckpt.restore({checkpoint.PARAMS_KEY: jm.params}, step=step, partial=True)
+      except TorchOnTpuError:
+        raise plain_error from None
+  if restored is None:
+    raise TorchOnTpuError(f"{checkpoint_dir} holds no complete checkpoint to convert.")
+  jm.params.update(restored.state[checkpoint.PARAMS_KEY])
+  return jm, restored.step
 
 
 def to_safetensors(
@@ -63,30 +107,34 @@ def to_safetensors(
   max_shard_gb: float = 4.0,
   overwrite: bool = False,
 ) -> None:
-  """Orbax checkpoint (latest step, or `step`) → safetensors directory.
+  """Orbax checkpoint (latest step, or `step`) → safetensors directory of the model's state_dict."""
+  jm, read = _restore(checkpoint_dir, model, hf_config, step)
+  out = export.export_safetensors(jm, out_dir, max_shard_bytes=int(max_shard_gb * 2**30), overwrite=overwrite)
+  print(f"wrote step {read} of {checkpoint_dir} to {out}")
 
-  A run with `scan=True` stored its layers stacked; that layout is tried when
-  the plain one does not match.
-  """
-  if not Path(checkpoint_dir).is_dir():
-    raise TorchOnTpuError(f"No checkpoint directory at {checkpoint_dir}.")
-  with checkpoint.Checkpointer(checkpoint_dir, read_only=True) as ckpt:
-    try:
-      jm = _abstract_module(model, hf_config)
-      restored = ckpt.restore({checkpoint.PARAMS_KEY: jm.params}, step=step, partial=True)
-    except TorchOnTpuError as plain_error:
-      jm = _abstract_module(model, hf_config, scan=True)
-      try:
-        restored = ckpt.restore({checkpoint.PARAMS_KEY: jm.params}, step=step, partial=True)
-      except TorchOnTpuError:
-        raise plain_error from None
-  if restored is None:
-    raise TorchOnTpuError(f"{checkpoint_dir} holds no complete checkpoint to convert.")
-  jm.params.update(restored.state[checkpoint.PARAMS_KEY])
-  out = checkpoint.export_safetensors(
-    jm, out_dir, max_shard_bytes=int(max_shard_gb * 2**30), overwrite=overwrite
+
+def to_hf(
+  checkpoint_dir: str,
+  out_dir: str,
+  *,
+  model: str | None = None,
+  hf_config: str | None = None,
+  step: int | None = None,
+  mode: str | None = None,
+  tokenizer: str | None = None,
+  max_shard_gb: float = 4.0,
+  overwrite: bool = False,
+) -> None:
+  """Orbax checkpoint (latest step, or `step`) → a directory transformers loads (peft for
+  `mode="adapter"`), with `tokenizer` (a tokenizer directory or tokenizer.json) beside the
+  weights. `mode` defaults to "merged" for a LoRA run and "full" otherwise."""
+  jm, read = _restore(checkpoint_dir, model, hf_config, step)
+  if mode is None:
+    mode = "merged" if hasattr(jm.module, "peft_config") else "full"
+  out = export.export(
+    jm, out_dir, mode=mode, tokenizer=tokenizer, max_shard_bytes=int(max_shard_gb * 2**30), overwrite=overwrite
   )
-  print(f"wrote step {restored.step} of {checkpoint_dir} to {out}")
+  print(f"wrote step {read} of {checkpoint_dir} to {out} ({mode})")
 
 
 def to_orbax(
@@ -123,7 +171,7 @@ def main(argv=None) -> int:
   import fire
 
   try:
-    fire.Fire({"to_safetensors": to_safetensors, "to_orbax": to_orbax}, command=argv)
+    fire.Fire({"to_hf": to_hf, "to_safetensors": to_safetensors, "to_orbax": to_orbax}, command=argv)
   except TorchOnTpuError as e:
     print(f"convert: {e}", file=sys.stderr)
     return 1

@@ -1,10 +1,10 @@
 """Checkpoints: orbax training state, and safetensors for the PyTorch world.
 
 Training runs get preempted and pods fail, so a run saves its whole state with
-orbax (asynchronous, atomic, keep-last-N) and resumes bit-exactly; researchers
-want their weights back in PyTorch, so a model exports to (and imports from) a
-safetensors directory under its original `state_dict` names (scan-stacked
-layers included: they are read and written per original layer name).
+orbax (asynchronous, atomic, keep-last-N) and resumes bit-exactly; pretrained
+weights come in from a safetensors directory under the model's original
+`state_dict` names (scan-stacked layers included: they are read per original
+layer name). Exports back out are `torch_on_tpu/export.py`.
 
     ckpt = Checkpointer("runs/a/ckpt", save_every=500, keep=3)
     restored = ckpt.restore(abstract_state(state, mesh, params=jm.params))  # None: fresh run
@@ -29,15 +29,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import json
 import logging
 import math
 import os
-import shutil
 import signal
-import struct
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -471,21 +467,8 @@ class PreemptionGuard:
     return self.requested
 
 
-# ---- safetensors export and import ------------------------------------------------------
+# ---- safetensors import (export is torch_on_tpu/export.py) ------------------------------
 
-_SAFETENSORS_DTYPES = {
-  "float64": "F64",
-  "float32": "F32",
-  "float16": "F16",
-  "bfloat16": "BF16",
-  "int64": "I64",
-  "int32": "I32",
-  "int16": "I16",
-  "int8": "I8",
-  "uint8": "U8",
-  "bool": "BOOL",
-}
-_CHUNK_BYTES = 64 * 2**20  # host memory one exported array chunk may take
 _INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -550,162 +533,6 @@ def _plan(jm) -> list[_Entry]:
     else:
       out.append(_Entry(name, *abstract[jm.canonical_name(name)], True))
   return out
-
-
-def export_safetensors(
-  jm,
-  directory: str | os.PathLike,
-  *,
-  max_shard_bytes: int = 4 * 2**30,
-  overwrite: bool = False,
-) -> Path:
-  """Writes the model's `state_dict` to a safetensors directory, tensor by tensor.
-
-  The files load into the plain torch model with `load_state_dict(strict=True)`
-  and, for HF models (whose `config.json` is written too), with
-  `from_pretrained(directory)`. Files are split at `max_shard_bytes` with an HF
-  `model.safetensors.index.json`. Arrays stream to disk in row chunks of at
-  most 64 MiB cut from their device shards, so host memory never holds the
-  model (nor its largest tensor). The directory appears complete or not at
-  all: it is written under a temporary name and renamed. One host writes; a
-  multi-host run exports by converting its orbax checkpoint (tools/convert.py).
-  """
-  if jax.process_count() > 1:
-    raise TorchOnTpuError(
-      f"export_safetensors writes from one host but this run has {jax.process_count()} processes; "
-      f"save an orbax checkpoint and run tools/convert.py to_safetensors on one machine."
-    )
-  directory = Path(directory).absolute()
-  if directory.exists() and not overwrite:
-    raise TorchOnTpuError(
-      f"Export directory {directory} already exists; pick a new path or pass overwrite=True."
-    )
-  entries = _plan(jm)
-  for e in entries:
-    if e.dtype.name not in _SAFETENSORS_DTYPES:
-      raise TorchOnTpuError(
-        f"State '{e.name}' has dtype {e.dtype.name}, which safetensors cannot store; "
-        f"cast it to a float or integer dtype before exporting."
-      )
-  shards = _split(entries, max_shard_bytes)
-  names = (
-    ["model.safetensors"]
-    if len(shards) == 1
-    else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-  )
-  tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
-  try:
-    tmp.mkdir(parents=True)
-    state_dict = jm.state_dict()
-    for file_name, shard in zip(names, shards):
-      _write_safetensors(tmp / file_name, shard, jm, state_dict)
-    if len(shards) > 1:
-      index = {
-        "metadata": {"total_size": sum(e.nbytes for e in entries)},
-        "weight_map": {e.name: f for f, shard in zip(names, shards) for e in shard},
-      }
-      (tmp / _INDEX_FILE).write_text(json.dumps(index, indent=2))
-    config = getattr(jm.module, "config", None)
-    if callable(getattr(config, "save_pretrained", None)):
-      config.save_pretrained(tmp)
-    _replace_dir(tmp, directory)
-  finally:
-    if tmp.exists():
-      shutil.rmtree(tmp)
-  return directory
-
-
-def _split(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
-  shards: list[list[_Entry]] = [[]]
-  size = 0
-  for e in entries:
-    if shards[-1] and size + e.nbytes > max_bytes:
-      shards.append([])
-      size = 0
-    shards[-1].append(e)
-    size += e.nbytes
-  return shards
-
-
-def _write_safetensors(path: Path, entries: list[_Entry], jm, state_dict) -> None:
-  """One safetensors file: header from the plan, then each tensor's bytes in order."""
-  header = {"__metadata__": {"format": "pt"}}
-  offset = 0
-  for e in entries:
-    header[e.name] = {
-      "dtype": _SAFETENSORS_DTYPES[e.dtype.name],
-      "shape": list(e.shape),
-      "data_offsets": [offset, offset + e.nbytes],
-    }
-    offset += e.nbytes
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-  with open(path, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
-    for e in entries:
-      chunks = _array_chunks(jm.array_for(e.name)) if e.direct else [_hooked_value(state_dict, e)]
-      written = 0
-      for chunk in chunks:
-        f.write(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
-        written += chunk.nbytes
-      if written != e.nbytes:
-        raise TorchOnTpuError(
-          f"Exporting '{e.name}' produced {written} bytes where {e.nbytes} were planned; "
-          f"the model changed during export."
-        )
-
-
-def _hooked_value(state_dict, e: _Entry) -> np.ndarray:
-  host = torch_to_numpy(state_dict[e.name])
-  if host.shape != e.shape or host.dtype != e.dtype:
-    raise TorchOnTpuError(
-      f"State '{e.name}' is {host.dtype}{list(host.shape)} but its module's meta state_dict "
-      f"says {e.dtype}{list(e.shape)}; cast parameters through the module, not the params dict."
-    )
-  return host
-
-
-def _array_chunks(arr: jax.Array):
-  """Host copies of consecutive row blocks of `arr` (row-major order), at most
-  `_CHUNK_BYTES` each, cut from the device shards that hold them.
-
-  Slicing the global array instead would make XLA gather a dim-sharded array
-  onto every device first; here each slice is taken on one device.
-  """
-  if arr.ndim == 0:
-    yield np.asarray(arr)
-    return
-  blocks: dict[tuple[int, int], dict] = {}  # dim-0 range → {rest of the index: shard}
-  for shard in arr.addressable_shards:
-    index = [sl.indices(n)[:2] for sl, n in zip(shard.index, arr.shape)]
-    blocks.setdefault(index[0], {}).setdefault(tuple(index[1:]), shard.data)
-  row_bytes = arr.nbytes // max(arr.shape[0], 1)
-  per_chunk = max(1, _CHUNK_BYTES // max(row_bytes, 1))
-  for (start, stop), pieces in sorted(blocks.items()):
-    for lo in range(start, stop, per_chunk):
-      count = min(per_chunk, stop - lo)
-      out = np.empty((count, *arr.shape[1:]), dtype=arr.dtype)
-      for rest, data in pieces.items():
-        out[(slice(None), *(slice(a, b) for a, b in rest))] = np.asarray(_rows(data, lo - start, count))
-      yield out
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _rows(arr, start, count):
-  return jax.lax.dynamic_slice_in_dim(arr, start, count, axis=0)
-
-
-def _replace_dir(tmp: Path, directory: Path) -> None:
-  """Moves the finished export into place; an old one is removed only afterwards."""
-  old = None
-  if directory.exists():
-    old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
-    directory.rename(old)
-  directory.parent.mkdir(parents=True, exist_ok=True)
-  tmp.rename(directory)
-  if old is not None:
-    shutil.rmtree(old)
 
 
 def import_safetensors(jm, path: str | os.PathLike) -> None:

@@ -39,6 +39,11 @@ def is_adapter(name: str) -> bool:
   return ".lora_A." in name or ".lora_B." in name
 
 
+def parse_targets(text: str):
+  """A `--lora_targets` flag → `wrap`'s targets: peft's "all-linear" or a list of module names."""
+  return text if text == "all-linear" else [t.strip() for t in str(text).split(",")]
+
+
 def wrap(
   base: JittableModule,
   module,

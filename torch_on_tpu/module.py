@@ -374,15 +374,21 @@ class LazyStateDict(Mapping):
     self._hooked = jm._hooked_modules
 
   def __getitem__(self, name):
+    tensor = to_cpu(self.array(name))
+    if any(name.startswith(prefix + ".") for prefix, _ in self._hooked):
+      return tensor
+    dtype = self._jm._entries[self._jm.canonical_name(name)].dtype
+    # jax keeps integers in 32 bits: give back torch's own (num_batches_tracked is int64)
+    return tensor if dtype.is_floating_point or tensor.dtype == dtype else tensor.to(dtype)
+
+  def array(self, name) -> jax.Array:
+    """The entry as a device array, not copied to the host (every process holds its shards)."""
     if name not in self._names:
       raise KeyError(name)
     for prefix, mod in self._hooked:
       if name.startswith(prefix + "."):
-        return to_cpu(self._from_hooked_module(prefix, mod)[name])
-    tensor = to_cpu(self._jm.array_for(name))
-    dtype = self._jm._entries[self._jm.canonical_name(name)].dtype
-    # jax keeps integers in 32 bits: give back torch's own (num_batches_tracked is int64)
-    return tensor if dtype.is_floating_point or tensor.dtype == dtype else tensor.to(dtype)
+        return jax_view(self._from_hooked_module(prefix, mod)[name])
+    return self._jm.array_for(name)
 
   def _from_hooked_module(self, prefix, mod):
     own = {n: torch_view(self._jm.array_for(f"{prefix}.{n}")) for n, _ in module_state.named_tensors(mod)}

@@ -43,6 +43,17 @@ class Tokenizer:
   def decode(self, ids) -> str:
     return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
 
+  def save_pretrained(self, directory) -> None:
+    """Writes the files `transformers.AutoTokenizer.from_pretrained(directory)` loads:
+    a tokenizer directory's own (its config and special tokens kept), else tokenizer.json with EOS named."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if Path(self.name).is_dir():
+      hf = AutoTokenizer.from_pretrained(self.name, local_files_only=True)
+    else:
+      hf = PreTrainedTokenizerFast(tokenizer_object=self.backend, eos_token=self.backend.id_to_token(self.eos_id))
+    hf.save_pretrained(str(directory))
+
 
 def build_tokenizer(
   spec=None,

@@ -28,6 +28,15 @@ class DecoderShape:
   vocab: int
 
 
+@dataclasses.dataclass(frozen=True)
+class HFForm:
+  """How a model is written as an HF transformers model (`export`)."""
+
+  config: object  # a transformers PretrainedConfig: its save_pretrained writes config.json
+  # state_dict name → (HF name, a transform of the array or None); None: names unchanged
+  rename: Callable[[str], tuple[str, Callable | None]] | None = None
+
+
 class CacheNotCarried(Exception):
   """A decode cache holds state that a loop-carried value cannot (raised while tracing)."""
 
@@ -88,6 +97,10 @@ class Family:
 
   def replay_layer_outputs(self, template: torch.nn.Module, records) -> None:
     """Feeds records from `deferred_layer_outputs` to the family's hooks, in order."""
+
+  def hf_form(self, module: torch.nn.Module) -> HFForm | None:
+    """The model as HF transformers writes it (config, names, layouts); None: not expressible."""
+    return None
 
   def decode_cache(self, module: torch.nn.Module, max_len: int):
     """The model's own KV cache for decoding one token at a time inside a jitted loop:

@@ -12,7 +12,7 @@ import torch
 
 from torch_on_tpu import _compat, extras
 from torch_on_tpu.models._maps import present_rules
-from torch_on_tpu.models.family import CacheNotCarried, DecoderShape, Family
+from torch_on_tpu.models.family import CacheNotCarried, DecoderShape, Family, HFForm
 
 logger = logging.getLogger(__name__)
 
@@ -284,6 +284,10 @@ class HFFamily(Family):
 
   def replay_layer_outputs(self, template, records):
     replay_output_capture(template, records)
+
+  def hf_form(self, module):
+    config = getattr(_hf_model(module) or module, "config", None)
+    return HFForm(config) if callable(getattr(config, "save_pretrained", None)) else None
 
   def decode_cache(self, module, max_len):
     if not is_hf(module):
