@@ -18,10 +18,13 @@ layers included: they are read and written per original layer name).
           break                                              # and exit 0; a relaunch resumes
     ckpt.close()                                             # waits for the last save
 
-The training state is any pytree of jax arrays (params, optax state, step, RNG
-key); by convention its `"params"` entry is the `JittableModule`'s params dict,
-which is what `tools/convert.py` reads. Data-iterator state and the resolved
-run config are JSON dicts saved next to it. Weights never go through pickle.
+The training state is any pytree of jax arrays (params, buffers, optax state,
+step, RNG key); by convention its `"params"` entry is the `JittableModule`'s
+params dict, which is what `tools/convert.py` reads. With `model=jm`, layers
+that `jm` holds stacked (scan) are stored under their original per-layer
+names, in params and in every dict keyed like them (optimizer moments), so a
+run resumes with scan on or off. Data-iterator state and the resolved run
+config are JSON dicts saved next to it. Weights never go through pickle.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from torch_on_tpu import _compat, integrity, storage
+from torch_on_tpu import scan as scan_lib
 from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.materialize import torch_to_numpy
 
@@ -84,6 +88,14 @@ class Checkpointer:
   steps are kept. `read_only=True` (for tools reading a live run's directory)
   neither writes nor cleans up.
 
+  `model` (the `JittableModule` whose params and buffers the state holds)
+  puts its scan-stacked arrays on disk as one array per original layer name
+  (`layers.0.attention.wq.weight`, ...), wherever a dict in the state is keyed
+  by them (params, buffers, optax moments), and restores them into its own
+  layout: a checkpoint resumes with scan on or off, on any mesh. Saving
+  slices the stacked arrays on their devices, so until `save` returns the
+  devices hold those arrays twice.
+
   Every step carries checksums of its files (`integrity`), checked before it
   is read. A storage fault while writing (full disk, no permission, read-only
   or vanished directory) is raised by `save`, `wait` or `close` as one
@@ -99,12 +111,14 @@ class Checkpointer:
     keep: int | None = 3,
     async_save: bool = True,
     read_only: bool = False,
+    model=None,
   ):
     if save_every < 1:
       raise TorchOnTpuError(f"Checkpointer save_every must be at least 1, got {save_every}.")
     self.directory = Path(directory).absolute()
     self.read_only = read_only
     self._async = async_save
+    self._layers = _LayerNames(model)
     self._writing: int | None = None  # the step the newest save started
     storage.quiet_orbax_thread_tracebacks()
     policies = ocp.checkpoint_managers
@@ -166,7 +180,7 @@ class Checkpointer:
     if step in self._manager.all_steps() or not (force or self._manager.should_save(step)):
       return False
     args = ocp.args.Composite(
-      state=ocp.args.PyTreeSave(state),
+      state=ocp.args.PyTreeSave(self._layers.unstack(state)),
       data=ocp.args.JsonSave(_json_item("data", data)),
       config=ocp.args.JsonSave(_json_item("config", config)),
     )
@@ -242,11 +256,14 @@ class Checkpointer:
       saved_tree = self._manager.item_metadata(step)["state"].tree
     except (ValueError, KeyError, AttributeError, TypeError, OSError) as e:
       return None, f"its metadata is unreadable ({_first_line(e)})"
-    self._check_matches(step, saved_tree, target, partial)
+    stored = self._layers.unstack(target)
+    if stored is not target and not _mismatches(_leaf_shapes(saved_tree), _leaf_shapes(target), allow_unexpected=partial):
+      stored = target  # saved stacked, before checkpoints kept the original names
+    self._check_matches(step, saved_tree, stored, partial)
     args = ocp.args.Composite(
       state=ocp.args.PyTreeRestore(
-        item=target,
-        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        item=stored,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(stored),
         partial_restore=partial,
       ),
       data=ocp.args.JsonRestore(),
@@ -258,7 +275,8 @@ class Checkpointer:
       raise
     except (ValueError, KeyError, AttributeError, TypeError, OSError) as e:
       return None, f"reading it failed: {_first_line(e)}"
-    return Restored(step=step, state=out["state"], data=out["data"], config=out["config"]), None
+    state = out["state"] if stored is target else self._layers.restack(out["state"])
+    return Restored(step=step, state=state, data=out["data"], config=out["config"]), None
 
   def set_aside(self, steps, reason: str) -> list[Path]:
     """Renames step directories to `<step>.<reason>` (never deleting them), so
@@ -286,11 +304,15 @@ class Checkpointer:
     problems = _mismatches(saved, wanted, allow_unexpected=partial)
     if problems:
       subset = not _mismatches(saved, wanted, allow_unexpected=True)
-      fix = (
-        "pass partial=True to read only the entries the target names"
-        if subset
-        else "restore it into the model and optimizer that saved it"
-      )
+      if subset:
+        fix = "pass partial=True to read only the entries the target names"
+      elif any(f".{scan_lib.SCAN}.{scan_lib.LAYER}." in n for n in saved):
+        fix = (
+          "it holds scan-stacked layers (saved before checkpoints kept the original names): resume "
+          "it with scan=True, or convert it with tools/convert.py to_safetensors and import that"
+        )
+      else:
+        fix = "restore it into the model and optimizer that saved it"
       raise TorchOnTpuError(
         f"The checkpoint at {self.directory / str(step)} does not match the state to restore "
         f"({problems}); {fix}."
@@ -367,6 +389,84 @@ def abstract_state(tree, mesh: jax.sharding.Mesh | None = None, *, params: Mappi
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
   return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+class _LayerNames:
+  """A model's scan-stacked arrays ↔ their original per-layer names, wherever a
+  dict in a state tree is keyed by the stacked names (params, buffers, and the
+  optimizer's moments, which optax keys like the params)."""
+
+  def __init__(self, model):
+    layout = model.stored_layout() if model is not None else {}
+    self.groups = {k: originals for k, (originals, stacked) in layout.items() if stacked}
+    self._first = {originals[0]: k for k, originals in self.groups.items()}
+
+  def unstack(self, tree):
+    """Each stacked array (or `ShapeDtypeStruct`) → one per original layer name,
+    sliced on its devices; the tree itself when nothing is stacked."""
+    if not self.groups:
+      return tree
+
+    def node(x):
+      if not self._holds(x, self.groups):
+        return x
+      out = {}
+      for key, value in x.items():
+        layers = self.groups.get(key)
+        if layers and isinstance(value, (jax.Array, jax.ShapeDtypeStruct)) and value.shape[:1] == (len(layers),):
+          out.update(zip(layers, _layer_slices(value)))
+        else:
+          out[key] = value
+      return out
+
+    return jax.tree.map(node, tree, is_leaf=lambda x: self._holds(x, self.groups))
+
+  def restack(self, tree):
+    """The inverse of `unstack` on a restored tree, one group at a time (the
+    per-layer arrays of a group are released as soon as it is stacked)."""
+
+    def node(x):
+      if not self._holds(x, self._first):
+        return x
+      for first, key in self._first.items():
+        if first in x:
+          x[key] = _stack_layers([x.pop(n) for n in self.groups[key]])
+      return x
+
+    return jax.tree.map(node, tree, is_leaf=lambda x: self._holds(x, self._first))
+
+  @staticmethod
+  def _holds(x, names) -> bool:
+    return isinstance(x, Mapping) and any(k in names for k in x)
+
+
+def _layer_sharding(sharding, stacked: bool):
+  """A stacked array's sharding without its layer dim (`stacked=False`), or one layer's with it."""
+  if not isinstance(sharding, NamedSharding):
+    return sharding
+  spec = PartitionSpec(*tuple(sharding.spec)[1:]) if not stacked else PartitionSpec(None, *sharding.spec)
+  return NamedSharding(sharding.mesh, spec)
+
+
+def _layer_slices(value) -> list:
+  sharding = _layer_sharding(value.sharding, stacked=False)
+  if isinstance(value, jax.ShapeDtypeStruct):
+    return [jax.ShapeDtypeStruct(value.shape[1:], value.dtype, sharding=sharding)] * value.shape[0]
+  return _unstack(value, sharding)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _unstack(stacked, sharding):
+  return [jax.lax.with_sharding_constraint(stacked[i], sharding) for i in range(stacked.shape[0])]
+
+
+def _stack_layers(layers: list):
+  return _stack(layers, _layer_sharding(layers[0].sharding, stacked=True))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _stack(layers, sharding):
+  return jax.lax.with_sharding_constraint(jax.numpy.stack(layers), sharding)
 
 
 def _first_line(e: BaseException) -> str:
