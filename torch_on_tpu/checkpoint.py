@@ -822,9 +822,9 @@ def import_safetensors(jm, path: str | os.PathLike) -> None:
   files = _safetensors_files(Path(path))
   entries = {e.name: e for e in _plan(jm)}
   with contextlib.ExitStack() as stack:
-    handles = [stack.enter_context(_open_safetensors(f)) for f in files]
+    handles = [stack.enter_context(_SafetensorsFile(f)) for f in files]
     where = {name: h for h in handles for name in h.keys()}
-    found = {name: tuple(h.get_slice(name).get_shape()) for name, h in where.items()}
+    found = {name: h.shape(name) for name, h in where.items()}
     # A tied group (HF's embed_tokens / lm_head) needs only one of its names stored.
     names_of: dict[str, list[str]] = {}
     for e in entries.values():
@@ -844,7 +844,7 @@ def import_safetensors(jm, path: str | os.PathLike) -> None:
     readers = {}
     for canonical, names in names_of.items():
       name = next(n for n in names if n in found)
-      readers[canonical] = _slice_reader(where[name].get_slice(name))
+      readers[canonical] = functools.partial(where[name].read, name)
     merged: dict = {}  # hooked modules' merged tensors, kept while one array is read
     abstract = _abstract(jm)
     for prefix, mod in jm.hooked_modules:
@@ -874,9 +874,73 @@ def _open_safetensors(path: Path):
     ) from None
 
 
-def _slice_reader(tensor_slice):
-  """`index` (a tuple of slices) → that block of a stored tensor, as torch."""
-  return lambda index: tensor_slice[index]
+class _SafetensorsFile:
+  """One safetensors file, each block read on its own with positioned reads.
+
+  Not through a memory map: the pages of a mapped file that were read stay in
+  the process's resident memory until it is unmapped, which for a whole-model
+  import is a second copy of the model next to its arrays. Here a block's rows
+  are read into a buffer that lives until its device array is made.
+  """
+
+  def __init__(self, path: Path):
+    with _open_safetensors(path):  # checks the header and the file's size against it
+      pass
+    with open(path, "rb") as f:
+      size = struct.unpack("<Q", f.read(8))[0]
+      self._tensors = json.loads(f.read(size))
+    self._tensors.pop("__metadata__", None)
+    self._start = 8 + size
+    self.path = path
+    self._fd = os.open(path, os.O_RDONLY)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    os.close(self._fd)
+
+  def keys(self):
+    return self._tensors.keys()
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self._tensors[name]["shape"])
+
+  def read(self, name: str, index: tuple = ()) -> np.ndarray:
+    """`index` (a tuple of slices) → that block of tensor `name`; only its rows are read."""
+    info = self._tensors[name]
+    dtype = _numpy_dtype(info["dtype"], name, self.path)
+    shape = self.shape(name)
+    if not shape:
+      return self._pread(info["data_offsets"][0], dtype.itemsize).view(dtype).reshape(())
+    index = (*index, *[slice(None)] * (len(shape) - len(index)))
+    lo, hi, _ = index[0].indices(shape[0])
+    row = math.prod(shape[1:]) * dtype.itemsize
+    rows = self._pread(info["data_offsets"][0] + lo * row, max(hi - lo, 0) * row)
+    block = rows.view(dtype).reshape(-1, *shape[1:])
+    return block[(slice(None, None, index[0].step), *index[1:])]
+
+  def _pread(self, offset: int, count: int) -> np.ndarray:
+    out = np.empty(count, np.uint8)
+    view, done = memoryview(out), 0
+    while done < count:
+      got = os.preadv(self._fd, [view[done:]], self._start + offset + done)
+      if got == 0:
+        raise TorchOnTpuError(
+          f"{self.path} ended while reading it (it is shorter than its header says); re-download or re-export it."
+        )
+      done += got
+    return out
+
+
+def _numpy_dtype(code: str, name: str, path: Path) -> np.dtype:
+  names = {v: k for k, v in _SAFETENSORS_DTYPES.items()} | {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+  if code not in names:
+    raise TorchOnTpuError(
+      f"Tensor '{name}' in {path} has safetensors dtype {code}, which cannot be imported; store it as "
+      f"{', '.join(sorted(names))}."
+    )
+  return np.dtype(jax.numpy.dtype(names[code]))
 
 
 def _hooked_readers(prefix, twin, where, merged: dict) -> dict:
@@ -886,7 +950,7 @@ def _hooked_readers(prefix, twin, where, merged: dict) -> dict:
 
   def load():
     if prefix not in merged:
-      own = {n[len(prefix) + 1 :]: where[n].get_tensor(n) for n in where if n.startswith(prefix + ".")}
+      own = {n[len(prefix) + 1 :]: _as_torch(where[n].read(n)) for n in where if n.startswith(prefix + ".")}
       loaded = copy.deepcopy(twin)  # the twin stays meta; `merged` alone holds the data
       loaded.load_state_dict(own, strict=True, assign=True)
       tensors = [*loaded.named_parameters(), *loaded.named_buffers()]
@@ -894,16 +958,22 @@ def _hooked_readers(prefix, twin, where, merged: dict) -> dict:
     return merged[prefix]
 
   names = [f"{prefix}.{n}" for n, _ in [*twin.named_parameters(), *twin.named_buffers()]]
-  return {name: (lambda index, name=name: load()[name][index]) for name in names}
+  return {name: (lambda index, name=name: torch_to_numpy(load()[name][index])) for name in names}
+
+
+def _as_torch(x: np.ndarray) -> torch.Tensor:
+  dtype = mappings.j2t_dtype(x.dtype)
+  if x.size == 0:
+    return torch.empty(x.shape, dtype=dtype)
+  return torch.frombuffer(bytearray(x.tobytes()), dtype=dtype).reshape(x.shape)
 
 
 def _read_array(readers, stacked: bool, like, sharding) -> jax.Array:
   """One stored array, each device's block read from the files (and cast to
   `like.dtype`); a stacked array's block gathers that block of each layer."""
-  torch_dtype = mappings.j2t_dtype(np.dtype(like.dtype))
 
   def block(reader, index):
-    return torch_to_numpy(reader(index).to(torch_dtype))
+    return np.asarray(reader(index)).astype(like.dtype, copy=False)
 
   def read(index):
     if not stacked:
