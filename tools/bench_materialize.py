@@ -4,9 +4,9 @@
     python tools/bench_materialize.py --flavor=debugmodel --devices=8
     python tools/bench_materialize.py --weights        # an HF Llama of 166M params from safetensors
 
-`--weights` measures what `recipes.hf --weights` does: the model built on meta
-and its safetensors (written first by a separate process, with torch's own
-init) imported with `import_safetensors`, instead of the model's init.
+`--weights` measures what `recipes.hf --weights` does: the model materialised
+(its own init), then its safetensors (written first by a separate process,
+with torch's own init) imported over it with `import_safetensors`.
 
 On CPU the simulated devices' memory *is* host memory, so the sharded model
 itself (1x model bytes) is expected in RSS; the target bounds everything else:
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     baseline = rss()
     start = time.perf_counter()
     with PeakRss() as peak:
-      jm = tot.JittableModule(model, mesh=mesh, sharding="fsdp", scan=args.scan, abstract=args.weights)
+      jm = tot.JittableModule(model, mesh=mesh, sharding="fsdp", scan=args.scan)
       if args.weights:
         checkpoint.import_safetensors(jm, weights)
       jax.block_until_ready((jm.params, jm.buffers))

@@ -6,12 +6,13 @@ building the model on meta (nothing is allocated until weights are read):
 
     python tools/convert.py to_safetensors runs/a/ckpt out/ --model=llama3:1B [--step=1000]
     python tools/convert.py to_safetensors runs/b/ckpt out/ --hf_config=path/with/config.json
-    python tools/convert.py to_orbax path/to/hf_model runs/c/ckpt [--hf_config=...] [--step=0] [--scan]
+    python tools/convert.py to_orbax path/to/hf_model runs/c/ckpt [--hf_config=...] [--step=0]
 
 `to_safetensors` reads the training state's `params` entry (only the weights,
 not the optimizer state) and writes `state_dict` names, tensor by tensor;
-`to_orbax` writes a checkpoint holding `{"params": ...}`, which a run restores
-with `Checkpointer.restore({"params": ...}, partial=True)`.
+`to_orbax` writes a checkpoint holding `{"params": ...}` under the original
+names, which a run with or without scan restores with
+`Checkpointer(..., model=jm).restore({"params": ...}, partial=True)`.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def to_safetensors(
 ) -> None:
   """Orbax checkpoint (latest step, or `step`) → safetensors directory.
 
-  A run with `scan=True` stored its layers stacked; that layout is tried when
+  Checkpoints hold the original per-layer names; one saved before that, by a
+  run with `scan=True`, holds its layers stacked: that layout is tried when
   the plain one does not match.
   """
   if not Path(checkpoint_dir).is_dir():
@@ -96,10 +98,9 @@ def to_orbax(
   model: str | None = None,
   hf_config: str | None = None,
   step: int = 0,
-  scan: bool = False,
 ) -> None:
-  """Safetensors file or directory → orbax checkpoint `{"params": ...}` at `step`,
-  in the layout of a run with `scan` (stacked layers) or without.
+  """Safetensors file or directory → orbax checkpoint `{"params": ...}` at `step`
+  (original names: runs with and without scan restore it).
 
   An HF model directory (with config.json) needs no model spec.
   """
@@ -107,7 +108,7 @@ def to_orbax(
     raise TorchOnTpuError(f"No weights at {weights}; give a .safetensors file or a directory holding them.")
   if model is None and hf_config is None and (Path(weights) / "config.json").is_file():
     hf_config = weights
-  jm = _abstract_module(model, hf_config, scan=scan)
+  jm = _abstract_module(model, hf_config)
   checkpoint.import_safetensors(jm, weights)
   with checkpoint.Checkpointer(out_dir) as ckpt:
     if step in ckpt.all_steps():

@@ -816,8 +816,9 @@ def import_safetensors(jm, path: str | os.PathLike) -> None:
   `scan=True` included). Names are the model's `state_dict` names (a tied
   weight may be stored once; torchtitan's `wq`/`wk`/`wv` are fused into `wqkv`
   by the module's own load hook, per layer). Values are cast to the dtypes `jm`
-  holds. Different names or shapes raise before anything is read, and `jm` is
-  only updated once every tensor has loaded.
+  holds. Different names or shapes raise before anything is read. Each of jm's
+  arrays is released before its replacement is read (so the old and the new
+  model never coexist in memory); a read failing midway says jm is half-loaded.
   """
   files = _safetensors_files(Path(path))
   entries = {e.name: e for e in _plan(jm)}
@@ -849,17 +850,45 @@ def import_safetensors(jm, path: str | os.PathLike) -> None:
     abstract = _abstract(jm)
     for prefix, mod in jm.hooked_modules:
       readers.update(_hooked_readers(prefix, _meta_twin(prefix, mod, abstract), where, merged))
-    arrays = {**jm.params, **jm.buffers}
     shardings = {**jm.param_shardings, **jm.buffer_shardings}
-    loaded = {}
-    for key, (originals, stacked) in jm.stored_layout().items():
-      if not jm.is_persistent(originals[0]):  # not in state_dict: jm keeps its own
-        continue
-      group = [readers[o] for o in originals]
-      loaded[key] = _read_array(group, stacked, arrays[key], shardings[key])
+    likes = {k: jax.ShapeDtypeStruct(a.shape, a.dtype) for k, a in {**jm.params, **jm.buffers}.items()}
+    todo = [(k, o, stacked) for k, (o, stacked) in jm.stored_layout().items() if jm.is_persistent(o[0])]
+    for done, (key, originals, stacked) in enumerate(todo):  # non-persistent buffers: jm keeps its own
+      # jm's own array goes before its replacement is read: two copies of the model never coexist.
+      held = jm.params if key in jm.params else jm.buffers
+      held[key] = likes[key]
+      _return_freed_memory()
+      try:
+        held[key] = _read_array([readers[o] for o in originals], stacked, likes[key], shardings[key])
+      except Exception as e:
+        raise TorchOnTpuError(
+          f"Importing {path} failed at '{originals[0]}' after {done} of {len(todo)} arrays were "
+          f"replaced ({_first_line(e)}); the model is half-loaded: build it again."
+        ) from e
       merged.clear()
-  for key, arr in loaded.items():
-    (jm.params if key in jm.params else jm.buffers)[key] = arr
+
+
+def _return_freed_memory() -> None:
+  """Hands freed heap pages back to the OS (glibc's `malloc_trim`; elsewhere nothing).
+
+  A replaced array's memory was allocated by the runtime's threads, and glibc
+  keeps what they free in their own arenas, where the next array (allocated
+  from other threads) does not reuse it: without this, an import over an
+  initialised model held both in resident memory.
+  """
+  trim = getattr(_libc(), "malloc_trim", None)
+  if trim is not None:
+    trim(0)
+
+
+@functools.cache
+def _libc():
+  import ctypes
+
+  try:
+    return ctypes.CDLL("libc.so.6")
+  except OSError:
+    return None
 
 
 def _open_safetensors(path: Path):
@@ -981,7 +1010,10 @@ def _read_array(readers, stacked: bool, like, sharding) -> jax.Array:
     layers = range(len(readers))[index[0]]
     return np.stack([block(readers[i], index[1:]) for i in layers])
 
-  return jax.make_array_from_callback(tuple(like.shape), sharding, read)
+  # Each block goes to its device before the next is read: one block at a time in host memory.
+  blocks = sharding.addressable_devices_indices_map(tuple(like.shape))
+  shards = [jax.device_put(read(index), device) for device, index in blocks.items()]
+  return jax.make_array_from_single_device_arrays(tuple(like.shape), sharding, shards)
 
 
 def _safetensors_files(path: Path) -> list[Path]:
