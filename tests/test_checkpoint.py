@@ -215,12 +215,11 @@ def test_resume_with_scan_flipped_on_another_mesh(tmp_path, saved_scan, resumed_
     saving(tokens, labels)
   with checkpoint.Checkpointer(tmp_path, model=saving.model) as ckpt:
     ckpt.save(2, saving.state, force=True)
-  stored = {str(p.relative_to(tmp_path / "2" / "state")) for p in (tmp_path / "2" / "state").rglob("*")}
   with checkpoint.Checkpointer(tmp_path, read_only=True) as ckpt:
     names = set(_leaf_names(ckpt._manager.item_metadata(2)["state"].tree))
   assert "params/model.layers.1.self_attn.q_proj.weight" in names  # original names on disk
   assert "opt_state/0/mu/model.layers.0.mlp.up_proj.weight" in names
-  assert not [n for n in names if ".scan.layer." in n], stored
+  assert not [n for n in names if ".scan.layer." in n]
   expected = original_names(saving)
   next_loss = float(saving(*batches[2]))
 
