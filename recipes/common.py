@@ -41,7 +41,7 @@ TPU_FLAGS = (
 )
 DTYPES = ("float32", "bfloat16", "bfloat16-all")
 # Flags that change what the saved state is (its layout, dtypes, model): a resume must keep them.
-STATE_FLAGS = ("model", "model_impl", "config", "scan", "dtype", "lora_rank", "lora_targets")
+STATE_FLAGS = ("model", "model_impl", "config", "dtype", "lora_rank", "lora_targets")
 ATTENTION = ("auto", "xla", "splash", "cudnn", "none")
 
 
@@ -429,7 +429,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
     seqlen=flags.seqlen, global_batch_size=flags.global_batch_size, seed=flags.seed,
     with_positions=titan, with_segment_ids=titan, field=flags.data_field,
   )
-  ckpt = checkpoint.Checkpointer(config["ckpt_dir"], save_every=flags.save_every)
+  ckpt = checkpoint.Checkpointer(config["ckpt_dir"], save_every=flags.save_every, model=step.model)
   try:
     restored = _resume(ckpt, step, flags, config, main)
   except BaseException:

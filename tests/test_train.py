@@ -316,7 +316,7 @@ def test_dropout_differs_per_step_and_is_reproducible_from_the_seed():
   assert len(set(first)) == 3  # lr 0: only the dropout mask changes between steps
   step.state = start
   assert [float(step(x, y)) for _ in range(3)] == first  # same seed and step: same masks
-  step.state = tot.TrainState(params=start["params"], opt_state=start["opt_state"], rng=jax.random.PRNGKey(1), step=0)
+  step.state = tot.TrainState(params=start["params"], buffers=start["buffers"], opt_state=start["opt_state"], rng=jax.random.PRNGKey(1), step=0)
   assert [float(step(x, y)) for _ in range(3)] != first
   # evaluate() traces the model in eval mode: no dropout, the torch eval-mode loss.
   ref = Tiny(dropout=0.5).eval()

@@ -8,7 +8,7 @@ weights are read):
     python tools/convert.py to_hf runs/a/ckpt out/ --model=llama3:1B --tokenizer=runs/a/tokenizer [--step=1000]
     python tools/convert.py to_hf runs/b/ckpt out/ --hf_config=path/with/config.json [--mode=adapter]
     python tools/convert.py to_safetensors runs/a/ckpt out/ --model=llama3:1B [--step=1000]
-    python tools/convert.py to_orbax path/to/hf_model runs/c/ckpt [--hf_config=...] [--step=0] [--scan]
+    python tools/convert.py to_orbax path/to/hf_model runs/c/ckpt [--hf_config=...] [--step=0]
 
 `to_hf` writes a directory `AutoModelForCausalLM.from_pretrained` loads
 (weights, config.json, the run's tokenizer); for a LoRA run (its saved config
@@ -17,8 +17,8 @@ alone for peft with `--mode=adapter` (`torch_on_tpu/export.py`).
 `to_safetensors` writes the model's own `state_dict` names (a LoRA run's are
 peft's). Both read the training state's `params` entry (only the weights, not
 the optimizer state), tensor by tensor; `to_orbax` writes a checkpoint holding
-`{"params": ...}`, which a run restores with
-`Checkpointer.restore({"params": ...}, partial=True)`.
+`{"params": ...}` under the original names, which a run with or without scan
+restores with `Checkpointer(..., model=jm).restore({"params": ...}, partial=True)`.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def _adapters(ckpt, step) -> dict | None:
 def _restore(checkpoint_dir: str, model, hf_config, step):
   """(the abstract model holding the checkpoint's params, the step read).
 
-  A run with `scan=True` stored its layers stacked; that layout is tried when
+  Checkpoints hold the original per-layer names; one saved before that, by a
+  run with `scan=True`, holds its layers stacked: that layout is tried when
   the plain one does not match.
   """
   if not Path(checkpoint_dir).is_dir():
@@ -144,10 +145,9 @@ def to_orbax(
   model: str | None = None,
   hf_config: str | None = None,
   step: int = 0,
-  scan: bool = False,
 ) -> None:
-  """Safetensors file or directory → orbax checkpoint `{"params": ...}` at `step`,
-  in the layout of a run with `scan` (stacked layers) or without.
+  """Safetensors file or directory → orbax checkpoint `{"params": ...}` at `step`
+  (original names: runs with and without scan restore it).
 
   An HF model directory (with config.json) needs no model spec.
   """
@@ -155,7 +155,7 @@ def to_orbax(
     raise TorchOnTpuError(f"No weights at {weights}; give a .safetensors file or a directory holding them.")
   if model is None and hf_config is None and (Path(weights) / "config.json").is_file():
     hf_config = weights
-  jm = _abstract_module(model, hf_config, scan=scan)
+  jm = _abstract_module(model, hf_config)
   checkpoint.import_safetensors(jm, weights)
   with checkpoint.Checkpointer(out_dir) as ckpt:
     if step in ckpt.all_steps():

@@ -18,10 +18,13 @@ layer name). Exports back out are `torch_on_tpu/export.py`.
           break                                              # and exit 0; a relaunch resumes
     ckpt.close()                                             # waits for the last save
 
-The training state is any pytree of jax arrays (params, optax state, step, RNG
-key); by convention its `"params"` entry is the `JittableModule`'s params dict,
-which is what `tools/convert.py` reads. Data-iterator state and the resolved
-run config are JSON dicts saved next to it. Weights never go through pickle.
+The training state is any pytree of jax arrays (params, buffers, optax state,
+step, RNG key); by convention its `"params"` entry is the `JittableModule`'s
+params dict, which is what `tools/convert.py` reads. With `model=jm`, layers
+that `jm` holds stacked (scan) are stored under their original per-layer
+names, in params and in every dict keyed like them (optimizer moments), so a
+run resumes with scan on or off. Data-iterator state and the resolved run
+config are JSON dicts saved next to it. Weights never go through pickle.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from torch_on_tpu import _compat, integrity, storage
+from torch_on_tpu import scan as scan_lib
 from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.materialize import torch_to_numpy
 
@@ -80,6 +84,14 @@ class Checkpointer:
   steps are kept. `read_only=True` (for tools reading a live run's directory)
   neither writes nor cleans up.
 
+  `model` (the `JittableModule` whose params and buffers the state holds)
+  puts its scan-stacked arrays on disk as one array per original layer name
+  (`layers.0.attention.wq.weight`, ...), wherever a dict in the state is keyed
+  by them (params, buffers, optax moments), and restores them into its own
+  layout: a checkpoint resumes with scan on or off, on any mesh. Saving
+  slices the stacked arrays on their devices, so until `save` returns the
+  devices hold those arrays twice.
+
   Every step carries checksums of its files (`integrity`), checked before it
   is read. A storage fault while writing (full disk, no permission, read-only
   or vanished directory) is raised by `save`, `wait` or `close` as one
@@ -95,12 +107,14 @@ class Checkpointer:
     keep: int | None = 3,
     async_save: bool = True,
     read_only: bool = False,
+    model=None,
   ):
     if save_every < 1:
       raise TorchOnTpuError(f"Checkpointer save_every must be at least 1, got {save_every}.")
     self.directory = Path(directory).absolute()
     self.read_only = read_only
     self._async = async_save
+    self._layers = _LayerNames(model)
     self._writing: int | None = None  # the step the newest save started
     storage.quiet_orbax_thread_tracebacks()
     policies = ocp.checkpoint_managers
@@ -162,7 +176,7 @@ class Checkpointer:
     if step in self._manager.all_steps() or not (force or self._manager.should_save(step)):
       return False
     args = ocp.args.Composite(
-      state=ocp.args.PyTreeSave(state),
+      state=ocp.args.PyTreeSave(self._layers.unstack(state)),
       data=ocp.args.JsonSave(_json_item("data", data)),
       config=ocp.args.JsonSave(_json_item("config", config)),
     )
@@ -238,11 +252,14 @@ class Checkpointer:
       saved_tree = self._manager.item_metadata(step)["state"].tree
     except (ValueError, KeyError, AttributeError, TypeError, OSError) as e:
       return None, f"its metadata is unreadable ({_first_line(e)})"
-    self._check_matches(step, saved_tree, target, partial)
+    stored = self._layers.unstack(target)
+    if stored is not target and not _mismatches(_leaf_shapes(saved_tree), _leaf_shapes(target), allow_unexpected=partial):
+      stored = target  # saved stacked, before checkpoints kept the original names
+    self._check_matches(step, saved_tree, stored, partial)
     args = ocp.args.Composite(
       state=ocp.args.PyTreeRestore(
-        item=target,
-        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        item=stored,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(stored),
         partial_restore=partial,
       ),
       data=ocp.args.JsonRestore(),
@@ -254,7 +271,8 @@ class Checkpointer:
       raise
     except (ValueError, KeyError, AttributeError, TypeError, OSError) as e:
       return None, f"reading it failed: {_first_line(e)}"
-    return Restored(step=step, state=out["state"], data=out["data"], config=out["config"]), None
+    state = out["state"] if stored is target else self._layers.restack(out["state"])
+    return Restored(step=step, state=state, data=out["data"], config=out["config"]), None
 
   def set_aside(self, steps, reason: str) -> list[Path]:
     """Renames step directories to `<step>.<reason>` (never deleting them), so
@@ -282,11 +300,15 @@ class Checkpointer:
     problems = _mismatches(saved, wanted, allow_unexpected=partial)
     if problems:
       subset = not _mismatches(saved, wanted, allow_unexpected=True)
-      fix = (
-        "pass partial=True to read only the entries the target names"
-        if subset
-        else "restore it into the model and optimizer that saved it"
-      )
+      if subset:
+        fix = "pass partial=True to read only the entries the target names"
+      elif any(f".{scan_lib.SCAN}.{scan_lib.LAYER}." in n for n in saved):
+        fix = (
+          "it holds scan-stacked layers (saved before checkpoints kept the original names): resume "
+          "it with scan=True, or convert it with tools/convert.py to_safetensors and import that"
+        )
+      else:
+        fix = "restore it into the model and optimizer that saved it"
       raise TorchOnTpuError(
         f"The checkpoint at {self.directory / str(step)} does not match the state to restore "
         f"({problems}); {fix}."
@@ -363,6 +385,84 @@ def abstract_state(tree, mesh: jax.sharding.Mesh | None = None, *, params: Mappi
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
   return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+class _LayerNames:
+  """A model's scan-stacked arrays ↔ their original per-layer names, wherever a
+  dict in a state tree is keyed by the stacked names (params, buffers, and the
+  optimizer's moments, which optax keys like the params)."""
+
+  def __init__(self, model):
+    layout = model.stored_layout() if model is not None else {}
+    self.groups = {k: originals for k, (originals, stacked) in layout.items() if stacked}
+    self._first = {originals[0]: k for k, originals in self.groups.items()}
+
+  def unstack(self, tree):
+    """Each stacked array (or `ShapeDtypeStruct`) → one per original layer name,
+    sliced on its devices; the tree itself when nothing is stacked."""
+    if not self.groups:
+      return tree
+
+    def node(x):
+      if not self._holds(x, self.groups):
+        return x
+      out = {}
+      for key, value in x.items():
+        layers = self.groups.get(key)
+        if layers and isinstance(value, (jax.Array, jax.ShapeDtypeStruct)) and value.shape[:1] == (len(layers),):
+          out.update(zip(layers, _layer_slices(value)))
+        else:
+          out[key] = value
+      return out
+
+    return jax.tree.map(node, tree, is_leaf=lambda x: self._holds(x, self.groups))
+
+  def restack(self, tree):
+    """The inverse of `unstack` on a restored tree, one group at a time (the
+    per-layer arrays of a group are released as soon as it is stacked)."""
+
+    def node(x):
+      if not self._holds(x, self._first):
+        return x
+      for first, key in self._first.items():
+        if first in x:
+          x[key] = _stack_layers([x.pop(n) for n in self.groups[key]])
+      return x
+
+    return jax.tree.map(node, tree, is_leaf=lambda x: self._holds(x, self._first))
+
+  @staticmethod
+  def _holds(x, names) -> bool:
+    return isinstance(x, Mapping) and any(k in names for k in x)
+
+
+def _layer_sharding(sharding, stacked: bool):
+  """A stacked array's sharding without its layer dim (`stacked=False`), or one layer's with it."""
+  if not isinstance(sharding, NamedSharding):
+    return sharding
+  spec = PartitionSpec(*tuple(sharding.spec)[1:]) if not stacked else PartitionSpec(None, *sharding.spec)
+  return NamedSharding(sharding.mesh, spec)
+
+
+def _layer_slices(value) -> list:
+  sharding = _layer_sharding(value.sharding, stacked=False)
+  if isinstance(value, jax.ShapeDtypeStruct):
+    return [jax.ShapeDtypeStruct(value.shape[1:], value.dtype, sharding=sharding)] * value.shape[0]
+  return _unstack(value, sharding)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _unstack(stacked, sharding):
+  return [jax.lax.with_sharding_constraint(stacked[i], sharding) for i in range(stacked.shape[0])]
+
+
+def _stack_layers(layers: list):
+  return _stack(layers, _layer_sharding(layers[0].sharding, stacked=True))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _stack(layers, sharding):
+  return jax.lax.with_sharding_constraint(jax.numpy.stack(layers), sharding)
 
 
 def _first_line(e: BaseException) -> str:
@@ -543,15 +643,16 @@ def import_safetensors(jm, path: str | os.PathLike) -> None:
   `scan=True` included). Names are the model's `state_dict` names (a tied
   weight may be stored once; torchtitan's `wq`/`wk`/`wv` are fused into `wqkv`
   by the module's own load hook, per layer). Values are cast to the dtypes `jm`
-  holds. Different names or shapes raise before anything is read, and `jm` is
-  only updated once every tensor has loaded.
+  holds. Different names or shapes raise before anything is read. Each of jm's
+  arrays is released before its replacement is read (so the old and the new
+  model never coexist in memory); a read failing midway says jm is half-loaded.
   """
   files = _safetensors_files(Path(path))
   entries = {e.name: e for e in _plan(jm)}
   with contextlib.ExitStack() as stack:
-    handles = [stack.enter_context(_open_safetensors(f)) for f in files]
+    handles = [stack.enter_context(_SafetensorsFile(f)) for f in files]
     where = {name: h for h in handles for name in h.keys()}
-    found = {name: tuple(h.get_slice(name).get_shape()) for name, h in where.items()}
+    found = {name: h.shape(name) for name, h in where.items()}
     # A tied group (HF's embed_tokens / lm_head) needs only one of its names stored.
     names_of: dict[str, list[str]] = {}
     for e in entries.values():
@@ -571,22 +672,50 @@ def import_safetensors(jm, path: str | os.PathLike) -> None:
     readers = {}
     for canonical, names in names_of.items():
       name = next(n for n in names if n in found)
-      readers[canonical] = _slice_reader(where[name].get_slice(name))
+      readers[canonical] = functools.partial(where[name].read, name)
     merged: dict = {}  # hooked modules' merged tensors, kept while one array is read
     abstract = _abstract(jm)
     for prefix, mod in jm.hooked_modules:
       readers.update(_hooked_readers(prefix, _meta_twin(prefix, mod, abstract), where, merged))
-    arrays = {**jm.params, **jm.buffers}
     shardings = {**jm.param_shardings, **jm.buffer_shardings}
-    loaded = {}
-    for key, (originals, stacked) in jm.stored_layout().items():
-      if not jm.is_persistent(originals[0]):  # not in state_dict: jm keeps its own
-        continue
-      group = [readers[o] for o in originals]
-      loaded[key] = _read_array(group, stacked, arrays[key], shardings[key])
+    likes = {k: jax.ShapeDtypeStruct(a.shape, a.dtype) for k, a in {**jm.params, **jm.buffers}.items()}
+    todo = [(k, o, stacked) for k, (o, stacked) in jm.stored_layout().items() if jm.is_persistent(o[0])]
+    for done, (key, originals, stacked) in enumerate(todo):  # non-persistent buffers: jm keeps its own
+      # jm's own array goes before its replacement is read: two copies of the model never coexist.
+      held = jm.params if key in jm.params else jm.buffers
+      held[key] = likes[key]
+      _return_freed_memory()
+      try:
+        held[key] = _read_array([readers[o] for o in originals], stacked, likes[key], shardings[key])
+      except Exception as e:
+        raise TorchOnTpuError(
+          f"Importing {path} failed at '{originals[0]}' after {done} of {len(todo)} arrays were "
+          f"replaced ({_first_line(e)}); the model is half-loaded: build it again."
+        ) from e
       merged.clear()
-  for key, arr in loaded.items():
-    (jm.params if key in jm.params else jm.buffers)[key] = arr
+
+
+def _return_freed_memory() -> None:
+  """Hands freed heap pages back to the OS (glibc's `malloc_trim`; elsewhere nothing).
+
+  A replaced array's memory was allocated by the runtime's threads, and glibc
+  keeps what they free in their own arenas, where the next array (allocated
+  from other threads) does not reuse it: without this, an import over an
+  initialised model held both in resident memory.
+  """
+  trim = getattr(_libc(), "malloc_trim", None)
+  if trim is not None:
+    trim(0)
+
+
+@functools.cache
+def _libc():
+  import ctypes
+
+  try:
+    return ctypes.CDLL("libc.so.6")
+  except OSError:
+    return None
 
 
 def _open_safetensors(path: Path):
@@ -601,9 +730,73 @@ def _open_safetensors(path: Path):
     ) from None
 
 
-def _slice_reader(tensor_slice):
-  """`index` (a tuple of slices) → that block of a stored tensor, as torch."""
-  return lambda index: tensor_slice[index]
+class _SafetensorsFile:
+  """One safetensors file, each block read on its own with positioned reads.
+
+  Not through a memory map: the pages of a mapped file that were read stay in
+  the process's resident memory until it is unmapped, which for a whole-model
+  import is a second copy of the model next to its arrays. Here a block's rows
+  are read into a buffer that lives until its device array is made.
+  """
+
+  def __init__(self, path: Path):
+    with _open_safetensors(path):  # checks the header and the file's size against it
+      pass
+    with open(path, "rb") as f:
+      size = struct.unpack("<Q", f.read(8))[0]
+      self._tensors = json.loads(f.read(size))
+    self._tensors.pop("__metadata__", None)
+    self._start = 8 + size
+    self.path = path
+    self._fd = os.open(path, os.O_RDONLY)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    os.close(self._fd)
+
+  def keys(self):
+    return self._tensors.keys()
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self._tensors[name]["shape"])
+
+  def read(self, name: str, index: tuple = ()) -> np.ndarray:
+    """`index` (a tuple of slices) → that block of tensor `name`; only its rows are read."""
+    info = self._tensors[name]
+    dtype = _numpy_dtype(info["dtype"], name, self.path)
+    shape = self.shape(name)
+    if not shape:
+      return self._pread(info["data_offsets"][0], dtype.itemsize).view(dtype).reshape(())
+    index = (*index, *[slice(None)] * (len(shape) - len(index)))
+    lo, hi, _ = index[0].indices(shape[0])
+    row = math.prod(shape[1:]) * dtype.itemsize
+    rows = self._pread(info["data_offsets"][0] + lo * row, max(hi - lo, 0) * row)
+    block = rows.view(dtype).reshape(-1, *shape[1:])
+    return block[(slice(None, None, index[0].step), *index[1:])]
+
+  def _pread(self, offset: int, count: int) -> np.ndarray:
+    out = np.empty(count, np.uint8)
+    view, done = memoryview(out), 0
+    while done < count:
+      got = os.preadv(self._fd, [view[done:]], self._start + offset + done)
+      if got == 0:
+        raise TorchOnTpuError(
+          f"{self.path} ended while reading it (it is shorter than its header says); re-download or re-export it."
+        )
+      done += got
+    return out
+
+
+def _numpy_dtype(code: str, name: str, path: Path) -> np.dtype:
+  names = {v: k for k, v in _SAFETENSORS_DTYPES.items()} | {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+  if code not in names:
+    raise TorchOnTpuError(
+      f"Tensor '{name}' in {path} has safetensors dtype {code}, which cannot be imported; store it as "
+      f"{', '.join(sorted(names))}."
+    )
+  return np.dtype(jax.numpy.dtype(names[code]))
 
 
 def _hooked_readers(prefix, twin, where, merged: dict) -> dict:
@@ -613,7 +806,7 @@ def _hooked_readers(prefix, twin, where, merged: dict) -> dict:
 
   def load():
     if prefix not in merged:
-      own = {n[len(prefix) + 1 :]: where[n].get_tensor(n) for n in where if n.startswith(prefix + ".")}
+      own = {n[len(prefix) + 1 :]: _as_torch(where[n].read(n)) for n in where if n.startswith(prefix + ".")}
       loaded = copy.deepcopy(twin)  # the twin stays meta; `merged` alone holds the data
       loaded.load_state_dict(own, strict=True, assign=True)
       tensors = [*loaded.named_parameters(), *loaded.named_buffers()]
@@ -621,16 +814,22 @@ def _hooked_readers(prefix, twin, where, merged: dict) -> dict:
     return merged[prefix]
 
   names = [f"{prefix}.{n}" for n, _ in [*twin.named_parameters(), *twin.named_buffers()]]
-  return {name: (lambda index, name=name: load()[name][index]) for name in names}
+  return {name: (lambda index, name=name: torch_to_numpy(load()[name][index])) for name in names}
+
+
+def _as_torch(x: np.ndarray) -> torch.Tensor:
+  dtype = mappings.j2t_dtype(x.dtype)
+  if x.size == 0:
+    return torch.empty(x.shape, dtype=dtype)
+  return torch.frombuffer(bytearray(x.tobytes()), dtype=dtype).reshape(x.shape)
 
 
 def _read_array(readers, stacked: bool, like, sharding) -> jax.Array:
   """One stored array, each device's block read from the files (and cast to
   `like.dtype`); a stacked array's block gathers that block of each layer."""
-  torch_dtype = mappings.j2t_dtype(np.dtype(like.dtype))
 
   def block(reader, index):
-    return torch_to_numpy(reader(index).to(torch_dtype))
+    return np.asarray(reader(index)).astype(like.dtype, copy=False)
 
   def read(index):
     if not stacked:
@@ -638,7 +837,10 @@ def _read_array(readers, stacked: bool, like, sharding) -> jax.Array:
     layers = range(len(readers))[index[0]]
     return np.stack([block(readers[i], index[1:]) for i in layers])
 
-  return jax.make_array_from_callback(tuple(like.shape), sharding, read)
+  # Each block goes to its device before the next is read: one block at a time in host memory.
+  blocks = sharding.addressable_devices_indices_map(tuple(like.shape))
+  shards = [jax.device_put(read(index), device) for device, index in blocks.items()]
+  return jax.make_array_from_single_device_arrays(tuple(like.shape), sharding, shards)
 
 
 def _safetensors_files(path: Path) -> list[Path]:

@@ -54,7 +54,7 @@ Conventions:
   (the `Trainer` stops before saving such a state).
 
 State for checkpoints: `step.state` is a `TrainState`, a plain dict
-`{"params", "opt_state", "rng", "step"}` of arrays; assigning
+`{"params", "buffers", "opt_state", "rng", "step"}` of arrays; assigning
 `step.state = restored` puts one back (in this run's shardings, checked for
 the same names and shapes); `step.abstract_state()` gives the restore target.
 """
@@ -96,12 +96,15 @@ _ARRAY_TYPES = (jax.Array, np.ndarray, torch.Tensor, jax.ShapeDtypeStruct)
 class TrainState(TypedDict):
   """Everything a resumed run needs besides the data position: a plain dict pytree.
 
-  `params` is the JittableModule's params dict; `rng` a raw uint32 key
+  `params` is the JittableModule's params dict; `buffers` its buffers dict
+  (running statistics and counters a forward wrote: a resume must continue
+  from them, not from their initial values); `rng` a raw uint32 key
   (`jax.random.PRNGKey`) that step n folds n into; `step` the number of
   completed steps (an int32 scalar array, so every leaf is an array).
   """
 
   params: dict
+  buffers: dict
   opt_state: Any
   rng: jax.Array
   step: jax.Array
@@ -599,6 +602,7 @@ class TrainStep:
   def state(self) -> TrainState:
     return TrainState(
       params=dict(self.model.params),
+      buffers=dict(self.model.buffers),
       opt_state=self.opt_state,
       rng=self.rng,
       step=jax.device_put(np.int32(self.step_count), self._replicated),
@@ -607,19 +611,22 @@ class TrainStep:
   @state.setter
   def state(self, state: TrainState) -> None:
     target = self.abstract_state()
-    _check_same_layout("params", state["params"], target["params"])
-    _check_same_layout("opt_state", state["opt_state"], target["opt_state"])
+    for part in ("params", "buffers", "opt_state"):
+      _check_same_layout(part, state[part], target[part])
     put = lambda x, t: x if getattr(x, "sharding", None) == t.sharding else jax.device_put(x, t.sharding)  # noqa: E731
     self.model.params.update(jax.tree.map(put, dict(state["params"]), target["params"]))
+    self.model.buffers.update(jax.tree.map(put, dict(state["buffers"]), target["buffers"]))
     self.opt_state = jax.tree.map(put, state["opt_state"], target["opt_state"])
     self.rng = put(jnp.asarray(state["rng"], jnp.uint32), target["rng"])
     self.step_count = int(state["step"])
 
   def abstract_state(self) -> TrainState:
     """Shapes, dtypes and shardings of `state`: the target to restore a checkpoint into."""
-    shardings = self.model.param_shardings
+    shardings = {**self.model.param_shardings, **self.model.buffer_shardings}
+    placed = lambda arrays: {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in arrays.items()}  # noqa: E731
     return TrainState(
-      params={k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in self.model.params.items()},
+      params=placed(self.model.params),
+      buffers=placed(self.model.buffers),
       opt_state=jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         _abstract(self.opt_state),
