@@ -1,6 +1,7 @@
 """Checkpoints: orbax save/restore across meshes, atomicity, exact resume and
 preemption with real processes, safetensors export/import, mismatch safety."""
 
+import importlib
 import hashlib
 import json
 import os
@@ -567,7 +568,8 @@ def test_import_hf_weights_reads_only_each_devices_slice(tmp_path, monkeypatch):
     build_causal_lm(tiny_hf_config()), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp", abstract=True
   )
   reads, mapped = [], []
-  real_pread, real_read_array = checkpoint._SafetensorsFile._pread, checkpoint._read_array
+  reader = importlib.import_module("torch_on_tpu.checkpoint.safetensors_import")
+  real_pread, real_read_array = reader._SafetensorsFile._pread, reader._read_array
 
   def pread(self, offset, count):
     reads.append(count)
@@ -577,8 +579,8 @@ def test_import_hf_weights_reads_only_each_devices_slice(tmp_path, monkeypatch):
     mapped.append("model.safetensors" in Path("/proc/self/maps").read_text())
     return real_read_array(*args)
 
-  monkeypatch.setattr(checkpoint._SafetensorsFile, "_pread", pread)
-  monkeypatch.setattr(checkpoint, "_read_array", read_array)
+  monkeypatch.setattr(reader._SafetensorsFile, "_pread", pread)
+  monkeypatch.setattr(reader, "_read_array", read_array)
   checkpoint.import_safetensors(jm, hf_dir)
 
   expected = cpu_model.state_dict()

@@ -8,3 +8,10 @@ exit non-zero instead of showing a traceback.
 
 class TorchOnTpuError(ValueError):
   """A user-facing configuration or input error with a one-sentence message."""
+
+
+def first_line(error: BaseException) -> str:
+  """`Type: the first line of its message` (at most 200 characters): how a library's
+  error is quoted inside one of our sentences."""
+  lines = str(error).strip().splitlines()
+  return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"

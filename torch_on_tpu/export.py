@@ -35,22 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from torch_on_tpu import checkpoint, data, lora, models
+from torch_on_tpu import data, lora, models
+from torch_on_tpu.checkpoint import state_entries
 from torch_on_tpu.errors import TorchOnTpuError
 
 MODES = ("full", "merged", "adapter")
-_DTYPES = {
-  "float64": "F64",
-  "float32": "F32",
-  "float16": "F16",
-  "bfloat16": "BF16",
-  "int64": "I64",
-  "int32": "I32",
-  "int16": "I16",
-  "int8": "I8",
-  "uint8": "U8",
-  "bool": "BOOL",
-}
 _CHUNK_BYTES = 64 * 2**20  # host memory one exported array chunk may take
 _ADAPTER = "default"  # the adapter name lora.wrap gives peft
 
@@ -154,7 +143,7 @@ def _state_tensors(jm) -> list[_Tensor]:
   """The model's `state_dict`, entry by entry, nothing read yet."""
   state_dict = jm.state_dict()
   out = []
-  for e in checkpoint._plan(jm):
+  for e in state_entries.entries(jm):
     get = functools.partial(jm.array_for if e.direct else state_dict.array, e.name)
     out.append(_Tensor(e.name, e.shape, e.dtype, get))
   return out
@@ -227,7 +216,7 @@ def _write_dir(directory, tensors: list[_Tensor], stem: str, max_shard_bytes, ov
   file) plus what `extras(tmp)` writes, appearing at `directory` all at once."""
   directory = Path(directory).absolute()
   for t in tensors:
-    if t.dtype.name not in _DTYPES:
+    if t.dtype.name not in state_entries.SAFETENSORS_DTYPES:
       raise TorchOnTpuError(
         f"State '{t.name}' has dtype {t.dtype.name}, which safetensors cannot store; "
         f"cast it to a float or integer dtype before exporting."
@@ -293,7 +282,7 @@ def _write_safetensors(path: Path | None, tensors: list[_Tensor]) -> None:
   header = {"__metadata__": {"format": "pt"}}
   offset = 0
   for t in tensors:
-    header[t.name] = {"dtype": _DTYPES[t.dtype.name], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+    header[t.name] = {"dtype": state_entries.SAFETENSORS_DTYPES[t.dtype.name], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
     offset += t.nbytes
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned

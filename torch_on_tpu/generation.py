@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import torch
 
 from torch_on_tpu import _compat
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, first_line
 from torch_on_tpu.models.family import CacheNotCarried
 from torch_on_tpu.module import JittableModule, to_cpu
 from torch_on_tpu.train import call_model
@@ -123,7 +123,7 @@ def _compiled(model, inputs_fn, length, new, top_k, cache, tokens, key, keep_log
     except CacheNotCarried as e:
       reason = str(e)
     except Exception as e:  # noqa: BLE001 (whatever stops the cached form, the full forward may still run)
-      reason = f"tracing it failed ({_first_line(e)})"
+      reason = f"tracing it failed ({first_line(e)})"
   if cache is True:
     raise TorchOnTpuError(
       f"generate(cache=True) cannot use this model's KV cache: {reason}; pass cache=None to run a full "
@@ -143,10 +143,6 @@ def _decode_cache(model: JittableModule, inputs_fn, max_cache_len: int):
     if any(stacked for _, stacked in model.stored_layout().values()):
       return None, "its layers are stacked (scan=True or a remat policy) and run as one step, which carries no KV cache"
   return model.family.decode_cache(model.module, max_cache_len)
-
-
-def _first_line(error: Exception) -> str:
-  return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
 def _cached_loop(model, make_cache, length, new, top_k, keep_logits):

@@ -11,6 +11,7 @@ import logging
 import torch
 
 from torch_on_tpu import _compat, extras
+from torch_on_tpu.errors import first_line
 from torch_on_tpu.models._maps import present_rules
 from torch_on_tpu.models.family import CacheNotCarried, DecoderShape, Family, HFForm
 
@@ -229,10 +230,6 @@ class StaticCacheCarry:
       raise CacheNotCarried(f"a decode step changes the cache's Python state ({', '.join(changed)})")
 
 
-def _first_line(error: Exception) -> str:
-  return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
-
-
 class HFFamily(Family):
   """HF transformers causal LMs (and peft models around one)."""
 
@@ -299,7 +296,7 @@ class HFFamily(Family):
     try:
       layers = StaticCacheCarry(module.config, max_len).cache.layers
     except Exception as e:  # noqa: BLE001 (a config StaticCache cannot read: the full forward may still run)
-      return None, f"transformers cannot build its StaticCache ({_first_line(e)})"
+      return None, f"transformers cannot build its StaticCache ({first_line(e)})"
     other = sorted({type(layer).__name__ for layer in layers if type(layer) is not StaticLayer})
     if other:
       return None, f"its static cache has {', '.join(other)} layers, whose state moves in Python between steps"

@@ -1,64 +1,34 @@
-"""Checkpoints: orbax training state, and safetensors for the PyTorch world.
-
-Training runs get preempted and pods fail, so a run saves its whole state with
-orbax (asynchronous, atomic, keep-last-N) and resumes bit-exactly; pretrained
-weights come in from a safetensors directory under the model's original
-`state_dict` names (scan-stacked layers included: they are read per original
-layer name). Exports back out are `torch_on_tpu/export.py`.
-
-    ckpt = Checkpointer("runs/a/ckpt", save_every=500, keep=3)
-    restored = ckpt.restore(abstract_state(state, mesh, params=jm.params))  # None: fresh run
-    with PreemptionGuard() as guard:
-      for step in range(start, steps):
-        state = train_step(state, batch)
-        stop = guard.should_stop(step + 1)
-        if stop or step + 1 == steps or ckpt.should_save(step + 1):
-          ckpt.save(step + 1, state, data=loader.state(), config=run_config, force=True)
-        if stop:
-          break                                              # and exit 0; a relaunch resumes
-    ckpt.close()                                             # waits for the last save
-
-The training state is any pytree of jax arrays (params, buffers, optax state,
-step, RNG key); by convention its `"params"` entry is the `JittableModule`'s
-params dict, which is what `tools/convert.py` reads. With `model=jm`, layers
-that `jm` holds stacked (scan) are stored under their original per-layer
-names, in params and in every dict keyed like them (optimizer moments), so a
-run resumes with scan on or off. Data-iterator state and the resolved run
-config are JSON dicts saved next to it. Weights never go through pickle.
-"""
+"""Orbax training checkpoints: the whole training state, saved asynchronously and atomically,
+restored bit-exactly into any mesh, under the model's original names (scan-stacked layers
+sliced per layer), with checksums checked before a restore."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
+import functools
 import json
 import logging
-import math
 import os
-import signal
 from collections.abc import Mapping
 from pathlib import Path
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
-import torch
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from torch_on_tpu import _compat, integrity, storage
 from torch_on_tpu import scan as scan_lib
-from torch_on_tpu.errors import TorchOnTpuError
-from torch_on_tpu.materialize import torch_to_numpy
+from torch_on_tpu.checkpoint import state_entries
+from torch_on_tpu.errors import TorchOnTpuError, first_line
 
 torchax = _compat.import_torchax()
-from torchax.ops import mappings  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
+
 PARAMS_KEY = "params"  # the training state's entry holding `JittableModule.params`
-_SHOWN = 5  # mismatches listed by name in an error; the rest are counted
 
 # ---- orbax training checkpoints ---------------------------------------------------------
 
@@ -226,7 +196,7 @@ class Checkpointer:
         f"step (saved steps are {saved})."
       )
     if damaged:
-      listed = "; ".join(f"step {s}: {p}" for s, p in damaged[:_SHOWN])
+      listed = "; ".join(f"step {s}: {p}" for s, p in damaged[: state_entries.SHOWN])
       raise TorchOnTpuError(
         f"Every checkpoint in {self.directory} is damaged ({listed}); restore from a copy or start "
         f"afresh in another directory."
@@ -251,9 +221,9 @@ class Checkpointer:
     try:
       saved_tree = self._manager.item_metadata(step)["state"].tree
     except (ValueError, KeyError, AttributeError, TypeError, OSError) as e:
-      return None, f"its metadata is unreadable ({_first_line(e)})"
+      return None, f"its metadata is unreadable ({first_line(e)})"
     stored = self._layers.unstack(target)
-    if stored is not target and not _mismatches(_leaf_shapes(saved_tree), _leaf_shapes(target), allow_unexpected=partial):
+    if stored is not target and not state_entries.mismatches(_leaf_shapes(saved_tree), _leaf_shapes(target), allow_unexpected=partial):
       stored = target  # saved stacked, before checkpoints kept the original names
     self._check_matches(step, saved_tree, stored, partial)
     args = ocp.args.Composite(
@@ -270,7 +240,7 @@ class Checkpointer:
     except TorchOnTpuError:
       raise
     except (ValueError, KeyError, AttributeError, TypeError, OSError) as e:
-      return None, f"reading it failed: {_first_line(e)}"
+      return None, f"reading it failed: {first_line(e)}"
     state = out["state"] if stored is target else self._layers.restack(out["state"])
     return Restored(step=step, state=state, data=out["data"], config=out["config"]), None
 
@@ -297,9 +267,9 @@ class Checkpointer:
   def _check_matches(self, step, saved_tree, target, partial):
     saved = _leaf_shapes(saved_tree)
     wanted = _leaf_shapes(target)
-    problems = _mismatches(saved, wanted, allow_unexpected=partial)
+    problems = state_entries.mismatches(saved, wanted, allow_unexpected=partial)
     if problems:
-      subset = not _mismatches(saved, wanted, allow_unexpected=True)
+      subset = not state_entries.mismatches(saved, wanted, allow_unexpected=True)
       if subset:
         fix = "pass partial=True to read only the entries the target names"
       elif any(f".{scan_lib.SCAN}.{scan_lib.LAYER}." in n for n in saved):
@@ -465,11 +435,6 @@ def _stack(layers, sharding):
   return jax.lax.with_sharding_constraint(jax.numpy.stack(layers), sharding)
 
 
-def _first_line(e: BaseException) -> str:
-  lines = str(e).strip().splitlines()
-  return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
-
-
 def _listing(directory: Path) -> list[Path]:
   try:
     return list(directory.iterdir())
@@ -499,366 +464,3 @@ def _leaf_shapes(tree) -> dict[str, tuple[int, ...]]:
   return out
 
 
-def _mismatches(found: Mapping, wanted: Mapping, *, allow_unexpected: bool = False) -> str:
-  """'' when `found` has every name of `wanted` with its shape; else a summary."""
-  missing = [n for n in wanted if n not in found]
-  unexpected = [] if allow_unexpected else [n for n in found if n not in wanted]
-  shapes = [
-    f"{n} is {tuple(found[n])} but {tuple(wanted[n])} is expected"
-    for n in wanted
-    if n in found and tuple(found[n]) != tuple(wanted[n])
-  ]
-  parts = []
-  for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
-    if items:
-      shown = ", ".join(items[:_SHOWN])
-      if len(items) > _SHOWN:
-        shown += f" and {len(items) - _SHOWN} more"
-      parts.append(f"{len(items)} {label}: {shown}")
-  return "; ".join(parts)
-
-
-# ---- preemption --------------------------------------------------------------------------
-
-
-class PreemptionGuard:
-  """SIGTERM / SIGINT become a request to stop after the current step.
-
-  The loop asks `should_stop(step)` after each step; when it says so the loop
-  saves and exits 0, and a relaunch resumes. A second signal stops at once
-  (`KeyboardInterrupt`). On several processes no handler is installed: jax's
-  preemption service catches SIGTERM and every process stops at the same step
-  (`jax.experimental.multihost_utils.reached_preemption_sync_point`); SIGINT
-  then interrupts as usual.
-  """
-
-  def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
-    self.signals = tuple(signals)
-    self.requested = False
-    self.signal_name: str | None = None
-    self._previous: dict = {}
-
-  def __enter__(self):
-    if jax.process_count() == 1:
-      for sig in self.signals:
-        self._previous[sig] = signal.signal(sig, self._handle)
-    return self
-
-  def __exit__(self, *exc):
-    for sig, handler in self._previous.items():
-      signal.signal(sig, handler)
-    self._previous.clear()
-
-  def _handle(self, signum, frame):
-    if self.requested:
-      raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping now")
-    self.requested = True
-    self.signal_name = signal.Signals(signum).name
-    logger.warning(
-      "Got %s: finishing the current step, saving a checkpoint, then exiting "
-      "(send it again to stop at once).",
-      self.signal_name,
-    )
-
-  def should_stop(self, step: int) -> bool:
-    """True once a stop was requested (on every process at the same `step`)."""
-    if jax.process_count() > 1:
-      return multihost_utils.reached_preemption_sync_point(step)
-    return self.requested
-
-
-# ---- safetensors import (export is torch_on_tpu/export.py) ------------------------------
-
-_INDEX_FILE = "model.safetensors.index.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-  """One `state_dict` name: shape and dtype, and whether it is a module's own array."""
-
-  name: str
-  shape: tuple[int, ...]
-  dtype: np.dtype
-  direct: bool  # False: produced by a module's state_dict hook (torchtitan's wq/wk/wv)
-
-  @property
-  def nbytes(self) -> int:
-    return math.prod(self.shape) * self.dtype.itemsize
-
-
-def _abstract(jm) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-  """Every original tensor name (ties by their canonical name) → (shape, dtype)."""
-  arrays = {**jm.params, **jm.buffers}
-  out = {}
-  for key, (originals, stacked) in jm.stored_layout().items():
-    shape = arrays[key].shape[1:] if stacked else arrays[key].shape
-    for original in originals:
-      out[original] = (tuple(shape), np.dtype(arrays[key].dtype))
-  return out
-
-
-def _meta_twin(prefix: str, mod: torch.nn.Module, abstract) -> torch.nn.Module:
-  """A copy of a hooked module whose tensors are meta ones of its own original
-  shapes and current dtypes, to run its state_dict hooks on (nothing allocated)."""
-  twin = copy.deepcopy(mod)
-  for name, _ in [*twin.named_parameters(), *twin.named_buffers()]:
-    shape, dtype = abstract[f"{prefix}.{name}"]
-    path, _, leaf = name.rpartition(".")
-    owner = twin.get_submodule(path)
-    meta = torch.empty(shape, dtype=mappings.j2t_dtype(dtype), device="meta")
-    if leaf in owner._parameters:
-      owner._parameters[leaf] = torch.nn.Parameter(meta, requires_grad=False)
-    else:
-      owner._buffers[leaf] = meta
-  return twin
-
-
-def _plan(jm) -> list[_Entry]:
-  """Every `state_dict` name of the model with its shape and dtype, nothing read.
-
-  Names under a module whose state_dict hooks rename or reshape (torchtitan's
-  fused `wqkv` saved as `wq`/`wk`/`wv`) take their shapes from running those
-  hooks on a meta copy of the module.
-  """
-  abstract = _abstract(jm)
-  hooked = {}
-  for prefix, mod in jm.hooked_modules:
-    twin = _meta_twin(prefix, mod, abstract)
-    for name, t in twin.state_dict(prefix=prefix + ".", keep_vars=True).items():
-      hooked[name] = _Entry(name, tuple(t.shape), np.dtype(mappings.t2j_dtype(t.dtype)), False)
-  out = []
-  for name in jm.state_dict():
-    if name in hooked:
-      out.append(hooked[name])
-    else:
-      out.append(_Entry(name, *abstract[jm.canonical_name(name)], True))
-  return out
-
-
-def import_safetensors(jm, path: str | os.PathLike) -> None:
-  """Loads safetensors weights (an HF model directory, its index, or one file)
-  into `jm`'s params and buffers, straight into their shardings.
-
-  Each process reads only the slices its devices hold (layers stacked by
-  `scan=True` included). Names are the model's `state_dict` names (a tied
-  weight may be stored once; torchtitan's `wq`/`wk`/`wv` are fused into `wqkv`
-  by the module's own load hook, per layer). Values are cast to the dtypes `jm`
-  holds. Different names or shapes raise before anything is read. Each of jm's
-  arrays is released before its replacement is read (so the old and the new
-  model never coexist in memory); a read failing midway says jm is half-loaded.
-  """
-  files = _safetensors_files(Path(path))
-  entries = {e.name: e for e in _plan(jm)}
-  with contextlib.ExitStack() as stack:
-    handles = [stack.enter_context(_SafetensorsFile(f)) for f in files]
-    where = {name: h for h in handles for name in h.keys()}
-    found = {name: h.shape(name) for name, h in where.items()}
-    # A tied group (HF's embed_tokens / lm_head) needs only one of its names stored.
-    names_of: dict[str, list[str]] = {}
-    for e in entries.values():
-      if e.direct:
-        names_of.setdefault(jm.canonical_name(e.name), []).append(e.name)
-    wanted = {e.name: e.shape for e in entries.values() if not e.direct}
-    for names in names_of.values():
-      for n in [n for n in names if n in found] or names[:1]:
-        wanted[n] = entries[n].shape
-    problems = _mismatches(found, wanted)
-    if problems:
-      raise TorchOnTpuError(
-        f"The safetensors weights at {path} do not match the model ({problems}); "
-        f"load weights saved from this model architecture and size."
-      )
-
-    readers = {}
-    for canonical, names in names_of.items():
-      name = next(n for n in names if n in found)
-      readers[canonical] = functools.partial(where[name].read, name)
-    merged: dict = {}  # hooked modules' merged tensors, kept while one array is read
-    abstract = _abstract(jm)
-    for prefix, mod in jm.hooked_modules:
-      readers.update(_hooked_readers(prefix, _meta_twin(prefix, mod, abstract), where, merged))
-    shardings = {**jm.param_shardings, **jm.buffer_shardings}
-    likes = {k: jax.ShapeDtypeStruct(a.shape, a.dtype) for k, a in {**jm.params, **jm.buffers}.items()}
-    todo = [(k, o, stacked) for k, (o, stacked) in jm.stored_layout().items() if jm.is_persistent(o[0])]
-    for done, (key, originals, stacked) in enumerate(todo):  # non-persistent buffers: jm keeps its own
-      # jm's own array goes before its replacement is read: two copies of the model never coexist.
-      held = jm.params if key in jm.params else jm.buffers
-      held[key] = likes[key]
-      _return_freed_memory()
-      try:
-        held[key] = _read_array([readers[o] for o in originals], stacked, likes[key], shardings[key])
-      except Exception as e:
-        raise TorchOnTpuError(
-          f"Importing {path} failed at '{originals[0]}' after {done} of {len(todo)} arrays were "
-          f"replaced ({_first_line(e)}); the model is half-loaded: build it again."
-        ) from e
-      merged.clear()
-
-
-def _return_freed_memory() -> None:
-  """Hands freed heap pages back to the OS (glibc's `malloc_trim`; elsewhere nothing).
-
-  A replaced array's memory was allocated by the runtime's threads, and glibc
-  keeps what they free in their own arenas, where the next array (allocated
-  from other threads) does not reuse it: without this, an import over an
-  initialised model held both in resident memory.
-  """
-  trim = getattr(_libc(), "malloc_trim", None)
-  if trim is not None:
-    trim(0)
-
-
-@functools.cache
-def _libc():
-  import ctypes
-
-  try:
-    return ctypes.CDLL("libc.so.6")
-  except OSError:
-    return None
-
-
-def _open_safetensors(path: Path):
-  """`safe_open(path)`, with a truncated or malformed file named in one sentence."""
-  from safetensors import SafetensorError, safe_open
-
-  try:
-    return safe_open(str(path), framework="pt")
-  except (SafetensorError, OSError) as e:
-    raise TorchOnTpuError(
-      f"{path} is not a readable safetensors file ({str(e).strip()}); re-download or re-export it."
-    ) from None
-
-
-class _SafetensorsFile:
-  """One safetensors file, each block read on its own with positioned reads.
-
-  Not through a memory map: the pages of a mapped file that were read stay in
-  the process's resident memory until it is unmapped, which for a whole-model
-  import is a second copy of the model next to its arrays. Here a block's rows
-  are read into a buffer that lives until its device array is made.
-  """
-
-  def __init__(self, path: Path):
-    with _open_safetensors(path):  # checks the header and the file's size against it
-      pass
-    with open(path, "rb") as f:
-      size = struct.unpack("<Q", f.read(8))[0]
-      self._tensors = json.loads(f.read(size))
-    self._tensors.pop("__metadata__", None)
-    self._start = 8 + size
-    self.path = path
-    self._fd = os.open(path, os.O_RDONLY)
-
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    os.close(self._fd)
-
-  def keys(self):
-    return self._tensors.keys()
-
-  def shape(self, name: str) -> tuple[int, ...]:
-    return tuple(self._tensors[name]["shape"])
-
-  def read(self, name: str, index: tuple = ()) -> np.ndarray:
-    """`index` (a tuple of slices) → that block of tensor `name`; only its rows are read."""
-    info = self._tensors[name]
-    dtype = _numpy_dtype(info["dtype"], name, self.path)
-    shape = self.shape(name)
-    if not shape:
-      return self._pread(info["data_offsets"][0], dtype.itemsize).view(dtype).reshape(())
-    index = (*index, *[slice(None)] * (len(shape) - len(index)))
-    lo, hi, _ = index[0].indices(shape[0])
-    row = math.prod(shape[1:]) * dtype.itemsize
-    rows = self._pread(info["data_offsets"][0] + lo * row, max(hi - lo, 0) * row)
-    block = rows.view(dtype).reshape(-1, *shape[1:])
-    return block[(slice(None, None, index[0].step), *index[1:])]
-
-  def _pread(self, offset: int, count: int) -> np.ndarray:
-    out = np.empty(count, np.uint8)
-    view, done = memoryview(out), 0
-    while done < count:
-      got = os.preadv(self._fd, [view[done:]], self._start + offset + done)
-      if got == 0:
-        raise TorchOnTpuError(
-          f"{self.path} ended while reading it (it is shorter than its header says); re-download or re-export it."
-        )
-      done += got
-    return out
-
-
-def _numpy_dtype(code: str, name: str, path: Path) -> np.dtype:
-  names = {v: k for k, v in _SAFETENSORS_DTYPES.items()} | {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-  if code not in names:
-    raise TorchOnTpuError(
-      f"Tensor '{name}' in {path} has safetensors dtype {code}, which cannot be imported; store it as "
-      f"{', '.join(sorted(names))}."
-    )
-  return np.dtype(jax.numpy.dtype(names[code]))
-
-
-def _hooked_readers(prefix, twin, where, merged: dict) -> dict:
-  """Readers for a hooked module's tensors: its stored ones merged by its own
-  load hook on its meta twin (torchtitan: `wq`/`wk`/`wv` → `wqkv`), into
-  `merged` when first needed."""
-
-  def load():
-    if prefix not in merged:
-      own = {n[len(prefix) + 1 :]: _as_torch(where[n].read(n)) for n in where if n.startswith(prefix + ".")}
-      loaded = copy.deepcopy(twin)  # the twin stays meta; `merged` alone holds the data
-      loaded.load_state_dict(own, strict=True, assign=True)
-      tensors = [*loaded.named_parameters(), *loaded.named_buffers()]
-      merged[prefix] = {f"{prefix}.{n}": t for n, t in tensors}
-    return merged[prefix]
-
-  names = [f"{prefix}.{n}" for n, _ in [*twin.named_parameters(), *twin.named_buffers()]]
-  return {name: (lambda index, name=name: torch_to_numpy(load()[name][index])) for name in names}
-
-
-def _as_torch(x: np.ndarray) -> torch.Tensor:
-  dtype = mappings.j2t_dtype(x.dtype)
-  if x.size == 0:
-    return torch.empty(x.shape, dtype=dtype)
-  return torch.frombuffer(bytearray(x.tobytes()), dtype=dtype).reshape(x.shape)
-
-
-def _read_array(readers, stacked: bool, like, sharding) -> jax.Array:
-  """One stored array, each device's block read from the files (and cast to
-  `like.dtype`); a stacked array's block gathers that block of each layer."""
-
-  def block(reader, index):
-    return np.asarray(reader(index)).astype(like.dtype, copy=False)
-
-  def read(index):
-    if not stacked:
-      return block(readers[0], index)
-    layers = range(len(readers))[index[0]]
-    return np.stack([block(readers[i], index[1:]) for i in layers])
-
-  # Each block goes to its device before the next is read: one block at a time in host memory.
-  blocks = sharding.addressable_devices_indices_map(tuple(like.shape))
-  shards = [jax.device_put(read(index), device) for device, index in blocks.items()]
-  return jax.make_array_from_single_device_arrays(tuple(like.shape), sharding, shards)
-
-
-def _safetensors_files(path: Path) -> list[Path]:
-  if path.is_file():
-    return [path]
-  index = path / _INDEX_FILE
-  if index.is_file():
-    try:
-      weight_map = json.loads(index.read_text())["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:
-      raise TorchOnTpuError(
-        f"{index} is not a safetensors index ({type(e).__name__}: {e}); re-download or re-export it."
-      ) from None
-    return [path / f for f in sorted(set(weight_map.values()))]
-  files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-  if not files:
-    raise TorchOnTpuError(
-      f"No safetensors weights at {path}; give a .safetensors file or a directory holding "
-      f"them (with {_INDEX_FILE} when sharded)."
-    )
-  return files
