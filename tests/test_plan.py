@@ -1,5 +1,5 @@
 """Memory planning: exact state bytes from shardings, the activation estimate's order
-under remat policies, and the one-sentence suggestion when a plan does not fit."""
+under remat policies, the one-sentence suggestion when a plan does not fit, and the plan against the compiled peak."""
 
 import jax
 import optax
@@ -62,7 +62,7 @@ def test_trainable_subset_has_no_gradients_or_optimizer_state_for_the_rest():
   assert memory.grads == 512 * 64 * 4 // 8 and memory.optimizer == 2 * memory.grads + 4
 
 
-@pytest.mark.parametrize("device_mib, remat, fix", [(3.0, None, "remat='full'"), (1.0, "full", "grad_accum=8")])
+@pytest.mark.parametrize("device_mib, remat, fix", [(3.0, None, "remat='full'"), (1.0, "full", "grad_accum=4")])
 def test_a_plan_that_does_not_fit_names_one_fix(device_mib, remat, fix):
   memory = plan.plan_memory(
     abstract_step(), SHAPE, global_batch_size=64, seqlen=64, remat=remat, device_bytes=device_mib * 2**20
@@ -95,3 +95,47 @@ def test_decoder_shape_of_torchtitan_and_hf():
   assert (shape.layers, shape.dim, shape.kv_heads, shape.vocab) == (2, 64, 2, 256)
   with pytest.raises(tot.TorchOnTpuError, match="DecoderShape"):
     plan.decoder_shape(Tiny())
+
+
+def _planned_and_compiled(scan, remat, batch, seq, compute_dtype=None):
+  """(plan total, compiled peak) per device of torchtitan's debugmodel on one device."""
+  import jax.numpy as jnp
+  import torch.nn.functional as F
+
+  from torch_on_tpu import remat as remat_lib
+
+  mesh = tot.make_mesh(fsdp=1, devices=jax.devices()[:1])
+  model = build_llama3("debugmodel", attention="sdpa", max_seq_len=seq)
+  shape = plan.decoder_shape(model)
+  jm = tot.JittableModule(model, mesh=mesh, scan=scan, remat=remat, abstract=True, attention="xla")
+  step = tot.make_train_step(
+    jm, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), optax.adamw(1e-3), clip_norm=1.0,
+    compute_dtype=compute_dtype,
+  )
+  memory = plan.plan_memory(
+    step, shape, global_batch_size=batch, seqlen=seq, remat=remat_lib.layer_policy(remat, scanned=scan)
+  )
+  tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+  return memory.total, step.compile(tokens, tokens).peak_bytes
+
+
+@pytest.mark.parametrize(
+  "scan, remat, batch, seq, bf16",
+  [
+    (True, None, 2, 512, False),  # the scan's default policy
+    (False, None, 2, 512, False),  # the loop keeps everything
+    (True, "full", 2, 512, False),
+    (True, None, 8, 128, False),  # another shape
+    (True, None, 2, 512, True),  # bf16 compute over fp32 master weights
+  ],
+  ids=["scan", "loop", "scan-full", "scan-8x128", "scan-bf16"],
+)
+def test_the_plan_is_within_a_fifth_of_the_compiled_peak(scan, remat, batch, seq, bf16):
+  """Tiny models put most of their bytes in the state and the loss head, which the plan
+  counts exactly or nearly so; the activation estimate per layer and XLA's own scratch
+  (fusion buffers, the attention's blocks) weigh more there than at 1B (within 10%,
+  docs/performance.md)."""
+  import jax.numpy as jnp
+
+  planned, compiled = _planned_and_compiled(scan, remat, batch, seq, jnp.bfloat16 if bf16 else None)
+  assert 0.8 <= planned / compiled <= 1.2, (planned, compiled, planned / compiled)

@@ -1,5 +1,6 @@
 """Scan over layers: same numbers as the layer loop, original names, clear refusals."""
 
+import collections
 import copy
 
 import jax
@@ -342,6 +343,22 @@ def test_scanned_step_copies_no_stacked_parameter_or_gradient_per_iteration():
       if tuple(int(d) for d in shape.split(",") if d) in shapes:
         copied.append(shape)
   assert not copied, copied
+  # Nor a stacked copy written per iteration: a forward loop carries each stacked
+  # parameter's shape (size-1 dims aside) as often as the model has such parameters, a
+  # backward loop twice as often (their gradients). A layer that read its weights from
+  # a slice of regrouped arrays had jax save every weight again as a stacked residual.
+  counts = collections.Counter(_squeezed(a.shape) for k, a in jm.params.items() if ".scan." in k)
+  loops = re.findall(r"= \(([^)]*)\) while\(.*op_name=\"([^\"]*)\"", text)
+  assert loops
+  for carried, op_name in loops:
+    allowed = 2 if "transpose(" in op_name else 1
+    shapes = collections.Counter(_squeezed(int(d) for d in m.split(",")) for m in re.findall(r"\w+\[([\d,]+)\]", carried))
+    extra = {shape: n for shape, n in shapes.items() if shape in counts and n > allowed * counts[shape]}
+    assert not extra, (op_name, extra)
+
+
+def _squeezed(shape) -> tuple:
+  return tuple(d for d in shape if d != 1)
 
 
 def test_a_layer_called_without_a_positional_hidden_state_is_refused_in_one_sentence():

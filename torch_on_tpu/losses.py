@@ -12,6 +12,13 @@ gradient into a buffer of the logits' own dtype.
 `cross_entropy` is what the train step installs for `F.cross_entropy`; a call
 it cannot express exactly (class weights, probability targets, logits that are
 not 2-D, the legacy `size_average`/`reduce`) goes to torchax's own lowering.
+
+`Upcasts` keeps the step's fp32 view of bf16 outputs from costing memory: the
+loss function sees fp32 tensors, but when `F.cross_entropy` gets one that is a
+reshape or slice of such an up-cast, the kernel reads the bf16 tensor it came
+from. That is exact (the kernel casts each chunk to fp32, and its bf16 gradient
+is the fp32 one rounded once, as the cast's own gradient would be), and the
+fp32 copy of the logits and its fp32 gradient are never built.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.utils._pytree as torch_pytree
+from torch.overrides import TorchFunctionMode
 
 from torch_on_tpu import _compat, ops
 
@@ -31,14 +40,80 @@ CHUNK_BYTES = 32 << 20  # one chunk's fp32 block: the loop's scratch, whatever t
 MAX_CHUNK, MIN_CHUNK = 8192, 1024  # columns per chunk
 
 
-def installed(model):
+def installed(model, upcasts: "Upcasts | None" = None):
   """While active (the train step's trace), `F.cross_entropy` runs `cross_entropy`, its rows
-  over `model`'s data axes."""
-  return ops.bridge_overrides({torch.nn.functional.cross_entropy: functools.partial(cross_entropy, model)})
+  over `model`'s data axes, reading the low-precision source of `upcasts`' tensors."""
+  return ops.bridge_overrides(
+    {torch.nn.functional.cross_entropy: functools.partial(cross_entropy, model, upcasts or Upcasts())}
+  )
+
+
+# Ops whose result is a rearrangement of their first argument's elements: applied to an
+# up-cast or to its source, they give the same values in fp32 and in the source dtype.
+_REARRANGING = frozenset({
+  torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.flatten,
+  torch.Tensor.contiguous, torch.Tensor.float, torch.Tensor.__getitem__,
+})
+
+
+class _Wide(torchax.tensor.Tensor):
+  """An fp32 tensor that is an up-cast of `low` (rearranged alike). A subclass because
+  torchax's `Tensor.flatten` is plain Python that no torch function mode sees."""
+
+  low: torch.Tensor
+
+  def flatten(self, start_dim=0, end_dim=-1):
+    return _wide(super().flatten(start_dim, end_dim), self.low.flatten(start_dim, end_dim))
+
+
+def _wide(t, low) -> _Wide:
+  wide = _Wide(jax_view(t), t._env)
+  wide.low = low
+  return wide
+
+
+class Upcasts(TorchFunctionMode):
+  """The loss function's fp32 view of the model's low-precision outputs.
+
+  `to_fp32(outputs)` casts floating tensors below fp32 up, each remembering its
+  source; while the mode is active, reshapes, views and basic slicing of them keep
+  that link (the same op applied to the source), which `source(t)` returns.
+  Sources nothing reads are dropped when jax traces the step."""
+
+  def to_fp32(self, outputs):
+    def up(t):
+      if isinstance(t, torch.Tensor) and t.is_floating_point() and torch.finfo(t.dtype).bits < 32:
+        return _wide(t.float(), t)
+      return t
+
+    return torch_pytree.tree_map(up, outputs)
+
+  @staticmethod
+  def source(t):
+    return t.low if isinstance(t, _Wide) else None
+
+  def __torch_function__(self, func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    out = func(*args, **kwargs)
+    if (
+      func in _REARRANGING and isinstance(args[0], _Wide) and isinstance(out, torch.Tensor)
+      and out.dtype == torch.float32 and _by_position(args[1:], kwargs)
+    ):
+      low = args[0].low
+      return _wide(out, low if func is torch.Tensor.float else func(low, *args[1:], **kwargs))
+    return out
+
+
+def _by_position(args, kwargs) -> bool:
+  """Shapes, dims, slices: no dtype (a bit view) and no tensor index (a gather whose
+  gradient sums duplicates, which would round differently in bf16)."""
+  leaves = torch_pytree.tree_leaves((args, kwargs))
+  return all(isinstance(x, (int, slice, type(None), type(Ellipsis), torch.Size)) for x in leaves)
 
 
 def cross_entropy(
   model,
+  upcasts,
   input,
   target,
   weight=None,
@@ -69,8 +144,9 @@ def cross_entropy(
     ) else torch.nn._reduction.get_enum(reduction)
     return torch._C._nn.cross_entropy_loss(input, target, weight, reduction_enum, ignore_index, label_smoothing)
   rows = input.shape[0]
+  low = upcasts.source(input)
   loss = chunked_cross_entropy(
-    jax_view(input), jax_view(target), ignore_index=int(ignore_index), reduction=reduction,
+    jax_view(input if low is None else low), jax_view(target), ignore_index=int(ignore_index), reduction=reduction,
     label_smoothing=float(label_smoothing),
     sharding=model.batch_sharding(2, rows) if model.data_axes and rows % model.batch_ways == 0 else None,
   )
@@ -110,7 +186,7 @@ def _logsumexp(logits, chunk):
   def update(i, carry):
     m, s = carry
     start = jnp.minimum(i * width, vocab - width)
-    block = jax.lax.dynamic_slice_in_dim(logits, start, width, axis=1).astype(jnp.float32)
+    block = _columns(logits, start, width).astype(jnp.float32)
     new = (start + jnp.arange(width) >= i * width)[None, :]  # the last chunk's overlap was counted
     new_m = jnp.maximum(m, jnp.where(new, block, -jnp.inf).max(axis=1))
     s = s * jnp.exp(m - new_m) + jnp.where(new, jnp.exp(block - new_m[:, None]), 0.0).sum(axis=1)
@@ -119,6 +195,20 @@ def _logsumexp(logits, chunk):
   carry = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32))
   m, s = jax.lax.fori_loop(0, count, update, carry) if count > 1 else update(0, carry)
   return m + jnp.log(s)
+
+
+def _bits(x, dtype=None):
+  """A 16-bit float array as its bit pattern (and back, given `dtype`): XLA CPU runs
+  bf16 slices and updates in fp32, and for a slice of the loop-invariant logits
+  hoists that cast out of the chunk loop, building the fp32 copy chunking avoids."""
+  if dtype is not None:
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+  return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+def _columns(logits, start, width):
+  """Columns `start` to `start + width` of `logits`, sliced as bits (see `_bits`)."""
+  return _bits(jax.lax.dynamic_slice_in_dim(_bits(logits), start, width, axis=1), logits.dtype)
 
 
 def _pin(x, sharding):
@@ -152,12 +242,12 @@ def _row_losses_bwd(smoothing, chunk, sharding, residuals, grad):
 
   def body(i, out):
     start = jnp.minimum(i * width, vocab - width)
-    block = jax.lax.dynamic_slice_in_dim(logits, start, width, axis=1).astype(jnp.float32)
+    block = _columns(logits, start, width).astype(jnp.float32)
     columns = start + jnp.arange(width)[None, :]
     softmax = jnp.exp(block - lse[:, None])
     target = jnp.where(columns == targets[:, None], 1.0 - smoothing, 0.0)
     grads = (g * (softmax - target - smoothing / vocab)).astype(logits.dtype)
-    return jax.lax.dynamic_update_slice_in_dim(out, grads, start, axis=1)
+    return _bits(jax.lax.dynamic_update_slice_in_dim(_bits(out), _bits(grads), start, axis=1), out.dtype)
 
   out = _pin(jnp.empty_like(logits), sharding)
   out = jax.lax.fori_loop(0, count, body, out) if count > 1 else body(0, out)

@@ -24,13 +24,22 @@ Per device, it counts:
   |---|---|
   | `none` | every intermediate: `dots` + 4·d + (2·h·dh + hk·dh + 2·f)/tp (norms, RoPE, SwiGLU products) |
   | `dots_saveable`, `dots_with_no_batch_dims_saveable` | the layer input d plus the matmul outputs (h·dh + 2·hk·dh + 2·f)/tp + 2·d |
-  | `dots_and_attention` (a scan's default) | the same plus the attention output h·dh/tp |
+  | `dots_and_attention` (a scan's default) | the same plus the attention kernel's residuals 3·h·dh/tp (q after RoPE, its output, that output as wo's input) |
   | `offload_dots` | the layer input d on the device; the matmul outputs go to host memory |
   | `full` | the layer input d |
 
-  plus, while one layer's backward runs, that layer's `none` figure (its
-  recomputed intermediates), and the logits: tokens × vocab/tp × (4 + 4 +
-  compute bytes) for the logits, their fp32 copy and their gradient.
+* the params cast to the compute dtype when it is narrower than theirs (bf16
+  compute over fp32 master weights);
+* the backward pass at its busiest, the largest of: the loss head's (the
+  logits kept for it and their gradient, tokens × vocab/tp in the compute
+  dtype each: the chunked cross-entropy builds no fp32 copy), just after it
+  (the logits' gradient and the params' gradients) and the layers' (the
+  gradients and one layer's `none` figure, its recomputed intermediates);
+* on the CPU with a compute dtype below fp32, what XLA CPU adds by running
+  those matmuls in fp32: an fp32 copy of the logits' gradient, and in a
+  scanned stack the saved residuals widened to fp32 (each converted whole
+  ahead of the backward loop, its bf16 original then freed). Other backends
+  compute in bf16 and have neither.
 
 The device's memory is `memory_stats()['bytes_limit']` (TPU, GPU); on the CPU
 it is the host's RAM shared by its (simulated) devices. A plan fits when it
@@ -47,6 +56,7 @@ import jax
 import numpy as np
 import psutil
 
+from torch_on_tpu import scan as scan_lib
 from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.module import _human_bytes
 
@@ -122,9 +132,12 @@ class MemoryPlan:
   params: int
   grads: int
   optimizer: int
+  compute_params: int  # the params cast to the compute dtype, for the forward and backward
   saved_activations: int
   layer_backward: int
-  logits: int
+  logits: int  # kept for the loss head's backward
+  logits_grad: int
+  cpu_upcasts: int  # what XLA CPU adds widening a scan's bf16 residuals to fp32 (0 elsewhere)
   host_offloaded: int
   device_bytes: int | None
   device_note: str
@@ -133,12 +146,27 @@ class MemoryPlan:
   _context: tuple = dataclasses.field(default=(), repr=False)  # what `suggest` re-plans from
 
   @property
-  def activations(self) -> int:
-    return self.saved_activations + self.layer_backward + self.logits
+  def backward_peak(self) -> int:
+    """The busiest moment of the backward pass: the loss head's (logits and their
+    gradient), just after it (that gradient and the params' gradients) or the
+    layers' (the gradients and one layer's recomputed intermediates)."""
+    return max(
+      self.logits + self.logits_grad,
+      self.logits_grad + self.grads,
+      self.grads + self.layer_backward,
+    )
 
   @property
   def total(self) -> int:
-    return self.params + self.grads + self.optimizer + self.activations
+    return (
+      self.params + self.optimizer + self.compute_params + self.saved_activations + self.cpu_upcasts
+      + self.backward_peak
+    )
+
+  @property
+  def activations(self) -> int:
+    """Everything but params, gradients and optimizer state."""
+    return self.total - self.params - self.grads - self.optimizer
 
   @property
   def fits(self) -> bool | None:
@@ -147,15 +175,18 @@ class MemoryPlan:
   def __str__(self) -> str:
     rows = [
       ("params", self.params),
-      ("gradients", self.grads),
       ("optimizer state", self.optimizer),
+      ("params in the compute dtype", self.compute_params),
       ("activations saved for backward", self.saved_activations),
-      ("one layer's backward (recomputed)", self.layer_backward),
-      ("logits (+ fp32 copy, gradient)", self.logits),
+      ("+ widened to fp32 (XLA CPU)", self.cpu_upcasts),
+      ("backward peak, the largest of:", self.backward_peak),
+      ("  logits + their gradient", self.logits + self.logits_grad),
+      ("  logits' gradient + gradients", self.logits_grad + self.grads),
+      ("  gradients + one layer's backward", self.grads + self.layer_backward),
       ("total", self.total),
     ]
     lines = [f"Memory plan per device ({self.description}):"]
-    lines += [f"  {label:<36}{_human_bytes(n):>12}" for label, n in rows]
+    lines += [f"  {label:<36}{_human_bytes(n):>12}" for label, n in rows if n or label == "total"]
     if self.host_offloaded:
       lines.append(f"  {'offloaded to host memory':<36}{_human_bytes(self.host_offloaded):>12}")
     if self.device_bytes is None:
@@ -220,17 +251,25 @@ def _plan(step, shape, global_batch_size, seqlen, remat, grad_accum) -> MemoryPl
   if grad_accum > 1:  # an fp32 sum next to one microbatch's gradients
     grads += _sharded_bytes(trained, {k: shardings[k] for k in trained}, itemsize=4)
   optimizer = _sharded_bytes(step.opt_state, step.opt_state_shardings)
+  compute = np.dtype(step.compute_dtype or _float_dtype(model.params)).itemsize
+  narrower = {k: v for k, v in model.params.items() if _is_float(v) and np.dtype(v.dtype).itemsize > compute}
+  compute_params = _sharded_bytes(narrower, {k: shardings[k] for k in narrower}, itemsize=compute)
 
   data_ways = math.prod(mesh.shape[a] for a in model.data_axes)
   rows = global_batch_size // grad_accum
   tokens = rows * seqlen / (data_ways if rows % data_ways == 0 else 1)
   tp = mesh.shape.get("tp", 1)
-  compute = np.dtype(step.compute_dtype or _float_dtype(model.params)).itemsize
+  # XLA CPU runs sub-fp32 matmuls in fp32: the input of the lm_head's backward dots is an
+  # fp32 copy of the logits' gradient, and a scan's saved bf16 residuals are each converted
+  # to fp32 whole ahead of the backward loop (the bf16 original then freed).
+  cpu_upcast = mesh.devices.flat[0].platform == "cpu" and compute < 4
+  scanned = any(f".{scan_lib.SCAN}.{scan_lib.LAYER}." in k for k in model.params)
   s = shape
   dots = (s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim + 2 * s.ffn_dim) / tp + 2 * s.dim
   everything = dots + 4 * s.dim + (2 * s.heads * s.head_dim + s.kv_heads * s.head_dim + 2 * s.ffn_dim) / tp
   policy = remat or "none"
-  attention_out = s.heads * s.head_dim / tp
+  # The attention kernel's residuals: q after RoPE, its output, and that output as wo's input.
+  attention_out = 3 * s.heads * s.head_dim / tp
   kept = {
     "none": everything, "full": s.dim, "offload_dots": s.dim, "dots_and_attention": s.dim + dots + attention_out,
   }.get(policy, s.dim + dots)
@@ -243,13 +282,18 @@ def _plan(step, shape, global_batch_size, seqlen, remat, grad_accum) -> MemoryPl
     + (f" in {grad_accum} microbatches" if grad_accum > 1 else "")
     + f", remat {policy}, compute {_dtype_name(step, model)}"
   )
+  saved = int(s.layers * kept * per_token)
+  logits = int(tokens * s.vocab / tp * compute)
   return MemoryPlan(
     params=params,
     grads=grads,
     optimizer=optimizer,
-    saved_activations=int(s.layers * kept * per_token),
+    compute_params=compute_params,
+    saved_activations=saved,
     layer_backward=int(0 if policy == "none" else everything * per_token),
-    logits=int(tokens * s.vocab / tp * (8 + compute)),
+    logits=logits,
+    logits_grad=logits + (logits * 4 // compute if cpu_upcast else 0),
+    cpu_upcasts=saved * (4 - compute) // compute if cpu_upcast and scanned else 0,
     host_offloaded=int(s.layers * offloaded * per_token),
     device_bytes=None,
     device_note="",
@@ -301,9 +345,13 @@ def _sharded_bytes(tree, shardings, itemsize: int | None = None) -> int:
   return total
 
 
+def _is_float(x) -> bool:
+  return np.issubdtype(np.dtype(x.dtype), np.floating) or np.dtype(x.dtype).name == "bfloat16"
+
+
 def _float_dtype(params) -> np.dtype:
   for x in params.values():
-    if np.issubdtype(np.dtype(x.dtype), np.floating) or np.dtype(x.dtype).name == "bfloat16":
+    if _is_float(x):
       return np.dtype(x.dtype)
   return np.dtype(np.float32)
 

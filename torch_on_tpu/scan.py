@@ -182,13 +182,19 @@ class ScannedModule(torch.nn.Module):
         outputs.append(self._layer_output(extras, i, h, produced))
       return outputs
     groups = self.num_layers // period
-    grouped = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), (stacked, keys))
+    # A period of one layer scans the stacked arrays as they are: the layer's weights are
+    # then the scan's own per-iteration slices, which jax does not save again as stacked
+    # residuals (a slice of a regrouped array it would, a copy of every stacked weight).
+    grouped = (stacked, keys) if period == 1 else jax.tree.map(
+      lambda a: a.reshape(groups, period, *a.shape[1:]), (stacked, keys)
+    )
 
     def body(h, xs):
       tensors, group_keys = xs
       per_layer = []
       for j in range(period):
-        h, produced = run[j](h, jax.tree.map(lambda a, j=j: a[j], tensors), group_keys[j])
+        pick = (lambda a: a) if period == 1 else (lambda a, j=j: a[j])
+        h, produced = run[j](h, jax.tree.map(pick, tensors), pick(group_keys))
         per_layer.append((h, produced))
       return h, per_layer
 

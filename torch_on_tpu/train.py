@@ -21,7 +21,8 @@ Conventions:
   sees the model's floating outputs in fp32 (cast up if the model computes in
   bf16), and the step returns that loss in fp32. `F.cross_entropy` inside it
   runs `losses.cross_entropy` (vocabulary-chunked, no fp32 log-softmax of the
-  whole logits).
+  whole logits), which reads bf16 logits directly when the loss passes it the
+  fp32 view of them (reshaped or sliced): no fp32 copy of the logits is built.
 * `grad_accum=k` splits the batch dim of every input and label into k
   microbatches (row i goes to microbatch i mod k, which keeps each microbatch
   spread over all data shards), runs them in a `lax.scan` inside the same
@@ -75,7 +76,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import torch
-import torch.utils._pytree as torch_pytree
 from jax.sharding import NamedSharding, PartitionSpec
 
 from torch_on_tpu import _compat, losses, ops
@@ -458,10 +458,11 @@ class TrainStep:
     if self.compute_dtype is not None:
       params = {k: _cast_floating(v, self.compute_dtype) for k, v in params.items()}
     env = torchax.default_env()
-    with env, env.override_property(prng=rng), losses.installed(self.model):
+    upcasts = losses.Upcasts()
+    with env, env.override_property(prng=rng), losses.installed(self.model, upcasts):
       outputs, changed = call_model(self.model, params, buffers, inputs)
-      outputs = _to_fp32(outputs)
-      loss = self.loss_fn(outputs, _torch_tree(labels))
+      with upcasts:  # the loss sees fp32 outputs; the chunked head reads their bf16 source
+        loss = self.loss_fn(upcasts.to_fp32(outputs), _torch_tree(labels))
     if not isinstance(loss, torch.Tensor):
       raise TorchOnTpuError(
         f"loss_fn must return a scalar torch tensor; it returned {type(loss).__name__}."
@@ -804,14 +805,6 @@ def call_model(model: JittableModule, params, buffers, inputs):
   return model.functional_call_with_buffers(params, buffers, viewed)
 
 
-def _to_fp32(outputs):
-  """Floating model outputs below fp32 → fp32, so the loss is computed in fp32."""
-  def up(t):
-    if isinstance(t, torch.Tensor) and t.is_floating_point() and torch.finfo(t.dtype).bits < 32:
-      return t.float()
-    return t
-
-  return torch_pytree.tree_map(up, outputs)
 
 
 def _report(compiled, seconds) -> CompileReport:
