@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.utils._pytree as torch_pytree
 from torch.overrides import TorchFunctionMode
 
 from torch_on_tpu import _compat, ops
@@ -67,7 +66,7 @@ class _Wide(torchax.tensor.Tensor):
 
 
 def _wide(t, low) -> _Wide:
-  wide = _Wide(jax_view(t), t._env)
+  wide = _Wide(jax_view(t), _compat.tensor_env(t))
   wide.low = low
   return wide
 
@@ -86,7 +85,7 @@ class Upcasts(TorchFunctionMode):
         return _wide(t.float(), t)
       return t
 
-    return torch_pytree.tree_map(up, outputs)
+    return _compat.torch_pytree.tree_map(up, outputs)
 
   @staticmethod
   def source(t):
@@ -107,7 +106,7 @@ class Upcasts(TorchFunctionMode):
 def _by_position(args, kwargs) -> bool:
   """Shapes, dims, slices: no dtype (a bit view) and no tensor index (a gather whose
   gradient sums duplicates, which would round differently in bf16)."""
-  leaves = torch_pytree.tree_leaves((args, kwargs))
+  leaves = _compat.torch_pytree.tree_leaves((args, kwargs))
   return all(isinstance(x, (int, slice, type(None), type(Ellipsis), torch.Size)) for x in leaves)
 
 
@@ -139,10 +138,9 @@ def cross_entropy(
     and input.is_floating_point()
   )
   if not exact:
-    reduction_enum = torch.nn._reduction.legacy_get_enum(size_average, reduce) if (
-      size_average is not None or reduce is not None
-    ) else torch.nn._reduction.get_enum(reduction)
-    return torch._C._nn.cross_entropy_loss(input, target, weight, reduction_enum, ignore_index, label_smoothing)
+    return _compat.torch_cross_entropy(
+      input, target, weight, size_average, reduce, reduction, ignore_index, label_smoothing
+    )
   rows = input.shape[0]
   low = upcasts.source(input)
   loss = chunked_cross_entropy(

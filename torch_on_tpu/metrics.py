@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torch_on_tpu import extras
+from torch_on_tpu import extras, models
 from torch_on_tpu.errors import TorchOnTpuError
 
 logger = logging.getLogger(__name__)
@@ -109,22 +109,14 @@ def flops_per_token_from_config(config, seqlen: int) -> FlopsPerToken:
 
 
 def _attention_shape(module) -> tuple[int, int, int]:
-  """(layers, heads, head dim) of an HF or torchtitan decoder."""
-  config = getattr(module, "config", None)
-  if config is not None and hasattr(config, "num_hidden_layers"):  # HF
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, heads, head_dim
-  layers = getattr(module, "layers", None)
-  if layers is not None and len(layers):
-    first = next(iter(layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers))
-    attention = getattr(first, "attention", None)
-    if attention is not None and hasattr(attention, "n_heads") and hasattr(attention, "head_dim"):
-      return len(layers), attention.n_heads, attention.head_dim
-  raise TorchOnTpuError(
-    f"Cannot read layers/heads/head_dim from {type(module).__name__}; call "
-    f"metrics.dense_flops_per_token(...) with explicit numbers instead."
-  )
+  """(layers, heads, head dim) of a decoder, as its family reads it."""
+  shape = models.family_of(module).decoder_shape(module)
+  if shape is None:
+    raise TorchOnTpuError(
+      f"Cannot read layers/heads/head_dim from {type(module).__name__}; call "
+      f"metrics.dense_flops_per_token(...) with explicit numbers instead."
+    )
+  return shape.layers, shape.heads, shape.head_dim
 
 
 # ---- peak FLOP/s --------------------------------------------------------------------------

@@ -57,56 +57,23 @@ import numpy as np
 import psutil
 
 from torch_on_tpu import scan as scan_lib
+from torch_on_tpu import models
 from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.models import DecoderShape
 from torch_on_tpu.module import _human_bytes
 
 USABLE = 0.9  # fraction of device memory a plan may use
 
 
-@dataclasses.dataclass(frozen=True)
-class DecoderShape:
-  """The numbers of a dense decoder that activation memory depends on."""
-
-  layers: int
-  dim: int
-  ffn_dim: int
-  heads: int
-  kv_heads: int
-  head_dim: int
-  vocab: int
-
-
 def decoder_shape(module) -> DecoderShape:
-  """From an HF causal LM (or a peft model around one) or torchtitan's Llama 3; meta is fine."""
-  config = getattr(module, "config", None)
-  if config is not None and hasattr(config, "num_hidden_layers"):
-    heads = config.num_attention_heads
-    return DecoderShape(
-      layers=config.num_hidden_layers,
-      dim=config.hidden_size,
-      ffn_dim=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
-      heads=heads,
-      kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-      head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-      vocab=config.vocab_size,
+  """The decoder's shape, as the model's family reads it (`Family.decoder_shape`); meta is fine."""
+  shape = models.family_of(module).decoder_shape(module)
+  if shape is None:
+    raise TorchOnTpuError(
+      f"Cannot read the decoder shape of {type(module).__name__}; pass a plan.DecoderShape(...) "
+      f"with its layers, dims and heads."
     )
-  layers = getattr(module, "layers", None)
-  if layers is not None and len(layers) and hasattr(module, "tok_embeddings"):
-    first = next(iter(layers.values() if hasattr(layers, "values") else layers))
-    attention = first.attention
-    return DecoderShape(
-      layers=len(layers),
-      dim=module.tok_embeddings.embedding_dim,
-      ffn_dim=first.feed_forward.w1.out_features,
-      heads=attention.n_heads,
-      kv_heads=attention.n_kv_heads or attention.n_heads,
-      head_dim=attention.head_dim,
-      vocab=module.tok_embeddings.num_embeddings,
-    )
-  raise TorchOnTpuError(
-    f"Cannot read the decoder shape of {type(module).__name__}; pass a plan.DecoderShape(...) "
-    f"with its layers, dims and heads."
-  )
+  return shape
 
 
 def device_memory(device: jax.Device | None = None) -> tuple[int | None, str]:
