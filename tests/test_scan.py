@@ -93,7 +93,7 @@ def test_loop_mode_runs_the_same_stack_unscanned_with_the_same_remat():
   tokens, labels = h.random_batch(256)
   mesh = tot.make_mesh(fsdp=8)
   looped = tot.JittableModule(h.hf(), mesh=mesh, scan=False, remat="full")
-  assert looped._layout is not None and looped.module.model.layers.scan.loop
+  assert looped._layout is not None and not looped.module.model.layers.scan.scanned
   scanned = _loss_grads_and_temp_bytes(tot.JittableModule(h.hf(), mesh=mesh, scan=True, remat="full"), tokens, labels)
   loop = _loss_grads_and_temp_bytes(looped, tokens, labels)
   unrolled = _loss_grads_and_temp_bytes(tot.JittableModule(h.hf(), mesh=mesh, scan=True, unroll=2), tokens, labels)
@@ -107,7 +107,7 @@ def test_non_homogeneous_stack_names_the_first_differing_layer_and_param(caplog)
   problem = scan_lib.homogeneity_problem(layers)
   assert problem == "layer 2's 'weight' is ((4, 8), torch.float32), layer 0's is ((8, 8), torch.float32)"
   with pytest.raises(tot.TorchOnTpuError, match="layer 2's 'weight'"):
-    tot.ScannedModule(layers)
+    tot.StackedLayers(layers)
   mixed = [torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)]
   assert "layer 1 is a LayerNorm" in scan_lib.homogeneity_problem(mixed)
 
@@ -153,7 +153,7 @@ def test_scanned_module_can_be_used_directly_with_extra_arguments():
   class Holder(torch.nn.Module):
     def __init__(self, layers):
       super().__init__()
-      self.stack = tot.ScannedModule(layers)
+      self.stack = tot.StackedLayers(layers)
 
     def forward(self, x, scale, shift):
       return self.stack(x, scale, shift=shift)

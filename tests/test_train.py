@@ -185,7 +185,7 @@ def test_whole_forward_remat_recomputes_without_changing_results(caplog):
   reports, losses = {}, {}
   for policy in ("none", "full", "offload_dots"):
     _, jm = titan(n_layers=1, seqlen=128)
-    step = tot.make_train_step(jm, ce_loss, adamw(), remat=policy)
+    step = tot.make_train_step(jm, ce_loss, adamw(), forward_remat=policy)
     with caplog.at_level(logging.WARNING):
       reports[policy] = step.compile(*data[0])
     losses[policy] = [float(step(x, y)) for x, y in data]
@@ -198,7 +198,7 @@ def test_whole_forward_remat_recomputes_without_changing_results(caplog):
 
 def test_unknown_remat_policy_is_named():
   with pytest.raises(tot.TorchOnTpuError, match="'dots'.*full"):
-    tot.make_train_step(tiny(), ce_loss, adamw(), remat="dots")
+    tot.make_train_step(tiny(), ce_loss, adamw(), forward_remat="dots")
   assert remat_lib.checkpoint(len, None) is len
 
 

@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 # Public name → the module that defines it, imported on first access.
 _EXPORTS = {
   "JittableModule": "module",
-  "ScannedModule": "scan",
+  "ScannedModule": "scan",  # deprecated: StackedLayers
+  "StackedLayers": "scan",
   "TorchOnTpuError": "errors",
   "TrainState": "train",
   "TrainStep": "train",

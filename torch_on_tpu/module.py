@@ -125,7 +125,7 @@ class JittableModule:
     )
     self._layout = None
     if scan or remat not in (None, "none"):
-      self._layout = scan_lib.plan(module, entries)
+      self._layout = scan_lib.layout_for(module, entries)
     if self._layout:
       self._specs = self._layout.internal_specs(self._resolved.specs)
       restructure = self._layout.stack_arrays
@@ -145,7 +145,7 @@ class JittableModule:
       _to_meta(module)
 
     if self._layout:
-      self._layout.apply(module, remat=remat, unroll=unroll, loop=not scan)
+      self._layout.apply(module, remat=remat, unroll=unroll, scan=scan)
       is_param = {n: self._entries[group[0]].is_param for n, group in self._layout.groups.items()}
     else:
       is_param = {}

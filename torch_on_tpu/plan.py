@@ -197,7 +197,7 @@ def plan_memory(
   `remat` is the per-layer policy the model runs with (`JittableModule(remat=)`);
   `device_bytes` overrides the device's own memory (plan for another device).
   """
-  plan = _plan(step, shape, global_batch_size, seqlen, remat, step.grad_accum)
+  plan = _estimate(step, shape, global_batch_size, seqlen, remat, step.grad_accum)
   plan._context = (step, shape, global_batch_size, seqlen, remat)
   if device_bytes is None:
     plan.device_bytes, plan.device_note = device_memory(step.model.mesh.devices.flat[0])
@@ -208,7 +208,7 @@ def plan_memory(
   return plan
 
 
-def _plan(step, shape, global_batch_size, seqlen, remat, grad_accum) -> MemoryPlan:
+def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum) -> MemoryPlan:
   model = step.model
   mesh = model.mesh
   params = _sharded_bytes(model.params, model.param_shardings)
@@ -272,7 +272,7 @@ def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
   """The first change under `limit`: remat, then grad_accum, then more devices."""
   policy = remat or "none"
   if policy not in ("full", "offload_dots"):
-    alternative = _plan(step, shape, global_batch_size, seqlen, "full", step.grad_accum)
+    alternative = _estimate(step, shape, global_batch_size, seqlen, "full", step.grad_accum)
     if alternative.total <= limit:
       return f"use remat='full' (recompute each layer in the backward pass: about {_human_bytes(alternative.total)})"
   mesh = step.model.mesh
@@ -281,7 +281,7 @@ def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
   accum = step.grad_accum
   while global_batch_size % (accum * 2) == 0 and (global_batch_size // (accum * 2)) % data_ways == 0:
     accum *= 2
-    alternative = _plan(step, shape, global_batch_size, seqlen, best, accum)
+    alternative = _estimate(step, shape, global_batch_size, seqlen, best, accum)
     if alternative.total <= limit:
       extra = "" if best == policy else f" with remat='{best}'"
       return (
@@ -289,7 +289,7 @@ def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
         f"about {_human_bytes(alternative.total)})"
       )
   state = plan.params + plan.grads + plan.optimizer
-  floor = _plan(step, shape, global_batch_size, seqlen, best, accum).activations
+  floor = _estimate(step, shape, global_batch_size, seqlen, best, accum).activations
   if limit > floor:
     factor = math.ceil(state / (limit - floor))
     fsdp = mesh.shape.get("fsdp", 1)

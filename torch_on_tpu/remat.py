@@ -2,7 +2,7 @@
 
 A policy decides which intermediate values of the forward pass the backward
 pass keeps; everything else is recomputed. One vocabulary serves the whole
-forward (`make_train_step(remat=...)`) and the per-layer body of a scanned
+forward (`make_train_step(forward_remat=...)`) and the per-layer body of a scanned
 layer stack:
 
 | name | keeps for the backward pass |

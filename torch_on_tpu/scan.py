@@ -1,7 +1,7 @@
 """Scan over layers: a model's stack of identical blocks runs as one `lax.scan`.
 
 Compile time of an unrolled layer loop grows with depth; a scan compiles the
-block once. `ScannedModule` stacks N homogeneous layers' parameters and buffers
+block once. `StackedLayers` stacks N homogeneous layers' parameters and buffers
 along a new leading dim and runs them with `jax.lax.scan`, with a remat policy
 per layer. `find_layer_stack` + `ScanLayout` swap a model's own layer container
 (torchtitan's `layers` ModuleDict iterated with `.values()`, HF's
@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import warnings
 from collections.abc import Mapping
 
 import jax
@@ -53,8 +54,9 @@ def _stack_params(layers: list[torch.nn.Module], name: str, is_param: bool) -> t
   return torch.nn.Parameter(stacked, requires_grad=first.requires_grad) if is_param else stacked
 
 
-class ScannedModule(torch.nn.Module):
-  """N homogeneous layers run as one `jax.lax.scan` over their stacked tensors.
+class StackedLayers(torch.nn.Module):
+  """N homogeneous layers whose tensors are stacked, run as one `jax.lax.scan`
+  (or, with `scan=False`, as a Python loop over the same stacked tensors).
 
   Call it like one layer: `h = scanned(h, *extra, **kw)`. The extra positional
   and keyword arguments are the same for every layer (RoPE tables, masks,
@@ -81,8 +83,9 @@ class ScannedModule(torch.nn.Module):
       kept, elementwise work recomputed: what the unrolled loop keeps), `none`
       for a loop.
     unroll: how many scan iterations run unrolled (`lax.scan(unroll=)`).
-    loop: run a Python loop over the layers instead of a scan (same remat),
-      for comparison; compile time then grows with depth.
+    scan: True: one scan; False: a Python loop over the layers (same remat),
+      for comparison or per-layer remat without a scan; compile time then
+      grows with depth.
   """
 
   def __init__(
@@ -91,22 +94,22 @@ class ScannedModule(torch.nn.Module):
     *,
     remat: str | None = None,
     unroll: int = 1,
-    loop: bool = False,
+    scan: bool = True,
   ):
     super().__init__()
     layers = list(layers)
     if not layers:
-      raise TorchOnTpuError("ScannedModule needs at least one layer.")
+      raise TorchOnTpuError("StackedLayers needs at least one layer.")
     problem = homogeneity_problem(layers)
     if problem:
-      raise TorchOnTpuError(f"ScannedModule needs identical layers: {problem}.")
+      raise TorchOnTpuError(f"StackedLayers needs identical layers: {problem}.")
     self.num_layers = len(layers)
     self._family = models.family_of(layers[0])  # whose hooks capture per-layer outputs
-    self.remat = remat_lib.layer_policy(remat, scanned=not loop)
-    if remat is None and not loop:
+    self.remat = remat_lib.layer_policy(remat, scanned=scan)
+    if remat is None and scan:
       _say_default_policy_once()
     self.unroll = unroll
-    self.loop = loop
+    self.scanned = scan
     template = layers[0]
     stacked_params = {n: _stack_params(layers, n, True) for n, _ in template.named_parameters()}
     stacked_buffers = {n: _stack_params(layers, n, False) for n, _ in template.named_buffers()}
@@ -170,7 +173,7 @@ class ScannedModule(torch.nn.Module):
     keys = jax.random.split(env.get_and_rotate_prng_key(), self.num_layers)
     extras = {}
     h = jax_view(hidden)
-    period = self.num_layers if self.loop else self._period(extras, args, kwargs, h, stacked, keys)
+    period = self._period(extras, args, kwargs, h, stacked, keys) if self.scanned else self.num_layers
     run = [
       remat_lib.checkpoint(functools.partial(self._run_one, j, extras, args, kwargs), self.remat)
       for j in range(period)
@@ -323,7 +326,7 @@ class _LayerView:
   """`container[i]` of a scanned stack (torch's `TransformerEncoder` reads `layers[0]`):
   layer i's attributes, its slice of each stacked tensor, and calling it runs layer i."""
 
-  def __init__(self, scanned: ScannedModule, index: int, path: str = ""):
+  def __init__(self, scanned: StackedLayers, index: int, path: str = ""):
     self._scanned = scanned
     self._index = index
     self._path = path
@@ -362,10 +365,10 @@ class _LayerView:
 class ScanContainer(torch.nn.Module):
   """Stands where the model's layer container stood. Iterating it (directly,
   `.values()`, slices) or indexing it yields one `_LayerView` per layer: layer
-  i's attributes, and a call that the `ScannedModule` serves from one scan over
-  the whole stack (see `ScannedModule.call_layer`)."""
+  i's attributes, and a call that the `StackedLayers` serves from one scan over
+  the whole stack (see `StackedLayers.call_layer`)."""
 
-  def __init__(self, scanned: ScannedModule, stack: LayerStack):
+  def __init__(self, scanned: StackedLayers, stack: LayerStack):
     super().__init__()
     self.add_module(SCAN, scanned)
     self._original_type = type(stack.container).__name__
@@ -544,10 +547,10 @@ class ScanLayout:
     *,
     remat: str | None,
     unroll: int,
-    loop: bool,
-  ) -> ScannedModule:
+    scan: bool,
+  ) -> StackedLayers:
     """Swaps the model's layer container for the scan (in place)."""
-    scanned = ScannedModule(self.stack.layers, remat=remat, unroll=unroll, loop=loop)
+    scanned = StackedLayers(self.stack.layers, remat=remat, unroll=unroll, scan=scan)
     container = ScanContainer(scanned, self.stack)
     owner_path, _, leaf = self.stack.path.rpartition(".")
     owner = module.get_submodule(owner_path) if owner_path else module
@@ -555,7 +558,7 @@ class ScanLayout:
     return scanned
 
 
-def plan(module: torch.nn.Module, entries) -> ScanLayout | None:
+def layout_for(module: torch.nn.Module, entries) -> ScanLayout | None:
   """The scan layout for a model's layer stack, or None (with the reason logged)."""
   stack = find_layer_stack(module)
   if stack is None:
@@ -657,3 +660,15 @@ def _refuse_caches(kwargs):
       "A scanned layer stack got a KV cache (use_cache=True or past_key_values); scan runs every "
       "layer as one, so call the model with use_cache=False."
     )
+
+
+class ScannedModule(StackedLayers):
+  """The former name of `StackedLayers`, kept for a while: `loop=True` is `scan=False`."""
+
+  def __init__(self, layers, *, remat: str | None = None, unroll: int = 1, loop: bool = False):
+    warnings.warn(
+      "tot.ScannedModule is now tot.StackedLayers (loop=True is scan=False); the old name will go.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    super().__init__(layers, remat=remat, unroll=unroll, scan=not loop)

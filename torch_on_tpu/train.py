@@ -151,7 +151,7 @@ def make_train_step(
   loss_fn: Callable,
   optimizer: optax.GradientTransformation,
   *,
-  remat: str | None = None,
+  forward_remat: str | None = None,
   grad_accum: int = 1,
   clip_norm: float | None = None,
   compute_dtype=None,
@@ -161,6 +161,7 @@ def make_train_step(
   learning_rate: float | Callable | None = None,
   trainable: str | Sequence[str] | Callable[[str], bool] | None = None,
   skip_nonfinite: bool = False,
+  remat: str | None = None,
 ) -> "TrainStep":
   """The compiled training step for `model` (see the module docstring for conventions).
 
@@ -168,7 +169,8 @@ def make_train_step(
     model: a `JittableModule` (abstract ones can only `compile`).
     loss_fn: `loss_fn(outputs, labels)` → scalar torch tensor.
     optimizer: any optax `GradientTransformation` (schedules included).
-    remat: a policy name from `torch_on_tpu.remat.NAMES` for the whole forward.
+    forward_remat: a policy name from `torch_on_tpu.remat.NAMES` for the whole
+      forward as one `jax.checkpoint` (per-layer remat is `JittableModule(remat=)`).
     grad_accum: microbatches per step.
     clip_norm: max global gradient norm, or None.
     compute_dtype: dtype of the forward/backward (e.g. `jnp.bfloat16`).
@@ -181,12 +183,23 @@ def make_train_step(
       `model.params` names); None trains all of them.
     skip_nonfinite: keep the state unchanged on a step whose loss, gradient
       norm or update is not finite (metric `skipped`).
+    remat: the former name of `forward_remat` (deprecated).
   """
+  if remat is not None:
+    warnings.warn(
+      "make_train_step(remat=) is now forward_remat= (the per-layer policy is JittableModule(remat=)); "
+      "the old name will go.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    if forward_remat is not None:
+      raise TorchOnTpuError("Pass forward_remat= only (remat= is its former name), not both.")
+    forward_remat = remat
   return TrainStep(
     model,
     loss_fn,
     optimizer,
-    remat=remat,
+    forward_remat=forward_remat,
     grad_accum=grad_accum,
     clip_norm=clip_norm,
     compute_dtype=compute_dtype,
@@ -208,7 +221,7 @@ class TrainStep:
     loss_fn,
     optimizer,
     *,
-    remat,
+    forward_remat,
     grad_accum,
     clip_norm,
     compute_dtype,
@@ -235,12 +248,12 @@ class TrainStep:
       raise TorchOnTpuError(f"grad_accum must be a positive integer, got {grad_accum!r}.")
     if clip_norm is not None and not clip_norm > 0:
       raise TorchOnTpuError(f"clip_norm must be positive or None, got {clip_norm!r}.")
-    if remat is not None:
-      remat_lib.policy(remat)  # an unknown name fails here, not at the first step
+    if forward_remat is not None:
+      remat_lib.policy(forward_remat)  # an unknown name fails here, not at the first step
     self.model = model
     self.loss_fn = loss_fn
     self.optimizer = optimizer
-    self.remat = remat
+    self.forward_remat = forward_remat
     self.grad_accum = grad_accum
     self.clip_norm = clip_norm
     self.master_dtype = _float_dtype(master_dtype, "master_dtype")
@@ -414,7 +427,7 @@ class TrainStep:
     def loss_fn(params, frozen, buffers, inputs, labels, rng):
       return self._loss({**frozen, **params}, buffers, inputs, labels, rng)
 
-    value_and_grad = jax.value_and_grad(remat_lib.checkpoint(loss_fn, self.remat), has_aux=True)
+    value_and_grad = jax.value_and_grad(remat_lib.checkpoint(loss_fn, self.forward_remat), has_aux=True)
     if self.grad_accum == 1:
       return value_and_grad(params, frozen, buffers, inputs, labels, rng)
 
