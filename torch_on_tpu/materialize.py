@@ -255,21 +255,26 @@ def _run_shared(program, key, out_shardings, stacks) -> dict[str, jax.Array]:
   uses = collections.Counter(signature.values())
   shared = [n for n in out_shardings if n in signature and (n in stacks or uses[signature[n]] > 1)]
   own = [n for n in out_shardings if n not in shared]
-  out, compiled = {}, {}
-  for name in shared:
-    first = pieces[groups[name][0]]
-    if signature[name] not in compiled:
-      make = _mapped(first.fn, out_shardings[name]) if name in stacks else first.fn
-      compiled[signature[name]] = jax.jit(make, out_shardings=[out_shardings[name]])
-    if name in stacks:
-      args = [_stack_args([pieces[m].args[j] for m in groups[name]]) for j in range(len(first.args))]
-    else:
-      args = first.args
-    (out[name],) = compiled[signature[name]](*args)
-  nbytes = {n: sum(_nbytes(shapes[m]) for m in groups[n]) for n in own}
+  member_bytes = {n: _nbytes(shapes[groups[n][0]]) for n in out_shardings}
+  nbytes = {n: member_bytes[n] * len(groups[n]) for n in own}
   chunks = list(_chunks(sorted(own, key=lambda n: -nbytes[n]), nbytes, chunk_budget(out_shardings.values())))
-  for chunk in chunks:
-    out.update(_run_chunk({n: [pieces[m] for m in groups[n]] for n in chunk}, out_shardings, stacks))
+  # Largest tensors first, one program at a time: the random-number temporaries
+  # (about 3x a tensor) then exist while little of the model does.
+  units = [(max(member_bytes[n] for n in c), c) for c in chunks] + [(member_bytes[n], n) for n in shared]
+  out, compiled = {}, {}
+  for _, unit in sorted(units, key=lambda u: -u[0]):
+    if isinstance(unit, list):
+      out.update(_run_chunk({n: [pieces[m] for m in groups[n]] for n in unit}, out_shardings, stacks))
+      jax.block_until_ready([out[n] for n in unit])
+      continue
+    first = pieces[groups[unit][0]]
+    if signature[unit] not in compiled:
+      make = _mapped(first.fn, out_shardings[unit]) if unit in stacks else first.fn
+      compiled[signature[unit]] = jax.jit(make, out_shardings=[out_shardings[unit]])
+    args = first.args
+    if unit in stacks:
+      args = [_stack_args([pieces[m].args[j] for m in groups[unit]]) for j in range(len(first.args))]
+    (out[unit],) = jax.block_until_ready(compiled[signature[unit]](*args))
   logger.info(
     "init: %d arrays from %d compiled programs (%d shared by %d arrays, %d chunks)",
     len(out), 1 + len(compiled) + len(chunks), len(compiled), len(shared), len(chunks),
