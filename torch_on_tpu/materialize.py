@@ -2,8 +2,9 @@
 
 A model built under `torch.device("meta")` has shapes but no storage. We run the
 model's *own* initialisation (torchtitan `init_states`, HF `initialize_weights`,
-else every module's `reset_parameters`) on torchax tensors inside one `jax.jit`
-whose `out_shardings` are the resolved parameter shardings: XLA generates each
+else every module's `reset_parameters`) on torchax tensors, traced once and run
+as jits (one per kind of tensor, `_run_shared`) whose `out_shardings` are the
+resolved parameter shardings: XLA generates each
 shard on the device that owns it, so a parameter is born sharded and no host
 ever holds the whole model. The same traced program under `jax.eval_shape`
 gives abstract arrays (shapes, dtypes, shardings) with nothing allocated.
