@@ -583,6 +583,11 @@ def _check_same_state(saved: dict | None, config: dict, where) -> None:
 
 
 def _check_flags(flags: Flags, error) -> None:
+  from torch_on_tpu import remat as remat_lib
+
+  if flags.remat not in ("auto", *remat_lib.NAMES):
+    choices = ", ".join(("auto", *remat_lib.NAMES))
+    raise error(f"--remat={flags.remat!r} is not a remat policy; choose one of {choices}.")
   if flags.dtype not in DTYPES:
     raise error(f"--dtype={flags.dtype!r} is not one of {', '.join(DTYPES)}; pick one of those.")
   if flags.attention not in ATTENTION:

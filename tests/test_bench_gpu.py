@@ -12,27 +12,76 @@ from tests import helpers as h
 SCRIPT = Path(__file__).parent.parent / "tools" / "bench_gpu.py"
 
 
-def test_ours_and_pytorch_start_from_the_same_weights_and_fill_the_table(tmp_path):
+def test_smoke_runs_every_runner_at_both_shapes_from_the_same_weights_with_profiles(tmp_path):
   out = tmp_path / "bench.json"
   run = subprocess.run(
-    [
-      sys.executable, str(SCRIPT), "--model=debugmodel", "--layers=2", "--shapes=64x2",
-      "--steps=1", "--warmup=1", "--runners=eager,torch_on_tpu", f"--json={out}",
-    ],
-    capture_output=True, text=True, timeout=600,
+    [sys.executable, str(SCRIPT), "--smoke", "--profile", f"--trace_dir={tmp_path / 'traces'}", f"--json={out}"],
+    capture_output=True, text=True, timeout=900,
   )
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
   rows = json.loads(out.read_text())["rows"]
-  assert [r["runner"] for r in rows] == ["torch_on_tpu", "eager"]  # ours first: it writes the weights
-  ours, eager = rows
+  assert [(r["shape"], r["runner"]) for r in rows] == [
+    (shape, runner) for shape in ("64x2", "32x4") for runner in ("torch_on_tpu", "compile", "eager")
+  ]  # ours first at each shape: it writes the weights
   assert not any("error" in r for r in rows)
-  # Same initial weights and batch: the first losses agree to bf16 rounding (both compute in bf16).
-  assert abs(ours["first_loss"] - eager["first_loss"]) / eager["first_loss"] < 1e-2
-  assert ours["first_loss"] > 7.0  # ≈ ln(vocab 2048) = 7.6 at init: a real forward, not a placeholder
+  for shape in ("64x2", "32x4"):
+    ours, compiled, eager = (r for r in rows if r["shape"] == shape)
+    # Same initial weights and batch: the first losses agree to bf16 rounding (all compute in bf16).
+    for other in (compiled, eager):
+      assert abs(ours["first_loss"] - other["first_loss"]) / other["first_loss"] < 1e-2
+    assert ours["first_loss"] > 7.0  # ≈ ln(vocab 2048) = 7.6 at init: a real forward, not a placeholder
   for r in rows:
     assert r["tokens_per_s"] == pytest.approx(128 / r["step_s"])
     assert r["flops_torchtitan"] > r["flops_causal"] > 0 and r["peak_flops"] > 0
-  assert "| 64x2  | torch_on_tpu |" in run.stdout and "MFU (titan)" in run.stdout
+    assert 0 < r["init_s"] < r["first_step_total_s"]
+    assert r["first_step_total_s"] >= r["init_s"] + (r["compile_s"] or 0) + r["first_step_s"] - 1e-6
+    assert Path(r["trace"]).stat().st_size > 0 and set(r["kernel_s"]) == {"gemm", "attention", "other"}
+  assert "| 64x2  | torch_on_tpu |" in run.stdout and "to first step s" in run.stdout
+  assert "ours: scan, remat auto" in run.stdout  # the recipe's defaults
+  assert "GPU kernel time per step by class" in run.stdout and "no GPU kernels" in run.stdout  # CPU
+
+
+@pytest.mark.parametrize(
+  "name, cls",
+  [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+    ("nvjet_tst_192x192_64x3_2x1_v_bz_coopB_TNT", "gemm"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>", "gemm"),
+    ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5_tn", "gemm"),
+    ("triton_gemm_dot_1", "gemm"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0", "attention"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, 64>>", "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"),
+    ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", "other"),
+    ("loop_add_fusion", "other"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "other"),
+  ],
+)
+def test_kernel_names_fall_in_their_class(name, cls):
+  assert h.load_module(SCRIPT).kernel_class(name) == cls
+
+
+def test_kernel_time_is_read_from_torch_and_jax_traces():
+  bench = h.load_module(SCRIPT)
+  torch_trace = {"traceEvents": [
+    {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x64", "dur": 3000},
+    {"ph": "X", "cat": "kernel", "name": "pytorch_flash::flash_fwd_kernel", "dur": 2000},
+    {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_0", "dur": 500},
+    {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 9000},  # host side: not a kernel
+  ]}
+  assert bench.kernel_seconds(torch_trace) == pytest.approx({"gemm": 0.003, "attention": 0.002, "other": 0.0005})
+  jax_trace = {"traceEvents": [
+    {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+    {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #14(Compute)"}},
+    {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
+    {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+    {"ph": "X", "pid": 1, "tid": 7, "name": "sm90_xmma_gemm_bf16", "dur": 4000},
+    {"ph": "X", "pid": 1, "tid": 7, "name": "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "dur": 1000},
+    {"ph": "X", "pid": 1, "tid": 7, "name": "loop_multiply_fusion", "dur": 250},
+    {"ph": "X", "pid": 1, "tid": 8, "name": "dot.3", "dur": 4000},  # the op line repeats the kernels: not counted
+    {"ph": "X", "pid": 2, "tid": 3, "name": "PjitFunction(step)", "dur": 9000},
+  ]}
+  assert bench.kernel_seconds(jax_trace) == pytest.approx({"gemm": 0.004, "attention": 0.001, "other": 0.00025})
 
 
 def test_missing_torch_names_get_placeholders_so_torchtitan_imports():

@@ -17,6 +17,7 @@ import torch_on_tpu as tot
 from recipes import common, hf, llama3
 from tests import helpers as h
 from torch_on_tpu import checkpoint, data, lora
+from torch_on_tpu import remat as remat_lib
 
 ROOT = pathlib.Path(__file__).parent.parent
 TINY = dict(seqlen=32, global_batch_size=8, lr=1e-2, warmup_steps=2, eval_batches=2)
@@ -225,6 +226,18 @@ def test_bad_flags_are_one_sentence(tmp_path):
     hf.run(hf.HFFlags(config="nowhere"))
   with pytest.raises(tot.TorchOnTpuError, match="recipes.hf needs --config=PATH"):
     hf.run(hf.HFFlags())
+
+
+def test_an_unknown_remat_policy_lists_every_valid_one_before_the_config_is_printed():
+  done = subprocess.run(
+    [sys.executable, "-m", "recipes.llama3", "--remat=bogus", "--steps=1", "--cpu_devices=8"], cwd=ROOT,
+    capture_output=True, text=True, timeout=300,
+  )
+  assert done.returncode != 0
+  assert "Run config" not in done.stdout and "Mesh" not in done.stdout
+  (sentence,) = [x for x in done.stderr.splitlines() if "--remat='bogus'" in x]
+  for name in ("auto", *remat_lib.NAMES):
+    assert f" {name}" in sentence.split("choose one of")[1], name
 
 
 def test_help_lists_every_flag_with_its_default():

@@ -3,7 +3,8 @@
     python tools/bench_gpu.py                                      # Llama 3 1B, seq 8192 x 1 and 2048 x 4
     python tools/bench_gpu.py --model=8B --layers=8 --shapes=8192x1
     python tools/bench_gpu.py --remat=dots_saveable --shapes=8192x2
-    python tools/bench_gpu.py --model=debugmodel --shapes=256x2 --steps=2   # anywhere (CPU: a smoke run)
+    python tools/bench_gpu.py --profile                                     # + traces, time by kernel class
+    python tools/bench_gpu.py --smoke --profile                             # the whole table on CPU, tiny, in a minute
 
 One model for every runner: torchtitan's own Llama 3 config for `--model` (optionally
 cut to `--layers`), SDPA attention, RoPE sized to the sequence. Training as torchtitan
@@ -12,8 +13,9 @@ clipping at 1.0, random tokens; every runner gets the same batches and, when
 `torch_on_tpu` runs, the same initial weights (it writes them, the others load them),
 so the losses of the first step agree to bf16 rounding.
 
-- `torch_on_tpu`: the recipe's path (`recipes.llama3 --dtype=bfloat16`): JittableModule
-  with the layer stack as a scan, SDPA on cuDNN flash attention, `make_train_step`.
+- `torch_on_tpu`: the recipe's path at its defaults (`recipes.llama3 --dtype=bfloat16`):
+  JittableModule with the layer stack as a scan (`--no-scan`: the layer loop) and the
+  recipe's remat (`--remat=auto`), SDPA on cuDNN flash attention, `make_train_step`.
 - `compile`: torchtitan's model in PyTorch under `torch.autocast(bf16)` (what torchtitan
   uses when there is no FSDP to do mixed precision), each block and the loss
   `torch.compile`d as torchtitan's `--compile` does, fused AdamW.
@@ -28,7 +30,14 @@ bf16 dense peak (`torch_on_tpu.metrics.PEAK_BF16_FLOPS`), under torchtitan's
 convention (attention counted non-causal) and the causal one (on CPU, over the
 cached measured matmul rate). Peak memory is the
 device allocator's high-water mark (JAX `peak_bytes_in_use`, PyTorch
-`max_memory_allocated`); on CPU ours is the compiled program's own estimate.
+`max_memory_allocated`); on CPU ours is the compiled program's own estimate. Time to
+first step is what a user waits before training starts: building and initialising the
+model, compiling (ours ahead of the step, `torch.compile` inside it) and the first step.
+
+`--profile` traces `PROFILE_STEPS` more steps per run after the timed ones (jax.profiler
+for ours, torch.profiler for PyTorch) into `--trace_dir` and prints each run's device
+time per step by kernel class (`kernel_class`: gemm, attention, other). Only GPU
+kernels are counted; a CPU run writes its traces and reports no kernels.
 """
 
 from __future__ import annotations
@@ -42,6 +51,14 @@ import sys
 import time
 
 RUNNERS = ("torch_on_tpu", "compile", "eager")
+SMOKE = dict(model="debugmodel", layers=2, shapes="64x2,32x4", steps=1, warmup=1)  # every runner, both shapes, tiny
+PROFILE_STEPS = 2
+# Kernel names by class, by substring (lower case), attention first: cuDNN's and
+# flash kernels also carry gemm-like architecture tags (sm90, xmma, cutlass).
+KERNEL_CLASSES = (
+  ("attention", ("flash", "fmha", "cudnn", "sdpa", "attention", "attn")),
+  ("gemm", ("gemm", "cublas", "cutlass", "nvjet", "xmma", "matmul", "_mm_", "dot_")),
+)
 HP = dict(lr=3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0)
 RESULT = "RESULT "  # a worker's last stdout line: RESULT {json}
 WORKER_ENV = dict(os.environ)  # as the user started us, before this process sets anything
@@ -55,14 +72,20 @@ def parse_args(argv=None):
   p.add_argument("--steps", type=int, default=10, help="timed steps per run")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, allocator)")
   p.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated subset of " + ", ".join(RUNNERS))
-  p.add_argument("--remat", default="none", help="torch_on_tpu per-layer remat policy (torch_on_tpu.remat.NAMES)")
+  p.add_argument("--remat", default="auto", help="torch_on_tpu per-layer remat: auto (the recipe's) or torch_on_tpu.remat.NAMES")
+  p.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True, help="torch_on_tpu: the layer stack as a scan (the recipe's default)")
   p.add_argument("--attention", default="auto", help="torch_on_tpu attention kernel: auto (cuDNN on GPU), cudnn, xla")
   p.add_argument("--xla_flags", default="", help="extra XLA_FLAGS for the torch_on_tpu runner")
   p.add_argument("--timeout", type=float, default=600, help="seconds a run may take before it is stopped")
   p.add_argument("--json", default=None, help="also write every run's numbers here")
+  p.add_argument("--profile", action="store_true", help="trace each run and print device time by kernel class")
+  p.add_argument("--trace_dir", default="bench_gpu_traces", help="--profile writes its traces under here, one folder a run")
+  p.add_argument("--smoke", action="store_true", help="tiny: " + ", ".join(f"--{k}={v}" for k, v in SMOKE.items()))
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # RUNNER:SEQxBATCH
   p.add_argument("--state", default=None, help=argparse.SUPPRESS)  # ours writes its initial params, PyTorch loads them
   args = p.parse_args(argv)
+  if args.smoke:
+    vars(args).update(SMOKE)
   asked = args.runners.split(",")
   unknown = set(asked) - set(RUNNERS)
   if unknown:
@@ -159,8 +182,9 @@ def loss_fn(logits, labels):
   return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
-def timed_steps(step, batches, warmup: int, sync) -> dict:
-  """Runs warm-up then timed steps; `step(x, y)` returns the loss, `sync(loss)` waits for it."""
+def timed_steps(step, batches, warmup: int, sync, profile=None) -> dict:
+  """Runs warm-up then timed steps; `step(x, y)` returns the loss, `sync(loss)` waits for it.
+  With `profile` (a context manager factory), `PROFILE_STEPS` more steps run inside it."""
   start = time.perf_counter()
   first = sync(step(*batches[0]))
   first_step_s = time.perf_counter() - start
@@ -171,7 +195,45 @@ def timed_steps(step, batches, warmup: int, sync) -> dict:
   for x, y in timed:
     loss = step(x, y)
   last = sync(loss)
-  return dict(step_s=(time.perf_counter() - start) / len(timed), first_step_s=first_step_s, first_loss=first, last_loss=last)
+  step_s = (time.perf_counter() - start) / len(timed)
+  if profile:
+    with profile():
+      for i in range(PROFILE_STEPS):
+        sync(step(*timed[i % len(timed)]))
+  return dict(step_s=step_s, first_step_s=first_step_s, first_loss=first, last_loss=last)
+
+
+def kernel_class(name: str) -> str:
+  """gemm, attention or other, from a GPU kernel's name (`KERNEL_CLASSES`)."""
+  lower = name.lower()
+  return next((cls for cls, keys in KERNEL_CLASSES if any(k in lower for k in keys)), "other")
+
+
+def kernel_seconds(trace: dict | list) -> dict[str, float]:
+  """Seconds of GPU kernels by class in a Chrome-format trace: torch.profiler's (events
+  of category `kernel`) or jax.profiler's (events on a `/device:` process's `Stream` lines)."""
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  names = {(e.get("pid"), e.get("tid")): e["args"]["name"] for e in events if e.get("ph") == "M" and "name" in e.get("args", {})}
+  device = {pid for (pid, tid), name in names.items() if tid is None and name.startswith("/device:")}
+  seconds = dict.fromkeys(["gemm", "attention", "other"], 0.0)
+  for e in events:
+    if e.get("ph") != "X":
+      continue
+    on_stream = e.get("pid") in device and names.get((e.get("pid"), e.get("tid")), "").startswith("Stream")
+    if e.get("cat") == "kernel" or on_stream:
+      seconds[kernel_class(e["name"])] += e.get("dur", 0) / 1e6
+  return seconds
+
+
+def read_trace(path: str) -> dict | list:
+  import gzip
+
+  with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+    return json.load(f)
+
+
+def trace_dir(args, runner: str, seqlen: int, batch: int) -> str:
+  return os.path.join(os.path.abspath(args.trace_dir), f"{runner}-{seqlen}x{batch}")
 
 
 # ---- the workers: one (runner, shape) per process -------------------------------------------
@@ -192,10 +254,11 @@ def ours_worker(args, seqlen: int, batch: int) -> dict:
   start = time.perf_counter()
   jm = tot.JittableModule(
     model, mesh=tot.make_mesh(jax.devices()[:1], fsdp=1), sharding="fsdp", attention=args.attention,
-    scan=True, remat=None if args.remat == "none" else args.remat,
+    scan=args.scan, remat=None if args.remat == "auto" else args.remat,
   )
   jax.block_until_ready(jm.params)
-  print(f"torch_on_tpu {seqlen}x{batch}: params initialized on {jax.devices()[0]} in {time.perf_counter() - start:.1f} s", flush=True)
+  init_s = time.perf_counter() - start
+  print(f"torch_on_tpu {seqlen}x{batch}: params initialized on {jax.devices()[0]} in {init_s:.1f} s", flush=True)
   optimizer = optax.adamw(HP["lr"], b1=HP["b1"], b2=HP["b2"], eps=HP["eps"], weight_decay=HP["weight_decay"])
   step = tot.make_train_step(jm, loss_fn, optimizer, clip_norm=HP["clip_norm"], compute_dtype=jnp.bfloat16)
   batches = make_batches(args.warmup + args.steps, seqlen, batch, config.vocab_size)
@@ -209,12 +272,22 @@ def ours_worker(args, seqlen: int, batch: int) -> dict:
     state = {k: v.contiguous() for k, v in jm.state_dict().items()}
     safetensors.torch.save_file(state, args.state + ".partial")
     os.replace(args.state + ".partial", args.state)
-  result = timed_steps(step, batches, args.warmup, sync=float)
+  profile = None
+  if args.profile:
+    where = trace_dir(args, "torch_on_tpu", seqlen, batch)
+    profile = lambda: jax.profiler.trace(where, create_perfetto_trace=True)  # noqa: E731
+  result = timed_steps(step, batches, args.warmup, sync=float, profile=profile)
+  if args.profile:
+    import glob
+
+    (path,) = glob.glob(os.path.join(where, "**", "perfetto_trace.json.gz"), recursive=True)
+    result.update(trace=path, kernel_s=kernel_seconds(read_trace(path)))
   device = jax.devices()[0]
   stats = device.memory_stats() or {}
   peak_memory = stats.get("peak_bytes_in_use", report.peak_bytes)
   return dict(
-    result, compile_s=compile_s, peak_memory=peak_memory, device=device.device_kind, stack=f"jax {jax.__version__}"
+    result, init_s=init_s, compile_s=compile_s, first_step_total_s=init_s + compile_s + result["first_step_s"],
+    peak_memory=peak_memory, device=device.device_kind, stack=f"jax {jax.__version__}",
   )
 
 
@@ -225,6 +298,7 @@ def torch_worker(args, seqlen: int, batch: int, *, compiled: bool) -> dict:
   device = torch.device("cuda" if cuda else "cpu")
   torch.manual_seed(0)
   config = llama3_config(args.model, layers=args.layers, seqlen=seqlen)
+  start = time.perf_counter()
   with device:
     model = config.build()
   if args.state and os.path.exists(args.state):
@@ -234,6 +308,9 @@ def torch_worker(args, seqlen: int, batch: int, *, compiled: bool) -> dict:
     buffers = {name for name, _ in model.named_buffers()}
     if unexpected or set(missing) - buffers:
       raise SystemExit(f"{args.state} does not hold this model's parameters: missing {missing}, unexpected {unexpected}")
+  if cuda:
+    torch.cuda.synchronize()
+  init_s = time.perf_counter() - start
   if compiled:  # torchtitan's --compile: each block on its own, fullgraph
     for name, block in model.layers.named_children():
       model.layers.register_module(name, torch.compile(block, fullgraph=True))
@@ -258,9 +335,21 @@ def torch_worker(args, seqlen: int, batch: int, *, compiled: bool) -> dict:
   batches = [(x.to(device), y.to(device)) for x, y in make_batches(args.warmup + args.steps, seqlen, batch, config.vocab_size)]
   if cuda:
     torch.cuda.reset_peak_memory_stats()
-  result = timed_steps(step, batches, args.warmup, sync)
+  profiler = None
+  if args.profile:
+    from torch.profiler import ProfilerActivity
+
+    profiler = torch.profiler.profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+  result = timed_steps(step, batches, args.warmup, sync, profile=profiler and (lambda: profiler))
+  if profiler:
+    where = trace_dir(args, "compile" if compiled else "eager", seqlen, batch)
+    os.makedirs(where, exist_ok=True)
+    path = os.path.join(where, "trace.json")
+    profiler.export_chrome_trace(path)
+    result.update(trace=path, kernel_s=kernel_seconds(read_trace(path)))
   return dict(
-    result, compile_s=None, peak_memory=torch.cuda.max_memory_allocated() if cuda else None,
+    result, init_s=init_s, compile_s=None, first_step_total_s=init_s + result["first_step_s"],
+    peak_memory=torch.cuda.max_memory_allocated() if cuda else None,
     device=torch.cuda.get_device_name() if cuda else "cpu", stack=f"torch {torch.__version__}",
   )
 
@@ -318,7 +407,7 @@ def failure_reason(lines: list[str], returncode: int) -> str:
 def table(rows: list[dict]) -> str:
   headers = [
     "shape", "runner", "step s", "tokens/s", "vs compile", "MFU (titan)", "MFU (causal)",
-    "peak mem GiB", "loss first→last", "first step s",
+    "peak mem GiB", "loss first→last", "init s", "to first step s",
   ]
   lines = []
   for r in rows:
@@ -332,8 +421,26 @@ def table(rows: list[dict]) -> str:
       f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-",
       mfu("flops_torchtitan"), mfu("flops_causal"),
       f"{r['peak_memory'] / 2**30:.1f}" if r.get("peak_memory") else "-",
-      f"{r['first_loss']:.3f}→{r['last_loss']:.3f}", f"{r['first_step_s']:.1f}",
+      f"{r['first_loss']:.3f}→{r['last_loss']:.3f}", f"{r['init_s']:.1f}", f"{r['first_step_total_s']:.1f}",
     ])
+  return markdown(headers, lines)
+
+
+def kernel_table(rows: list[dict]) -> str:
+  """Device time per step by kernel class, for the runs `--profile` traced."""
+  headers = ["shape", "runner", "gemm ms", "attention ms", "other ms", "kernels / step time", "trace"]
+  lines = []
+  for r in rows:
+    if "kernel_s" not in r:
+      continue
+    ms = {k: 1e3 * v / PROFILE_STEPS for k, v in r["kernel_s"].items()}
+    busy = sum(ms.values()) / (1e3 * r["step_s"])
+    lines.append([r["shape"], r["runner"], *(f"{ms[k]:.1f}" for k in ("gemm", "attention", "other")),
+                  f"{busy:.0%}" if busy else "no GPU kernels", r["trace"]])
+  return markdown(headers, lines)
+
+
+def markdown(headers: list[str], lines: list[list]) -> str:
   widths = [max(len(str(x[i])) for x in [headers, *lines]) for i in range(len(headers))]
   fmt = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
   return "\n".join([fmt(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, lines)])
@@ -346,8 +453,8 @@ def check_flags(args) -> None:
 
   if args.model not in FLAVORS:
     raise SystemExit(f"--model={args.model!r} is not a torchtitan Llama 3 flavor; choose one of {', '.join(FLAVORS)}.")
-  if args.remat not in remat.NAMES:
-    raise SystemExit(f"--remat={args.remat!r} is not a remat policy; choose one of {', '.join(remat.NAMES)}.")
+  if args.remat not in ("auto", *remat.NAMES):
+    raise SystemExit(f"--remat={args.remat!r} is not a remat policy; choose one of {', '.join(('auto', *remat.NAMES))}.")
   if args.attention not in attention.MODES:
     raise SystemExit(f"--attention={args.attention!r} is not a kernel; choose one of {', '.join(attention.MODES)}.")
   if args.json and os.path.isdir(args.json):
@@ -411,11 +518,14 @@ def main(argv=None) -> int:
   stacks = sorted({r["stack"] for r in rows if "stack" in r})
   print(
     f"\nLlama 3 {args.model}" + (f" (first {args.layers} layers)" if args.layers else "")
-    + f", bf16 compute / fp32 master + AdamW, remat {args.remat}, attention {args.attention}"
+    + f", bf16 compute / fp32 master + AdamW; ours: {'scan' if args.scan else 'layer loop'}, remat {args.remat}, attention {args.attention}"
     + f"; {', '.join(devices)}; {', '.join(stacks)}; {args.steps} timed steps after {args.warmup}\n"
   )
   save(args, rows)
   print(table(rows), flush=True)
+  if args.profile:
+    print(f"\nGPU kernel time per step by class ({PROFILE_STEPS} traced steps after the timed ones)\n", flush=True)
+    print(kernel_table(rows), flush=True)
   return 1 if any("error" in r for r in rows) else 0
 
 

@@ -2,8 +2,9 @@
 
 A model built under `torch.device("meta")` has shapes but no storage. We run the
 model's *own* initialisation (torchtitan `init_states`, HF `initialize_weights`,
-else every module's `reset_parameters`) on torchax tensors inside one `jax.jit`
-whose `out_shardings` are the resolved parameter shardings: XLA generates each
+else every module's `reset_parameters`) on torchax tensors, traced once and run
+as jits (one per kind of tensor, `_run_shared`) whose `out_shardings` are the
+resolved parameter shardings: XLA generates each
 shard on the device that owns it, so a parameter is born sharded and no host
 ever holds the whole model. The same traced program under `jax.eval_shape`
 gives abstract arrays (shapes, dtypes, shardings) with nothing allocated.
@@ -14,13 +15,14 @@ reading only its own slice.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
-import jax.extend
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -39,7 +41,7 @@ from torchax.tensor import Tensor as TorchaxTensor  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-# Global bytes of outputs one materialisation jit produces (see `_run_in_chunks`):
+# Global bytes of outputs one chunk of tensors made their own way produces (see `_run_shared`):
 # the floor, and all of it where devices do not report their memory (CPU, whose
 # "device memory" is the host RAM the materialisation benchmark holds to 1.15x).
 INIT_CHUNK_BYTES = 256 * 2**20
@@ -47,6 +49,9 @@ INIT_CHUNK_BYTES = 256 * 2**20
 # (its temporaries about three times that). Each chunk is one compile, and GPU
 # compiles are slow: a 1B model in 256 MiB chunks took 165 s to initialise on an H100.
 INIT_CHUNK_DEVICE_SHARE = 1 / 16
+# Values of at most this many elements that depend only on the seed (the random
+# keys) are computed before the tensors, and passed to them as inputs.
+_SMALL_ELEMENTS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,16 +152,18 @@ def materialize(
   *,
   seed: int = 0,
   init_fn: Callable[[torch.nn.Module], None] | None = None,
-  restructure: Callable[[dict], dict] | None = None,
+  stacks: Mapping[str, Sequence[str]] | None = None,
   abstract: bool = False,
 ) -> dict[str, jax.Array]:
-  """Runs the init of a meta `module` as one sharded jit; returns name → array.
+  """Runs the init of a meta `module` sharded on the devices; returns name → array.
 
-  `restructure` (e.g. scan stacking) maps the canonical-name dict to the layout
-  the caller stores, inside the same jit; `out_shardings` is keyed by its output.
-  With `abstract=True` nothing is computed: arrays are `jax.ShapeDtypeStruct`s.
+  `stacks` (scan stacking) names arrays the caller stores as its members
+  stacked on a new leading axis, in place of the members; `out_shardings` is
+  keyed by the stored names. With `abstract=True` nothing is computed: arrays
+  are `jax.ShapeDtypeStruct`s.
   """
   init_fn = init_fn or default_init_fn(module)
+  stacks = dict(stacks or {})
   env = torchax.default_env()
   untouched: list[str] = []
 
@@ -167,13 +174,13 @@ def materialize(
     ):
       with torch.no_grad():
         init_fn(module)
-    return restructure(arrays) if restructure else arrays
+    return arrays
 
   key = jax.random.key(seed)
   if abstract:
-    out = jax.eval_shape(jax.jit(program, out_shardings=dict(out_shardings)), key)
+    out = jax.eval_shape(lambda k: stack(program(k), stacks), key)
   else:
-    out = _run_in_chunks(program, key, out_shardings, chunk_budget(out_shardings.values()))
+    out = _run_shared(program, key, out_shardings, stacks)
   if untouched:
     logger.warning(
       "The model's init left %d tensors unwritten (they are zeros): %s. Pass init_fn= "
@@ -183,6 +190,15 @@ def materialize(
     )
   if abstract:
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=out_shardings[k]) for k, v in out.items()}
+  return out
+
+
+def stack(arrays: dict, stacks: Mapping[str, Sequence[str]]) -> dict:
+  """Canonical per-tensor dict → stored dict, each stack's members stacked on a new leading axis."""
+  members = {m for group in stacks.values() for m in group}
+  out = {k: v for k, v in arrays.items() if k not in members}
+  for name, group in stacks.items():
+    out[name] = jnp.stack([arrays[m] for m in group])
   return out
 
 
@@ -197,35 +213,160 @@ def chunk_budget(shardings) -> int:
   return max(INIT_CHUNK_BYTES, int(min(limits) * INIT_CHUNK_DEVICE_SHARE) * len(devices))
 
 
-def _run_in_chunks(program, key, out_shardings, budget: int) -> dict[str, jax.Array]:
-  """Runs the traced init as several jits, largest outputs first, each compiling
-  only the part of the program its outputs need; `budget` bounds each chunk's
-  global output bytes (`chunk_budget`).
+@dataclasses.dataclass
+class _Piece:
+  """The part of the traced init that makes one tensor, as a function of its inputs.
 
-  One jit for a whole model would hold every random-number temporary at once
-  (about 3x the largest tensor per device, on every device); in chunks the
-  temporaries of one chunk exist at a time, so peak memory stays near the model
-  itself. The program is traced once; each chunk replays the same jaxpr, so
-  values are identical to a single jit.
+  `signature` is the function's text with every literal lifted to an input, so
+  tensors made alike (each layer's `wq`, whatever its std) share it and one
+  compiled program; `args` are this tensor's inputs. None where the text is not
+  a faithful identity (numpy abbreviates long arrays with '...').
+  """
+
+  fn: Callable
+  args: list
+  signature: str | None
+
+
+def _run_shared(program, key, out_shardings, stacks) -> dict[str, jax.Array]:
+  """Runs the traced init with one compile per distinct way a tensor is made, not per tensor.
+
+  The program is traced once. The small values that depend only on the seed
+  (the chain of random keys) are computed first, in one jit; every tensor's
+  slice of the program then takes them as inputs, so tensors made alike (the
+  same init in every layer) are the same function: one compiled program
+  serves them all, a stack of them runs as one `lax.map` over its members'
+  inputs, and the compile count is flat in depth. Tensors made their own way
+  run in chunks of at most `chunk_budget` output bytes, largest first. One
+  tensor's (or chunk's) random-number temporaries exist at a time, so peak
+  memory stays near the model itself; values are those of the whole program.
   """
   closed, shapes = jax.make_jaxpr(program, return_shape=True)(key)
+  replicated = NamedSharding(next(iter(out_shardings.values())).mesh, jax.sharding.PartitionSpec())
+  main, inputs = _hoist_seed_values(closed, key, replicated)
   leaves, treedef = jax.tree_util.tree_flatten(shapes)
-  names = jax.tree_util.tree_unflatten(treedef, list(range(len(leaves))))
-  index = {name: i for name, i in names.items()}
-  size = {name: leaves[i].size * leaves[i].dtype.itemsize for name, i in index.items()}
-  out = {}
-  for chunk in _chunks(sorted(index, key=lambda n: -size[n]), size, budget):
-    wanted = {index[n] for n in chunk}
-    used = [i in wanted for i in range(len(leaves))]
-    # Dead-code-eliminate before lowering, so each jit compiles only its slice.
-    pruned, used_inputs = _partial_eval.dce_jaxpr(closed.jaxpr, used, instantiate=True)
-    run = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(pruned, closed.consts))
-    jitted = jax.jit(
-      lambda k: run(*([k] if used_inputs[0] else [])),
-      out_shardings=[out_shardings[n] for n in sorted(chunk, key=index.get)],
-    )
-    out.update(zip(sorted(chunk, key=index.get), jitted(key)))
-  return out
+  index = jax.tree_util.tree_unflatten(treedef, list(range(len(leaves))))
+  pieces = {name: _piece(main, inputs, i) for name, i in index.items()}
+  groups = {name: list(stacks.get(name, [name])) for name in out_shardings}
+  signature = {}  # stored name → what its compiled program is keyed by, if shared
+  for name, group in groups.items():
+    sigs = {pieces[m].signature for m in group}
+    if len(sigs) == 1 and None not in sigs:
+      signature[name] = (name in stacks, sigs.pop(), out_shardings[name])
+  uses = collections.Counter(signature.values())
+  shared = [n for n in out_shardings if n in signature and (n in stacks or uses[signature[n]] > 1)]
+  own = [n for n in out_shardings if n not in shared]
+  member_bytes = {n: _nbytes(shapes[groups[n][0]]) for n in out_shardings}
+  nbytes = {n: member_bytes[n] * len(groups[n]) for n in own}
+  chunks = list(_chunks(sorted(own, key=lambda n: -nbytes[n]), nbytes, chunk_budget(out_shardings.values())))
+  # Largest tensors first, one program at a time: the random-number temporaries
+  # (about 3x a tensor) then exist while little of the model does.
+  units = [(max(member_bytes[n] for n in c), c) for c in chunks] + [(member_bytes[n], n) for n in shared]
+  out, compiled = {}, {}
+  for _, unit in sorted(units, key=lambda u: -u[0]):
+    if isinstance(unit, list):
+      out.update(_run_chunk({n: [pieces[m] for m in groups[n]] for n in unit}, out_shardings, stacks))
+      jax.block_until_ready([out[n] for n in unit])
+      continue
+    first = pieces[groups[unit][0]]
+    if signature[unit] not in compiled:
+      make = _mapped(first.fn, out_shardings[unit]) if unit in stacks else first.fn
+      compiled[signature[unit]] = jax.jit(make, out_shardings=[out_shardings[unit]])
+    args = first.args
+    if unit in stacks:
+      args = [_stack_args([pieces[m].args[j] for m in groups[unit]]) for j in range(len(first.args))]
+    (out[unit],) = jax.block_until_ready(compiled[signature[unit]](*args))
+  logger.info(
+    "init: %d arrays from %d compiled programs (%d shared by %d arrays, %d chunks)",
+    len(out), 1 + len(compiled) + len(chunks), len(compiled), len(shared), len(chunks),
+  )
+  return {name: out[name] for name in out_shardings}
+
+
+def _nbytes(aval) -> int:
+  return int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
+
+
+def _hoist_seed_values(closed, key, sharding):
+  """Splits off the equations that make small values from the seed alone (the key chain).
+
+  Returns the rest of the program as a jaxpr whose inputs are those values and
+  the program's constants, and the inputs, computed (replicated) by one jit.
+  """
+  jaxpr = closed.jaxpr
+  seed_vars = set(jaxpr.invars)
+  hoisted, rest = [], []
+  for eqn in jaxpr.eqns:
+    small = all(_is_small(v.aval) for v in eqn.outvars)
+    from_seed = all(isinstance(v, jex.Literal) or v in seed_vars for v in eqn.invars)
+    if small and from_seed and not eqn.effects:
+      hoisted.append(eqn)
+      seed_vars.update(eqn.outvars)
+    else:
+      rest.append(eqn)
+  needed = {v for eqn in rest for v in eqn.invars if not isinstance(v, jex.Literal)}
+  needed.update(v for v in jaxpr.outvars if not isinstance(v, jex.Literal))
+  boundary = [v for v in jaxpr.invars if v in needed] + [v for eqn in hoisted for v in eqn.outvars if v in needed]
+  prelude = jex.Jaxpr([], list(jaxpr.invars), boundary, hoisted)
+  values = jax.jit(jex.jaxpr_as_fun(jex.ClosedJaxpr(prelude, [])), out_shardings=sharding)(key)
+  main = jex.Jaxpr([], boundary + list(jaxpr.constvars), jaxpr.outvars, rest, jaxpr.effects)
+  return main, list(values) + list(closed.consts)
+
+
+def _is_small(aval) -> bool:
+  return hasattr(aval, "shape") and int(np.prod(aval.shape, dtype=np.int64)) <= _SMALL_ELEMENTS
+
+
+def _piece(main, inputs: list, index: int) -> _Piece:
+  """Output `index` of `main` alone, its literals lifted to inputs."""
+  pruned, used = _partial_eval.dce_jaxpr(main, [i == index for i in range(len(main.outvars))], instantiate=False)
+  args = [x for x, u in zip(inputs, used) if u]
+  lifted, eqns = [], []
+  for eqn in pruned.eqns:
+    invars = []
+    for v in eqn.invars:
+      if isinstance(v, jex.Literal):
+        invars.append(jex.Var(v.aval))
+        lifted.append(invars[-1])
+        args.append(np.asarray(v.val, dtype=v.aval.dtype))
+      else:
+        invars.append(v)
+    eqns.append(eqn.replace(invars=invars))
+  jaxpr = jex.Jaxpr([], [*pruned.invars, *lifted], pruned.outvars, eqns, pruned.effects)
+  text = str(jaxpr)
+  return _Piece(jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, [])), args, None if "..." in text else text)
+
+
+def _mapped(fn: Callable, sharding: NamedSharding) -> Callable:
+  """`fn` over its stacked inputs, one member at a time (`lax.map`), each member
+  placed as a slice of the stack (`sharding`) so every device draws only its part."""
+  member = NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+
+  def run(*stacked):
+    return [jax.lax.map(lambda args: jax.lax.with_sharding_constraint(fn(*args)[0], member), stacked)]
+
+  return run
+
+
+def _stack_args(values: list):
+  if isinstance(values[0], np.ndarray):
+    return np.stack(values)
+  return jnp.stack(values)
+
+
+def _run_chunk(chunk: dict[str, list[_Piece]], out_shardings, stacks) -> dict[str, jax.Array]:
+  """One jit for the arrays of `chunk`, each from its members' pieces."""
+  names = list(chunk)
+
+  def run(*args_per_name):
+    out = []
+    for name, args in zip(names, args_per_name):
+      made = [piece.fn(*a)[0] for piece, a in zip(chunk[name], args)]
+      out.append(jnp.stack(made) if name in stacks else made[0])
+    return out
+
+  args = [[piece.args for piece in chunk[name]] for name in names]
+  return dict(zip(names, jax.jit(run, out_shardings=[out_shardings[n] for n in names])(*args)))
 
 
 def _chunks(names, size, budget):

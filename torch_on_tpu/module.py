@@ -128,20 +128,20 @@ class JittableModule:
       self._layout = scan_lib.layout_for(module, entries)
     if self._layout:
       self._specs = self._layout.internal_specs(self._resolved.specs)
-      restructure = self._layout.stack_arrays
+      stacks = self._layout.groups
     else:
       self._specs = dict(self._resolved.specs)
-      restructure = None
+      stacks = None
     stored = {n: NamedSharding(self.mesh, s) for n, s in self._specs.items()}
 
     if abstract or materialize.is_meta(module):
       arrays = materialize.materialize(
-        module, entries, stored, seed=seed, init_fn=init_fn or self.family.init_fn(module), restructure=restructure, abstract=abstract
+        module, entries, stored, seed=seed, init_fn=init_fn or self.family.init_fn(module), stacks=stacks, abstract=abstract
       )
     else:
       arrays = materialize.upload(module, entries, self._resolved.shardings(self.mesh))
-      if restructure:
-        arrays = jax.jit(restructure, out_shardings=stored, donate_argnums=0)(arrays)
+      if stacks:
+        arrays = jax.jit(lambda a: materialize.stack(a, stacks), out_shardings=stored, donate_argnums=0)(arrays)
       _to_meta(module)
 
     if self._layout:

@@ -484,8 +484,9 @@ def homogeneity_problem(layers: list[torch.nn.Module]) -> str | None:
 class ScanLayout:
   """How a model's per-layer tensors map to stacked ones, and back.
 
-  Built before materialisation from the model's original structure; `stack`
-  runs inside the materialising jit; `apply` swaps the container afterwards.
+  Built before materialisation from the model's original structure; `groups`
+  (stacked name → per-layer names) tells materialisation what to stack;
+  `apply` swaps the container afterwards.
   """
 
   def __init__(self, stack: LayerStack, entries):
@@ -532,13 +533,6 @@ class ScanLayout:
             f"the layer index or use scan=False."
           )
       out[internal] = PartitionSpec(None, *first)
-    return out
-
-  def stack_arrays(self, arrays: dict) -> dict:
-    """Canonical per-layer dict → stored dict (stacked groups); traceable."""
-    out = {k: v for k, v in arrays.items() if k not in self._where}
-    for internal, group in self.groups.items():
-      out[internal] = jnp.stack([arrays[o] for o in group])
     return out
 
   def apply(
