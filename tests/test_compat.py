@@ -312,3 +312,23 @@ def test_public_names_are_not_shadowed_by_submodules():
       importlib.import_module(info.name)  # importing a submodule sets an attribute of its package
   for name in tot.__all__:
     assert not isinstance(getattr(tot, name), type(sys)), f"tot.{name} is a module"
+
+
+def _check_non_persistent_buffers():
+  bn = torch.nn.BatchNorm1d(2)
+  bn.register_buffer("scratch", torch.zeros(1), persistent=False)
+  assert _compat.non_persistent_buffers(bn) == {"scratch"}
+  assert "scratch" not in bn.state_dict()
+
+
+_INTERNAL_API_CHECKS["torch.nn.Module._non_persistent_buffers_set"] = _check_non_persistent_buffers
+
+
+# ---- renamed public names keep working, with a DeprecationWarning ------------------------------
+
+
+def test_former_names_warn_and_behave_as_the_new_ones():
+  layers = [torch.nn.Linear(4, 4) for _ in range(2)]
+  with pytest.warns(DeprecationWarning, match="tot.ScannedModule is now tot.StackedLayers"):
+    old = tot.ScannedModule(layers, loop=True)
+  assert isinstance(old, tot.StackedLayers) and not old.scanned

@@ -135,6 +135,7 @@ INTERNAL_APIS = {
   "torch.nn.init._no_grad_trunc_normal_": "the helper trunc_normal_ calls, swapped while init is traced",
   "torch.nn.Module._parameters/_buffers": "placing a tensor on a module without nn.Module's checks",
   "torch.nn.Module._forward_hooks": "HF output-capture hooks recorded for a scanned stack",
+  "torch.nn.Module._non_persistent_buffers_set": "which buffers a state_dict leaves out, per module",
   "torch._C._nn.cross_entropy_loss": "torch's own cross-entropy, where ours does not apply",
   "torch.nn._reduction": "resolving F.cross_entropy's legacy size_average/reduce arguments",
   "torch.utils._pytree": "torch's pytree utilities (no public twin)",
@@ -224,6 +225,11 @@ def module_tensor_dicts(module: torch.nn.Module) -> tuple[dict, dict]:
   return module._parameters, module._buffers
 
 
+def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
+  """Names of the module's own buffers that its state_dict leaves out."""
+  return module._non_persistent_buffers_set
+
+
 def forward_hooks(module: torch.nn.Module) -> dict:
   """The module's forward hooks (live dict: id → hook)."""
   return module._forward_hooks
@@ -239,11 +245,11 @@ def torch_cross_entropy(input, target, weight, size_average, reduce, reduction, 
   return torch._C._nn.cross_entropy_loss(input, target, weight, reduction_enum, ignore_index, label_smoothing)
 
 
-def dce_jaxpr(jaxpr, used_outputs: list[bool]):
+def dce_jaxpr(jaxpr, used_outputs: list[bool], *, instantiate: bool = True):
   """`jaxpr` pruned to `used_outputs`; returns (jaxpr, which inputs it still uses)."""
   from jax._src.interpreters import partial_eval
 
-  return partial_eval.dce_jaxpr(jaxpr, used_outputs, instantiate=True)
+  return partial_eval.dce_jaxpr(jaxpr, used_outputs, instantiate=instantiate)
 
 
 def backend_started() -> bool:

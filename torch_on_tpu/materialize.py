@@ -1,8 +1,8 @@
 """Meta-device torch modules → sharded `jax.Array`s, never a full copy on one host.
 
 A model built under `torch.device("meta")` has shapes but no storage. We run the
-model's *own* initialisation (torchtitan `init_states`, HF `initialize_weights`,
-else every module's `reset_parameters`) on torchax tensors, traced once and run
+model's *own* initialisation (its family's, `Family.init_fn`: torchtitan's
+`init_states`, HF's `initialize_weights`; else every module's `reset_parameters`) on torchax tensors, traced once and run
 as jits (one per kind of tensor, `_run_shared`) whose `out_shardings` are the
 resolved parameter shardings: XLA generates each
 shard on the device that owns it, so a parameter is born sharded and no host
@@ -28,12 +28,11 @@ import numpy as np
 import torch
 from jax.sharding import NamedSharding
 
-from torch_on_tpu import _compat
+from torch_on_tpu import _compat, models, module_state
 from torch_on_tpu.errors import TorchOnTpuError
 
 # jax has no public dead-code elimination for jaxprs; this one is stable across
 # the 0.x releases we support (pinned in constraints.txt).
-from jax._src.interpreters import partial_eval as _partial_eval  # noqa: E402
 
 torchax = _compat.import_torchax()
 from torchax.ops import mappings  # noqa: E402
@@ -89,53 +88,27 @@ def inventory(module: torch.nn.Module) -> list[TensorEntry]:
   for name, p in module.named_parameters(remove_duplicate=False):
     add(name, p, True, True)
   for mod_name, mod in module.named_modules(remove_duplicate=False):
-    for buf_name, b in mod._buffers.items():
+    for buf_name, b in _compat.module_tensor_dicts(mod)[1].items():
       if b is None:
         continue
       full = f"{mod_name}.{buf_name}" if mod_name else buf_name
-      add(full, b, False, buf_name not in mod._non_persistent_buffers_set)
+      add(full, b, False, buf_name not in _compat.non_persistent_buffers(mod))
   return [TensorEntry(**{**entries[k], "aliases": tuple(entries[k]["aliases"])}) for k in order]
 
 
 def is_meta(module: torch.nn.Module) -> bool:
   """True when every tensor is on meta; raises when meta and real tensors mix."""
-  devices = {t.device.type for t in _tensors(module)}
+  devices = {t.device.type for _, t in module_state.named_tensors(module)}
   if devices == {"meta"}:
     return True
   if "meta" in devices:
-    meta = [n for n, t in _named_tensors(module) if t.device.type == "meta"]
-    real = [n for n, t in _named_tensors(module) if t.device.type != "meta"]
+    meta = [n for n, t in module_state.named_tensors(module) if t.device.type == "meta"]
+    real = [n for n, t in module_state.named_tensors(module) if t.device.type != "meta"]
     raise TorchOnTpuError(
       f"The model mixes meta tensors ('{meta[0]}') with real ones ('{real[0]}'); build it "
       f"entirely under torch.device('meta') or entirely initialised on CPU."
     )
   return False
-
-
-def default_init_fn(module: torch.nn.Module) -> Callable[[torch.nn.Module], None]:
-  """The model's own initialisation, in order of preference."""
-  if callable(getattr(module, "init_states", None)):  # torchtitan
-    return lambda m: m.init_states(buffer_device=torch.device("jax"))
-  if callable(getattr(module, "initialize_weights", None)):  # HF transformers
-    return _hf_init
-
-  return reset_parameters_everywhere
-
-
-def _hf_init(module: torch.nn.Module) -> None:
-  """HF's `initialize_weights`, run as if for the first time.
-
-  HF marks modules `_is_hf_initialized` and then skips them; the marks would
-  make a second materialisation of the same meta model leave zeros.
-  """
-  saved = {m: m.__dict__.pop("_is_hf_initialized") for m in module.modules() if "_is_hf_initialized" in m.__dict__}
-  try:
-    module.initialize_weights()
-  finally:
-    for m in module.modules():
-      m.__dict__.pop("_is_hf_initialized", None)
-    for m, flag in saved.items():
-      m._is_hf_initialized = flag
 
 
 def reset_parameters_everywhere(module: torch.nn.Module) -> None:
@@ -162,7 +135,7 @@ def materialize(
   keyed by the stored names. With `abstract=True` nothing is computed: arrays
   are `jax.ShapeDtypeStruct`s.
   """
-  init_fn = init_fn or default_init_fn(module)
+  init_fn = init_fn or models.family_of(module).init_fn(module) or reset_parameters_everywhere
   stacks = dict(stacks or {})
   env = torchax.default_env()
   untouched: list[str] = []
@@ -319,7 +292,7 @@ def _is_small(aval) -> bool:
 
 def _piece(main, inputs: list, index: int) -> _Piece:
   """Output `index` of `main` alone, its literals lifted to inputs."""
-  pruned, used = _partial_eval.dce_jaxpr(main, [i == index for i in range(len(main.outvars))], instantiate=False)
+  pruned, used = _compat.dce_jaxpr(main, [i == index for i in range(len(main.outvars))], instantiate=False)
   args = [x for x, u in zip(inputs, used) if u]
   lifted, eqns = [], []
   for eqn in pruned.eqns:
@@ -381,7 +354,6 @@ def _chunks(names, size, budget):
     yield chunk
 
 
-@contextlib.contextmanager
 def _traceable_trunc_normal():
   """`nn.init.trunc_normal_` that works on torchax tensors under jit.
 
@@ -390,21 +362,15 @@ def _traceable_trunc_normal():
   traced. Model code binds `nn.init.trunc_normal_` early (in `partial`s), so we
   swap the module-level helper it calls, for the duration of materialisation.
   """
-  original = torch.nn.init._no_grad_trunc_normal_
-
-  def trunc_normal(tensor, mean, std, a, b, generator=None):
+  def trunc_normal(tensor, mean, std, a, b, generator=None, *, original):
     if not isinstance(tensor, TorchaxTensor):
       return original(tensor, mean, std, a, b, generator=generator)
-    key = tensor._env.get_and_rotate_prng_key(generator)
+    key = _compat.tensor_env(tensor).get_and_rotate_prng_key(generator)
     sample = jax.random.truncated_normal(key, (a - mean) / std, (b - mean) / std, tuple(tensor.shape))
-    tensor._elem = (sample * std + mean).astype(tensor._elem.dtype)
+    _compat.set_array(tensor, (sample * std + mean).astype(tensor.jax().dtype))
     return tensor
 
-  torch.nn.init._no_grad_trunc_normal_ = trunc_normal
-  try:
-    yield
-  finally:
-    torch.nn.init._no_grad_trunc_normal_ = original
+  return _compat.trunc_normal_helper(trunc_normal)
 
 
 @contextlib.contextmanager
@@ -412,25 +378,25 @@ def _installed(module, entries, arrays: dict, untouched: list):
   """Swaps every meta tensor for a zero-filled torchax tensor (ties kept), and
   on exit reads back what the init wrote into `arrays` and restores the meta ones."""
   env = torchax.default_env()
-  saved = _snapshot(module)
+  saved = module_state.snapshot(module)
   initial = {}
   for e in entries:
     value = TorchaxTensor(jnp.zeros(e.shape, mappings.t2j_dtype(e.dtype)), env)
     if e.is_param:
       value = torch.nn.Parameter(value, requires_grad=False)
-    initial[e.name] = value._elem
+    initial[e.name] = value.jax()
     for name in (e.name, *e.aliases):
-      _set_tensor(module, name, value, e.is_param)
+      module_state.set_tensor(module, name, value, is_param=e.is_param)
   try:
     yield
-    current = dict(_named_tensors(module))
+    current = dict(module_state.named_tensors(module))
     for e in entries:
       value = current[e.name]
       arrays[e.name] = value.jax() if isinstance(value, TorchaxTensor) else value
       if arrays[e.name] is initial[e.name]:
         untouched.append(e.name)
   finally:
-    _restore(saved)
+    module_state.restore(saved)
 
 
 def upload(
@@ -439,7 +405,7 @@ def upload(
   shardings: Mapping[str, NamedSharding],
 ) -> dict[str, jax.Array]:
   """An initialised CPU model → sharded arrays, one tensor at a time."""
-  current = dict(_named_tensors(module))
+  current = dict(module_state.named_tensors(module))
   return {e.name: to_global_array(current[e.name], shardings[e.name]) for e in entries}
 
 
@@ -457,37 +423,3 @@ def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
 
     return t.contiguous().view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
   return t.contiguous().numpy()
-
-
-def _tensors(module):
-  return [t for _, t in _named_tensors(module)]
-
-
-def _named_tensors(module):
-  yield from module.named_parameters(remove_duplicate=False)
-  yield from module.named_buffers(remove_duplicate=False)
-
-
-def _owner(module, name):
-  path, _, leaf = name.rpartition(".")
-  return (module.get_submodule(path) if path else module), leaf
-
-
-def _set_tensor(module, name, value, is_param):
-  owner, leaf = _owner(module, name)
-  if is_param:
-    owner._parameters[leaf] = value
-  else:
-    owner._buffers[leaf] = value
-
-
-def _snapshot(module):
-  return [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
-
-
-def _restore(saved):
-  for m, params, buffers in saved:
-    m._parameters.clear()
-    m._parameters.update(params)
-    m._buffers.clear()
-    m._buffers.update(buffers)

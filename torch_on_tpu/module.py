@@ -136,7 +136,7 @@ class JittableModule:
 
     if abstract or materialize.is_meta(module):
       arrays = materialize.materialize(
-        module, entries, stored, seed=seed, init_fn=init_fn or self.family.init_fn(module), stacks=stacks, abstract=abstract
+        module, entries, stored, seed=seed, init_fn=init_fn, stacks=stacks, abstract=abstract
       )
     else:
       arrays = materialize.upload(module, entries, self._resolved.shardings(self.mesh))

@@ -29,3 +29,16 @@ def set_tensor(module: torch.nn.Module, name: str, value, *, is_param: bool) -> 
   """Puts `value` at `name` as a parameter or buffer, whatever its tensor type or device."""
   owner, leaf = owner_of(module, name)
   _compat.place_tensor(owner, leaf, value, is_param)
+
+
+def snapshot(module: torch.nn.Module) -> list:
+  """Every submodule's own parameter and buffer entries, for `restore`."""
+  return [(m, *(dict(d) for d in _compat.module_tensor_dicts(m))) for m in module.modules()]
+
+
+def restore(saved: list) -> None:
+  """Puts back what `snapshot` recorded, whatever was swapped in since."""
+  for m, params, buffers in saved:
+    for live, kept in zip(_compat.module_tensor_dicts(m), (params, buffers)):
+      live.clear()
+      live.update(kept)

@@ -25,7 +25,6 @@ import warnings
 from collections.abc import Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 from jax.sharding import PartitionSpec
