@@ -210,6 +210,13 @@ def _check_module_dicts():
   assert torch.equal(lin.running_mean, torch.ones(2))
 
 
+def _check_non_persistent_buffers():
+  bn = torch.nn.BatchNorm1d(2)
+  bn.register_buffer("scratch", torch.zeros(1), persistent=False)
+  assert _compat.non_persistent_buffers(bn) == {"scratch"}
+  assert "scratch" not in bn.state_dict()
+
+
 def _check_forward_hooks():
   lin = torch.nn.Linear(2, 2)
   handle = lin.register_forward_hook(lambda *a: None)
@@ -258,6 +265,7 @@ _INTERNAL_API_CHECKS = {
   "torch.nn.init._no_grad_trunc_normal_": _check_trunc_normal_helper,
   "torch.nn.Module._parameters/_buffers": _check_module_dicts,
   "torch.nn.Module._forward_hooks": _check_forward_hooks,
+  "torch.nn.Module._non_persistent_buffers_set": _check_non_persistent_buffers,
   "torch._C._nn.cross_entropy_loss": _check_cross_entropy,
   "torch.nn._reduction": _check_cross_entropy,
   "torch.utils._pytree": _check_pytree,
@@ -312,16 +320,6 @@ def test_public_names_are_not_shadowed_by_submodules():
       importlib.import_module(info.name)  # importing a submodule sets an attribute of its package
   for name in tot.__all__:
     assert not isinstance(getattr(tot, name), type(sys)), f"tot.{name} is a module"
-
-
-def _check_non_persistent_buffers():
-  bn = torch.nn.BatchNorm1d(2)
-  bn.register_buffer("scratch", torch.zeros(1), persistent=False)
-  assert _compat.non_persistent_buffers(bn) == {"scratch"}
-  assert "scratch" not in bn.state_dict()
-
-
-_INTERNAL_API_CHECKS["torch.nn.Module._non_persistent_buffers_set"] = _check_non_persistent_buffers
 
 
 # ---- renamed public names keep working, with a DeprecationWarning ------------------------------
