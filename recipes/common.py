@@ -608,12 +608,12 @@ def _check_flags(flags: Flags, error) -> None:
 
 
 def _remat(flags: Flags) -> str | None:
-  """--remat as JittableModule takes it: None lets the layer stack pick (`remat.layer_policy`)."""
+  """--remat as ShardedModule takes it: None lets the layer stack pick (`remat.layer_policy`)."""
   return None if flags.remat == "auto" else flags.remat
 
 
 def _model(flags: Flags, recipe: Recipe, mesh, abstract: bool):
-  """The JittableModule: the recipe's model (with imported weights, with LoRA adapters)."""
+  """The ShardedModule: the recipe's model (with imported weights, with LoRA adapters)."""
   import torch_on_tpu as tot
   from torch_on_tpu import checkpoint, lora
 
@@ -622,11 +622,11 @@ def _model(flags: Flags, recipe: Recipe, mesh, abstract: bool):
   layers = dict(scan=flags.scan, unroll=flags.unroll, remat=_remat(flags))
   common = dict(mesh=mesh, sharding=sharding, seed=flags.seed, attention=attention)
   if not recipe.lora:
-    jm = tot.JittableModule(recipe.build(), abstract=abstract, **common, **layers)
+    jm = tot.ShardedModule(recipe.build(), abstract=abstract, **common, **layers)
     if recipe.weights and not abstract:
       checkpoint.import_safetensors(jm, recipe.weights)
     return jm
-  base = tot.JittableModule(recipe.build(), abstract=abstract, **common)
+  base = tot.ShardedModule(recipe.build(), abstract=abstract, **common)
   if recipe.weights and not abstract:
     checkpoint.import_safetensors(base, recipe.weights)
   return lora.wrap(base, recipe.build(), seed=flags.seed, **recipe.lora, **layers)

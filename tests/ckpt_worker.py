@@ -56,7 +56,7 @@ def main(argv=None):
   config = {"steps": args.steps, "save_every": args.save_every, "lr": 1e-2, "data_seed": 1234}
 
   mesh = tot.make_mesh(fsdp=-1)
-  jm = tot.JittableModule(build_causal_lm(tiny_llama_config()), mesh=mesh, sharding="fsdp", seed=0)
+  jm = tot.ShardedModule(build_causal_lm(tiny_llama_config()), mesh=mesh, sharding="fsdp", seed=0)
   optimizer = optax.adamw(config["lr"])
 
   def init_state(params):

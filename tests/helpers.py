@@ -103,7 +103,7 @@ def torch_loss_and_grads(ref, tokens, labels, kwargs):
 
 
 def jax_loss_and_grads(jm, tokens, labels, kwargs):
-  """Cross-entropy grads through the JittableModule, keyed like `named_parameters()`."""
+  """Cross-entropy grads through the ShardedModule, keyed like `named_parameters()`."""
 
   def loss_fn(params, tokens, labels):
     out = jm.functional_call(params, jm.buffers, torch_view(tokens), **kwargs)

@@ -79,7 +79,7 @@ def main(argv=None):
   with torch.device("meta"):
     model = config.build()
   mesh = tot.make_mesh(fsdp=-1)
-  jm = tot.JittableModule(model, mesh=mesh, sharding="fsdp", seed=args.seed)
+  jm = tot.ShardedModule(model, mesh=mesh, sharding="fsdp", seed=args.seed)
   tokenizer = data.build_tokenizer(None, vocab_size=config.vocab_size)
   data.check_model_fit(tokenizer.vocab_size, config.vocab_size, SEQ, SEQ)
 

@@ -25,7 +25,7 @@ CASES = [
 def test_architecture_matches_eager_and_scan_matches_loop(arch, mesh_axes, sharding):
   builder = lambda device="meta": h.hf(arch, device=device)  # noqa: E731
   mesh = tot.make_mesh(**mesh_axes)
-  jm = tot.JittableModule(builder(), mesh=mesh, sharding=sharding)
+  jm = tot.ShardedModule(builder(), mesh=mesh, sharding=sharding)
   ref = h.reference(jm, builder)
   kwargs = {"use_cache": False}
   tokens, labels = h.random_batch(256)
@@ -38,7 +38,7 @@ def test_architecture_matches_eager_and_scan_matches_loop(arch, mesh_axes, shard
   worst = max((h.rel(grads[n], ref_grads[n]), n) for n in ref_grads)
   assert worst[0] < 1e-4, worst
 
-  scanned = tot.JittableModule(builder(), mesh=mesh, sharding=sharding, scan=True)
+  scanned = tot.ShardedModule(builder(), mesh=mesh, sharding=sharding, scan=True)
   assert scanned._layout is not None
   scanned_logits = tot.to_cpu(scanned(tokens, **kwargs).logits)
   assert h.rel(scanned_logits, logits) < 1e-6
@@ -50,4 +50,4 @@ def test_architecture_matches_eager_and_scan_matches_loop(arch, mesh_axes, shard
 
 def test_gpt2_has_no_fsdp_tp_map_and_says_so():
   with pytest.raises(tot.TorchOnTpuError, match="No 'fsdp_tp' map is known for GPT2LMHeadModel"):
-    tot.JittableModule(h.hf("gpt2"), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp")
+    tot.ShardedModule(h.hf("gpt2"), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp")

@@ -439,7 +439,7 @@ def test_call_errors_name_the_problem():
     att.sdpa(q, q, q, attn_mask=jnp.ones((8, 8), bool), is_causal=True)
 
 
-# ---- through JittableModule-wrapped models ------------------------------------------------------
+# ---- through ShardedModule-wrapped models ------------------------------------------------------
 
 
 def model_parity(jm, ref, args, kwargs, ref_kwargs=None, logits=lambda out: out):
@@ -474,7 +474,7 @@ def test_hf_llama_sdpa_through_jittable_module(mesh):
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
     attn_implementation="sdpa",
   )
-  jm = tot.JittableModule(build_causal_lm(config), mesh=mesh, sharding="fsdp_tp", attention="xla")
+  jm = tot.ShardedModule(build_causal_lm(config), mesh=mesh, sharding="fsdp_tp", attention="xla")
   ref = build_causal_lm(config, device="cpu")
   ref.load_state_dict(jm.state_dict())
   tokens = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(0))
@@ -499,13 +499,13 @@ def titan_reference(jm, inner=None):
 
 @pytest.fixture(scope="module")
 def titan_flex(mesh):
-  """torchtitan's default config (FlexAttention) behind JittableModule."""
+  """torchtitan's default config (FlexAttention) behind ShardedModule."""
   model = two_layers(titan.build_llama3("debugmodel", max_seq_len=64))
-  return tot.JittableModule(model, mesh=mesh, sharding="fsdp_tp", attention="xla")
+  return tot.ShardedModule(model, mesh=mesh, sharding="fsdp_tp", attention="xla")
 
 
 def test_torchtitan_sdpa_through_jittable_module(mesh):
-  jm = tot.JittableModule(
+  jm = tot.ShardedModule(
     two_layers(titan.build_llama3("debugmodel", attention="sdpa", max_seq_len=64)),
     mesh=mesh, sharding="fsdp_tp", attention="xla",
   )
@@ -606,7 +606,7 @@ def test_a_user_override_of_sdpa_wins_over_the_bridge_kernel():
   with torch.no_grad():
     q = model.proj(x).unflatten(-1, (2, 8)).transpose(1, 2)
     expected = 3 * F.scaled_dot_product_attention(q, q, q, is_causal=True)
-  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=8), attention="xla")
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8), attention="xla")
 
   def tripled(*args, **kwargs):
     return 3 * F.scaled_dot_product_attention(*args, **kwargs)

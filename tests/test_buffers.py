@@ -56,7 +56,7 @@ def test_batchnorm_running_statistics_match_torch_after_training(devices):
     opt.step()
 
   mesh = tot.make_mesh(jax.devices()[:devices], fsdp=devices)
-  jm = tot.JittableModule(cnn(), mesh=mesh, sharding="replicated" if devices == 1 else "fsdp")
+  jm = tot.ShardedModule(cnn(), mesh=mesh, sharding="replicated" if devices == 1 else "fsdp")
   step = tot.make_train_step(jm, ce, optax.sgd(LR))
   for i in range(STEPS):
     step(*images(i))
@@ -74,7 +74,7 @@ def test_batchnorm_running_statistics_match_torch_after_training(devices):
 
 def test_forward_in_train_mode_updates_buffers_and_grad_accum_carries_them():
   ref = cnn()
-  jm = tot.JittableModule(cnn(), mesh=tot.make_mesh(fsdp=8), sharding="fsdp")
+  jm = tot.ShardedModule(cnn(), mesh=tot.make_mesh(fsdp=8), sharding="fsdp")
   x = images(0)[0]
   jm(x), ref(x)
   assert h.rel(jm.state_dict()["bn.running_var"], ref.bn.running_var) < 1e-6
@@ -111,6 +111,6 @@ class Stack(torch.nn.Module):
 
 
 def test_scanned_layers_that_update_buffers_are_refused():
-  jm = tot.JittableModule(Stack(), mesh=tot.make_mesh(fsdp=8), scan=True)
+  jm = tot.ShardedModule(Stack(), mesh=tot.make_mesh(fsdp=8), scan=True)
   with pytest.raises(TorchOnTpuError, match="scanned layer updates its buffer 'bn.running_mean'.*scan=False"):
     jm(torch.randn(8, 8))

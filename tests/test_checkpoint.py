@@ -69,9 +69,9 @@ def randomized(tree, seed):
 
 
 def random_module(model, seed=0, **kw):
-  """A JittableModule whose params are random arrays in their shardings,
+  """A ShardedModule whose params are random arrays in their shardings,
   instead of the model's own init, for tests that only move weights around."""
-  jm = tot.JittableModule(model, abstract=True, **kw)
+  jm = tot.ShardedModule(model, abstract=True, **kw)
   jm.params.update(randomized(dict(jm.params), seed))
   return jm
 
@@ -138,7 +138,7 @@ def hf_run(tmp_path_factory):
 def test_restore_reshards_onto_another_mesh(titan_run, axes, preset):
   _, state, directory = titan_run
   mesh = tot.make_mesh(**axes, devices=jax.devices()[: int(np.prod(list(axes.values())))])
-  target_jm = tot.JittableModule(tiny_titan(), mesh=mesh, sharding=preset, abstract=True)
+  target_jm = tot.ShardedModule(tiny_titan(), mesh=mesh, sharding=preset, abstract=True)
   target = checkpoint.abstract_state(
     {
       "params": target_jm.params,
@@ -162,7 +162,7 @@ def test_restore_reshards_onto_another_mesh(titan_run, axes, preset):
 def test_restore_of_another_model_names_the_mismatches_and_changes_nothing(hf_run):
   _, _, directory = hf_run
   before = dir_digest(directory)
-  other = tot.JittableModule(build_causal_lm(tiny_hf_config(hidden=64, tie=False)), abstract=True)
+  other = tot.ShardedModule(build_causal_lm(tiny_hf_config(hidden=64, tie=False)), abstract=True)
   kept = dict(other.params)
   with pytest.raises(TorchOnTpuError) as err:
     checkpoint.Checkpointer(directory).restore({"params": other.params})
@@ -195,7 +195,7 @@ def lm_loss(out, labels):
 def hf_step(scan, mesh, sharding="fsdp"):
   """A tiny HF Llama (untied, so every weight is its own) and its AdamW train step."""
   torch.manual_seed(0)
-  jm = tot.JittableModule(build_causal_lm(tiny_hf_config(tie=False)), mesh=mesh, sharding=sharding, scan=scan)
+  jm = tot.ShardedModule(build_causal_lm(tiny_hf_config(tie=False)), mesh=mesh, sharding=sharding, scan=scan)
   return tot.make_train_step(jm, lm_loss, optax.adamw(1e-2))
 
 
@@ -262,7 +262,7 @@ def test_batchnorm_running_statistics_survive_a_resume(tmp_path):
   from tests.test_buffers import ce, cnn, images
 
   def build():
-    jm = tot.JittableModule(cnn(), mesh=tot.make_mesh(fsdp=8), sharding="fsdp")
+    jm = tot.ShardedModule(cnn(), mesh=tot.make_mesh(fsdp=8), sharding="fsdp")
     return tot.make_train_step(jm, ce, optax.sgd(0.1))
 
   saving = build()
@@ -490,7 +490,7 @@ def test_sigkill_sigterm_and_relaunches_match_an_uninterrupted_run_bitwise(
 
 def test_export_torchtitan_loads_into_plain_torch_strict(tmp_path, monkeypatch):
   monkeypatch.setattr(export, "_CHUNK_BYTES", 50_000)  # many chunks per tensor
-  jm = tot.JittableModule(tiny_titan(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp", seed=2)
+  jm = tot.ShardedModule(tiny_titan(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp", seed=2)
   out = export.export_safetensors(jm, tmp_path / "export", max_shard_bytes=3_000_000)
   files = sorted(p.name for p in out.iterdir())
   assert "model.safetensors.index.json" in files and "model-00001-of-00004.safetensors" in files
@@ -564,7 +564,7 @@ def test_import_hf_weights_reads_only_each_devices_slice(tmp_path, monkeypatch):
   with safe_open(hf_dir / "model.safetensors", "pt") as f:
     assert "lm_head.weight" not in f.keys()
 
-  jm = tot.JittableModule(
+  jm = tot.ShardedModule(
     build_causal_lm(tiny_hf_config()), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp", abstract=True
   )
   reads, mapped = [], []
@@ -600,7 +600,7 @@ def test_import_torchtitan_merges_wq_wk_wv_into_wqkv_scanned_or_not(tmp_path, ti
   export.export_safetensors(source, tmp_path / "w")
   expected = source.state_dict()
   for scan in (False, True):
-    jm = tot.JittableModule(
+    jm = tot.ShardedModule(
       tiny_titan(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp", scan=scan, abstract=True
     )
     checkpoint.import_safetensors(jm, tmp_path / "w" / "model.safetensors")
@@ -619,7 +619,7 @@ def test_import_casts_to_the_models_dtypes(tmp_path):
   cpu_model = build_causal_lm(tiny_hf_config(), device="cpu")
   bf16 = {k: v.to(torch.bfloat16) for k, v in cpu_model.state_dict().items() if k != "lm_head.weight"}
   save_file(bf16, tmp_path / "w.safetensors")
-  jm = tot.JittableModule(build_causal_lm(tiny_hf_config()), abstract=True)
+  jm = tot.ShardedModule(build_causal_lm(tiny_hf_config()), abstract=True)
   checkpoint.import_safetensors(jm, tmp_path / "w.safetensors")
   w = jm.params["model.norm.weight"]
   assert w.dtype == jnp.float32
@@ -647,7 +647,7 @@ def test_import_of_another_model_names_the_mismatches_and_changes_nothing(tmp_pa
 
 
 def test_no_weights_there_is_a_clear_error(tmp_path):
-  jm = tot.JittableModule(build_causal_lm(tiny_hf_config()), abstract=True)
+  jm = tot.ShardedModule(build_causal_lm(tiny_hf_config()), abstract=True)
   with pytest.raises(TorchOnTpuError, match="No safetensors weights at"):
     checkpoint.import_safetensors(jm, tmp_path)
 
@@ -673,7 +673,7 @@ def test_convert_orbax_to_safetensors_and_back(tmp_path, hf_run):
   assert_trees_equal(restored.state["params"], state["params"])
 
   # The converted checkpoint (original names) restores into a scanned model too.
-  scanned = tot.JittableModule(build_causal_lm(tiny_hf_config()), scan=True, abstract=True)
+  scanned = tot.ShardedModule(build_causal_lm(tiny_hf_config()), scan=True, abstract=True)
   with checkpoint.Checkpointer(tmp_path / "back", model=scanned, read_only=True) as ckpt:
     restored = ckpt.restore(checkpoint.abstract_state({"params": scanned.params}), partial=True)
   assert_trees_equal(h.per_layer(scanned, restored.state["params"]), h.per_layer(jm, state["params"]))

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import optax
 import jax.numpy as jnp
 import pytest
 import torch
@@ -67,7 +68,7 @@ def test_a_small_model_runs_forward_through_torchax():
   model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
   x = torch.randn(8, 16)
   expected = model(x).detach()
-  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=8))
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8))
   got = tot.to_cpu(jm(x))
   assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
 
@@ -130,12 +131,12 @@ def test_import_changes_nothing_and_setup_starts_the_platform_on_first_use():
     "mesh = tot.make_mesh(fsdp=-1)\n"
     "assert runtime.started()\n"
     "assert all(f'{k}={v}' in os.environ['XLA_FLAGS'] for k, v in xla_flags.DEFAULTS.items())\n"
-    "print(type(mesh).__name__, tot.JittableModule.__name__)\n"
+    "print(type(mesh).__name__, tot.ShardedModule.__name__)\n"
   )
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
   assert run.returncode == 0, run.stderr[-2000:]
-  assert run.stdout.split() == ["Mesh", "JittableModule"]
+  assert run.stdout.split() == ["Mesh", "ShardedModule"]
 
 
 def test_an_unknown_public_name_is_an_attribute_error():
@@ -157,7 +158,7 @@ def _check_op_table():
     torch.ops.aten.mm, lambda a, b: calls.append(1) or a @ b, jax_function=True
   ))
   try:
-    x = tot.to_cpu(tot.JittableModule(_MatMul(), mesh=tot.make_mesh(fsdp=1, devices=jax.devices()[:1]))(torch.eye(2)))
+    x = tot.to_cpu(tot.ShardedModule(_MatMul(), mesh=tot.make_mesh(fsdp=1, devices=jax.devices()[:1]))(torch.eye(2)))
   finally:
     _compat.set_op(env, torch.ops.aten.mm, previous)
   assert calls and torch.equal(x, torch.eye(2) @ torch.full((2, 2), 2.0))
@@ -330,3 +331,12 @@ def test_former_names_warn_and_behave_as_the_new_ones():
   with pytest.warns(DeprecationWarning, match="tot.ScannedModule is now tot.StackedLayers"):
     old = tot.ScannedModule(layers, loop=True)
   assert isinstance(old, tot.StackedLayers) and not old.scanned
+  with pytest.warns(DeprecationWarning, match="tot.JittableModule is now tot.ShardedModule"):
+    assert tot.JittableModule is tot.ShardedModule
+  jm = tot.ShardedModule(torch.nn.Linear(4, 4), mesh=tot.make_mesh(fsdp=8))
+  loss = lambda out, y: ((out - y) ** 2).mean()  # noqa: E731
+  with pytest.warns(DeprecationWarning, match=r"make_train_step\(remat=\) is now forward_remat="):
+    step = tot.make_train_step(jm, loss, optax.sgd(0.1), remat="full")
+  assert step.forward_remat == "full"
+  with pytest.raises(tot.TorchOnTpuError, match="not both"):
+    tot.make_train_step(jm, loss, optax.sgd(0.1), remat="full", forward_remat="full")

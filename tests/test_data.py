@@ -458,7 +458,7 @@ def test_packed_batches_feed_torchtitan_llama3_like_eager(src, tok):
   config.layers = config.layers[:1]  # one layer keeps the compile short
   data.check_model_fit(tok.vocab_size, config.vocab_size, 32, 32)
   with torch.device("meta"):
-    jm = tot.JittableModule(config.build(), mesh=tot.make_mesh(fsdp=-1))
+    jm = tot.ShardedModule(config.build(), mesh=tot.make_mesh(fsdp=-1))
   ids, pos = (torch.from_numpy(batch[k]) for k in ("input_ids", "positions"))
   out = tot.to_cpu(jm(ids, positions=pos))
   ref = config.build()

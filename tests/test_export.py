@@ -58,7 +58,7 @@ def tokenizer_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_pair():
   """A tiny HF Llama trained a few steps, and a LoRA model on it whose adapters trained."""
-  base = trained(tot.JittableModule(h.hf(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp", seed=1), use_cache=False)
+  base = trained(tot.ShardedModule(h.hf(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp", seed=1), use_cache=False)
   adapted = trained(lora.wrap(base, h.hf(), rank=4), trainable=lora.TRAINABLE, use_cache=False)
   return base, adapted
 
@@ -77,7 +77,7 @@ def test_full_hf_export_loads_in_transformers_with_its_tokenizer(tmp_path, hf_pa
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_torchtitan_llama3_exports_as_hf_llama(tmp_path, scan):
-  jm = trained(tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp", scan=scan, seed=2), steps=1)
+  jm = trained(tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp", scan=scan, seed=2), steps=1)
   out = export.export(jm, tmp_path / "titan", max_shard_bytes=3_000_000)
   assert (out / "model.safetensors.index.json").is_file()
   config = transformers.AutoConfig.from_pretrained(out)
@@ -119,7 +119,7 @@ def test_bad_exports_are_refused_in_one_sentence_and_write_nothing(tmp_path, hf_
     with pytest.raises(TorchOnTpuError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
       export.export(directory=tmp_path / "out", **kwargs)
     assert str(info.value).count(". ") == 0, info.value
-  user_module = tot.JittableModule(torch.nn.Sequential(torch.nn.Linear(4, 4)), mesh=tot.make_mesh(fsdp=-1))
+  user_module = tot.ShardedModule(torch.nn.Sequential(torch.nn.Linear(4, 4)), mesh=tot.make_mesh(fsdp=-1))
   with pytest.raises(TorchOnTpuError, match="not Sequential; use export_safetensors"):
     export.export(user_module, tmp_path / "out")
   assert list(tmp_path.iterdir()) == []

@@ -28,7 +28,7 @@ def test_the_built_in_families_and_the_generic_one_answer_in_order():
 def test_a_family_in_one_file_drives_init_calls_inputs_sharding_and_shape(toy):
   with torch.device("meta"):
     model = toy_family.ToyLM()
-  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp")
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp")
   assert jm.family is toy
   # sharding: the family's "fsdp_tp" preset
   assert tuple(jm.params["blocks.0.weight"].sharding.spec) == ("tp", "fsdp")

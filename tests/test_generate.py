@@ -18,7 +18,7 @@ from tests import helpers as h
 def llama():
   torch.manual_seed(0)
   ref = h.hf(device="cpu")
-  jm = tot.JittableModule(h.hf(), mesh=tot.make_mesh(fsdp=8))
+  jm = tot.ShardedModule(h.hf(), mesh=tot.make_mesh(fsdp=8))
   jm_state = jm.state_dict()
   ref.load_state_dict(dict(jm_state))
   return jm, ref
@@ -54,7 +54,7 @@ PROMPT = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1
 
 def built(builder):
   torch.manual_seed(0)
-  jm = tot.JittableModule(builder(), mesh=tot.make_mesh(fsdp=8))
+  jm = tot.ShardedModule(builder(), mesh=tot.make_mesh(fsdp=8))
   return jm, h.reference(jm, builder)
 
 
@@ -157,8 +157,8 @@ def test_cache_settings_are_checked(llama):
     tot.generate(jm, PROMPT, max_new_tokens=2, cache="yes")
   with pytest.raises(tot.TorchOnTpuError, match="a custom inputs_fn is given the whole token buffer"):
     tot.generate(jm, PROMPT, max_new_tokens=2, cache=True, inputs_fn=lambda ids: {"input_ids": ids, "use_cache": False})
-  scanned = tot.JittableModule(h.hf(), mesh=tot.make_mesh(fsdp=8), scan=True)
+  scanned = tot.ShardedModule(h.hf(), mesh=tot.make_mesh(fsdp=8), scan=True)
   assert "its layers are stacked" in gen._decode_cache(scanned, None, 8)[1]
-  plain = tot.JittableModule(torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)), mesh=tot.make_mesh(fsdp=8))
+  plain = tot.ShardedModule(torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)), mesh=tot.make_mesh(fsdp=8))
   with pytest.raises(tot.TorchOnTpuError, match="the model has no KV cache the bridge can carry"):
     tot.generate(plain, PROMPT % 16, max_new_tokens=2, cache=True)

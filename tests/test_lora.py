@@ -24,7 +24,7 @@ def batch(seed=0):
 
 
 def test_frozen_params_keep_their_arrays_and_get_no_optimizer_state():
-  jm = tot.JittableModule(h.hf(), mesh=tot.make_mesh(fsdp=-1))
+  jm = tot.ShardedModule(h.hf(), mesh=tot.make_mesh(fsdp=-1))
   step = tot.make_train_step(jm, ce, optax.adamw(1e-2), trainable=["**.mlp.*.weight"])
   frozen = {k: v for k, v in jm.params.items() if ".mlp." not in k}
   values = {k: np.asarray(v) for k, v in frozen.items()}
@@ -39,7 +39,7 @@ def test_frozen_params_keep_their_arrays_and_get_no_optimizer_state():
 
 
 def test_trainable_predicate_and_a_pattern_that_selects_nothing():
-  jm = tot.JittableModule(h.hf(), mesh=tot.make_mesh(fsdp=-1))
+  jm = tot.ShardedModule(h.hf(), mesh=tot.make_mesh(fsdp=-1))
   step = tot.make_train_step(jm, ce, optax.adamw(1e-2), trainable=lambda name: name == "lm_head.weight")
   assert step.trainable == {"lm_head.weight"}
   with pytest.raises(tot.TorchOnTpuError, match="selects none of the model's"):
@@ -49,7 +49,7 @@ def test_trainable_predicate_and_a_pattern_that_selects_nothing():
 @pytest.mark.parametrize("scan", [False, True])
 def test_lora_starts_as_the_base_model_and_trains_only_adapters(scan):
   mesh = tot.make_mesh(fsdp=-1)
-  base = tot.JittableModule(h.hf(), mesh=mesh)
+  base = tot.ShardedModule(h.hf(), mesh=mesh)
   inputs, labels = batch()
   expected = np.asarray(base(torch.from_numpy(inputs["input_ids"]), use_cache=False).logits.jax())
   jm = lora.wrap(base, h.hf(), rank=4, scan=scan)
@@ -66,7 +66,7 @@ def test_lora_starts_as_the_base_model_and_trains_only_adapters(scan):
 
 
 def test_lora_rank_and_targets_are_checked():
-  base = tot.JittableModule(h.hf(), mesh=tot.make_mesh(fsdp=-1))
+  base = tot.ShardedModule(h.hf(), mesh=tot.make_mesh(fsdp=-1))
   with pytest.raises(tot.TorchOnTpuError, match="rank must be a positive integer"):
     lora.wrap(base, h.hf(), rank=0)
   with pytest.raises(tot.TorchOnTpuError, match="targets=\\['nope'\\]"):

@@ -75,7 +75,7 @@ def test_what_the_chunked_head_cannot_express_goes_to_torchax(call):
   x = torch.randn(16, 40)
   t = torch.tensor(_targets(16, 40, -100))
   env = torchax.default_env()
-  with env, losses.installed(tot.JittableModule(torch.nn.Linear(1, 1), mesh=tot.make_mesh(fsdp=-1))), mock.patch.object(losses, "chunked_cross_entropy") as chunked:
+  with env, losses.installed(tot.ShardedModule(torch.nn.Linear(1, 1), mesh=tot.make_mesh(fsdp=-1))), mock.patch.object(losses, "chunked_cross_entropy") as chunked:
     ours = call(torch_view(jnp.asarray(x.numpy())), torch_view(jnp.asarray(t.numpy())))
   chunked.assert_not_called()
   assert h.rel(jax_view(ours), call(x, t)) < 1e-6
@@ -99,7 +99,7 @@ def _ce(out, labels):
 
 def test_hf_llama_step_loss_and_grads_match_torch_through_the_chunked_head():
   config = _llama(vocab=300)  # not a multiple of the chunk below
-  jm = tot.JittableModule(h.build_causal_lm(config), mesh=tot.make_mesh(fsdp=-1))
+  jm = tot.ShardedModule(h.build_causal_lm(config), mesh=tot.make_mesh(fsdp=-1))
   ref = h.reference(jm, lambda device: h.build_causal_lm(config, device=device))
   g = torch.Generator().manual_seed(0)
   tokens = torch.randint(0, 300, (8, 16), generator=g)
@@ -127,7 +127,7 @@ def test_a_128k_vocabulary_step_saves_at_least_the_fp32_logits_in_temporaries():
   for name, head in (("torchax", lambda model, upcasts: contextlib.nullcontext()), ("chunked", losses.installed)):
     with torch.device("meta"):
       model = transformers.LlamaForCausalLM(_llama(vocab, layers=1))
-    jm = tot.JittableModule(model, mesh=mesh, abstract=True)
+    jm = tot.ShardedModule(model, mesh=mesh, abstract=True)
     step = tot.make_train_step(jm, _ce, optax.adamw(1e-3))
     with mock.patch.object(losses, "installed", head):
       temps[name] = step.compile({"input_ids": spec}, spec).temp_bytes
@@ -139,7 +139,7 @@ def _bf16_step(vocab, layers=1, abstract=True):
   with torch.device("meta" if abstract else "cpu"):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(_llama(vocab, layers=layers))
-  jm = tot.JittableModule(model, mesh=mesh, abstract=abstract)
+  jm = tot.ShardedModule(model, mesh=mesh, abstract=abstract)
   return tot.make_train_step(jm, _ce, optax.adamw(1e-3), compute_dtype=jnp.bfloat16)
 
 
@@ -187,7 +187,7 @@ def test_a_loss_that_rescales_the_logits_reads_the_fp32_copy():
   x = jnp.asarray(np.random.default_rng(3).standard_normal((8, 40)), jnp.bfloat16)
   t = torch_view(jnp.asarray(_targets(8, 40, -100)))
   upcasts = losses.Upcasts()
-  model = tot.JittableModule(torch.nn.Linear(1, 1), mesh=tot.make_mesh(fsdp=-1))
+  model = tot.ShardedModule(torch.nn.Linear(1, 1), mesh=tot.make_mesh(fsdp=-1))
   env = torchax.default_env()
   with env, losses.installed(model, upcasts), upcasts, mock.patch.object(losses, "chunked_cross_entropy") as chunked:
     wide = upcasts.to_fp32(torch_view(x))

@@ -66,7 +66,7 @@ def test_cpu_linear_runs_in_the_module_forward_with_torch_gradients():
   model, x, cotangent = _mlp_and_batch()
   (model(x) * cotangent).sum().backward()
   expected = {name: p.grad.numpy() for name, p in model.named_parameters()}
-  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=8))  # the model moves to meta
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8))  # the model moves to meta
   jaxpr, grads = _jax_grads(jm, jnp.asarray(x.numpy()), jnp.asarray(cotangent.numpy()))
   assert jaxpr.count("custom_vjp_call") == 2  # both layers, outside the train step too
   for name, ref in expected.items():
@@ -78,7 +78,7 @@ def test_a_user_override_of_linear_wins_over_the_cpu_kernel():
   model, x, cotangent = _mlp_and_batch()
   with torch.no_grad():
     expected = model[2](2 * model[1](2 * model[0](x)))
-  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=8))
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8))
 
   def doubled(x, weight, bias=None):
     return 2 * torch.nn.functional.linear(x, weight, bias)

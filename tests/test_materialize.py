@@ -27,7 +27,7 @@ def _stats_match(ours: dict, cpu: dict, skip=()):
 
 
 def test_torchtitan_init_matches_its_cpu_init_statistically():
-  jm = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8))
+  jm = tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=8))
   torch.manual_seed(0)
   cpu = h.titan(device="cpu")
   with torch.no_grad():
@@ -43,7 +43,7 @@ def test_torchtitan_init_matches_its_cpu_init_statistically():
 
 
 def test_hf_init_matches_its_cpu_init_statistically():
-  jm = tot.JittableModule(h.hf(), mesh=tot.make_mesh(fsdp=8))
+  jm = tot.ShardedModule(h.hf(), mesh=tot.make_mesh(fsdp=8))
   torch.manual_seed(0)
   cpu = h.hf(device="cpu")
   ours = jm.state_dict()
@@ -53,16 +53,16 @@ def test_hf_init_matches_its_cpu_init_statistically():
 
 
 def test_init_is_seeded_and_independent_of_the_mesh():
-  a = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=3)
-  b = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp", seed=3)
-  c = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=4)
+  a = tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=3)
+  b = tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp", seed=3)
+  c = tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=4)
   name = "layers.2.feed_forward.w1.weight"
   assert np.array_equal(np.asarray(a.params[name]), np.asarray(b.params[name]))
   assert not np.array_equal(np.asarray(a.params[name]), np.asarray(c.params[name]))
 
 
 def test_each_param_is_born_in_its_sharding():
-  jm = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp")
+  jm = tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp")
   w = jm.params["layers.0.feed_forward.w1.weight"]
   assert w.sharding.spec == jax.sharding.PartitionSpec("tp", "fsdp")
   assert {s.data.shape for s in w.addressable_shards} == {(384, 64)}
@@ -73,7 +73,7 @@ def test_tied_weights_stay_one_array_under_both_names():
   config.tie_word_embeddings = True
   model = h.build_causal_lm(config)
   assert model.lm_head.weight is model.model.embed_tokens.weight
-  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=8))
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8))
   assert "lm_head.weight" not in jm.params and "model.embed_tokens.weight" in jm.params
   sd = jm.state_dict()
   assert torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"])
@@ -88,7 +88,7 @@ def test_tied_weights_stay_one_array_under_both_names():
 
 
 def test_abstract_materialisation_allocates_nothing():
-  jm = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), abstract=True)
+  jm = tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=8), abstract=True)
   w = jm.params["tok_embeddings.weight"]
   assert isinstance(w, jax.ShapeDtypeStruct)
   assert w.shape == (2048, 256) and w.sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
@@ -111,7 +111,7 @@ def test_plain_models_use_reset_parameters_and_name_what_nothing_initialised(cap
   with torch.device("meta"):
     model = Plain()
   with caplog.at_level(logging.WARNING):
-    jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=8))
+    jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8))
   w = np.asarray(jm.params["proj.weight"])
   bound = 1 / np.sqrt(64)  # nn.Linear's kaiming-uniform bound
   assert np.abs(w).max() <= bound and w.std() > 0.5 * bound / np.sqrt(3)
@@ -130,7 +130,7 @@ def test_a_custom_init_fn_runs_on_device():
         sub.reset_parameters()
     torch.nn.init.constant_(m.scale, 2.0)
 
-  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=8), init_fn=init)
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8), init_fn=init)
   assert np.array_equal(np.asarray(jm.params["scale"]), np.full(256, 2.0, np.float32))
 
 
@@ -138,7 +138,7 @@ def test_meta_and_real_tensors_mixed_is_a_clear_error():
   model = Plain()
   model.proj.to("meta")
   with pytest.raises(tot.TorchOnTpuError, match="mixes meta tensors"):
-    tot.JittableModule(model, mesh=tot.make_mesh(fsdp=8))
+    tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8))
 
 
 class _Device:
@@ -174,9 +174,9 @@ def test_chunking_does_not_change_the_values():
   budget = materialize.INIT_CHUNK_BYTES
   try:
     materialize.INIT_CHUNK_BYTES = 1
-    small = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=5)
+    small = tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=5)
     materialize.INIT_CHUNK_BYTES = 2**40
-    whole = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=5)
+    whole = tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=5)
   finally:
     materialize.INIT_CHUNK_BYTES = budget
   assert small.params.keys() == whole.params.keys()
@@ -192,7 +192,7 @@ def test_init_compiles_once_per_kind_of_tensor_not_per_layer(caplog):
     config.num_hidden_layers = layers
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="torch_on_tpu.materialize"):
-      tot.JittableModule(h.build_causal_lm(config), mesh=tot.make_mesh(fsdp=8))
+      tot.ShardedModule(h.build_causal_lm(config), mesh=tot.make_mesh(fsdp=8))
     (message,) = [r.getMessage() for r in caplog.records if "compiled programs" in r.getMessage()]
     counts.append(int(message.split(" from ")[1].split()[0]))
   assert counts[0] == counts[1] < 2 * 9  # fewer programs than the 2-layer model's tensors
@@ -200,8 +200,8 @@ def test_init_compiles_once_per_kind_of_tensor_not_per_layer(caplog):
 
 def test_a_scanned_stack_is_born_with_the_values_of_its_layers():
   """The stacked arrays come from one lax.map over the layers' inputs: bitwise the unscanned init."""
-  loop = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=5).state_dict()
-  scanned = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=5, scan=True).state_dict()
+  loop = tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=5).state_dict()
+  scanned = tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=5, scan=True).state_dict()
   assert loop.keys() == scanned.keys()
   for name in loop:
     assert torch.equal(loop[name], scanned[name]), name

@@ -1,4 +1,4 @@
-"""JittableModule at parity with PyTorch eager (fp32, CPU, 8 simulated devices).
+"""ShardedModule at parity with PyTorch eager (fp32, CPU, 8 simulated devices).
 
 Tolerances: logits within 1e-5 and every parameter's cross-entropy gradient
 within 1e-4, relative (‖Δ‖/‖ref‖), against the same weights in eager torch.
@@ -24,7 +24,7 @@ CASES = [
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[3]}")
 def case(request):
   name, builder, mesh_axes, sharding = request.param
-  jm = tot.JittableModule(builder(), mesh=tot.make_mesh(**mesh_axes), sharding=sharding)
+  jm = tot.ShardedModule(builder(), mesh=tot.make_mesh(**mesh_axes), sharding=sharding)
   ref = h.reference(jm, builder)
   kwargs = h.call_kwargs(ref)
   tokens, labels = h.random_batch(h.vocab_of(ref))
@@ -100,7 +100,7 @@ def test_state_dict_has_the_models_own_names(case):
 
 
 def test_hf_output_is_a_model_output_and_flags_are_static():
-  jm = tot.JittableModule(h.hf(), mesh=tot.make_mesh(fsdp=8))
+  jm = tot.ShardedModule(h.hf(), mesh=tot.make_mesh(fsdp=8))
   tokens, _ = h.random_batch(256)
   out = jm(input_ids=tokens, use_cache=False)
   assert type(out).__name__ == "CausalLMOutputWithPast"
@@ -111,14 +111,14 @@ def test_hf_output_is_a_model_output_and_flags_are_static():
 
 
 def test_output_holding_a_cache_is_refused_with_a_clear_message():
-  jm = tot.JittableModule(h.hf(), mesh=tot.make_mesh(fsdp=8))
+  jm = tot.ShardedModule(h.hf(), mesh=tot.make_mesh(fsdp=8))
   tokens, _ = h.random_batch(256)
   with pytest.raises(tot.TorchOnTpuError, match="use_cache=False"):
     jm(input_ids=tokens, use_cache=True)
 
 
 def test_to_cpu_and_dot_cpu_give_plain_tensors():
-  jm = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8))
+  jm = tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=8))
   tokens, _ = h.random_batch(2048)
   out = jm(tokens)
   for plain in (tot.to_cpu(out), out.cpu()):
@@ -127,7 +127,7 @@ def test_to_cpu_and_dot_cpu_give_plain_tensors():
 
 
 def test_sharding_table_lists_every_tensor_with_bytes_per_device():
-  jm = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp")
+  jm = tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp")
   table = jm.sharding_table()
   names = [r["name"] for r in table.rows]
   assert set(names) == set(jm.params) | set(jm.buffers)
@@ -139,7 +139,7 @@ def test_sharding_table_lists_every_tensor_with_bytes_per_device():
 
 
 def test_batch_is_sharded_over_the_data_axes():
-  jm = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp")
+  jm = tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp")
   placed = jm.place(torch.zeros(8, 16, dtype=torch.long))
   assert placed.sharding.spec == P("fsdp", None)
   odd = jm.place(torch.zeros(3, 16, dtype=torch.long))
@@ -150,7 +150,7 @@ def test_an_initialised_cpu_model_is_uploaded_unchanged():
   torch.manual_seed(0)
   cpu_model = h.hf(device="cpu")
   expected = {k: v.clone() for k, v in cpu_model.state_dict().items()}
-  jm = tot.JittableModule(cpu_model, mesh=tot.make_mesh(fsdp=8))
+  jm = tot.ShardedModule(cpu_model, mesh=tot.make_mesh(fsdp=8))
   sd = jm.state_dict()
   assert all(torch.equal(sd[k], expected[k]) for k in expected)
   assert all(p.device.type == "meta" for p in cpu_model.parameters())  # host copy released
@@ -167,7 +167,7 @@ def test_state_dict_survives_torch_save_with_torch_dtypes(tmp_path):
   torch.manual_seed(0)
   net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
   expected = {k: v.clone() for k, v in net.state_dict().items()}
-  jm = tot.JittableModule(net, mesh=tot.make_mesh(fsdp=8))
+  jm = tot.ShardedModule(net, mesh=tot.make_mesh(fsdp=8))
   torch.save(jm.state_dict(), tmp_path / "sd.pt")
   loaded = torch.load(tmp_path / "sd.pt")
   assert loaded["1.num_batches_tracked"].dtype == torch.int64
@@ -177,13 +177,13 @@ def test_state_dict_survives_torch_save_with_torch_dtypes(tmp_path):
 
 def test_wrapping_something_else_is_a_clear_error():
   with pytest.raises(tot.TorchOnTpuError, match="torch.nn.Module"):
-    tot.JittableModule(lambda x: x)
+    tot.ShardedModule(lambda x: x)
   with pytest.raises(tot.TorchOnTpuError, match="data_axes names 'dp'"):
-    tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), data_axes=("dp",))
+    tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=8), data_axes=("dp",))
 
 
 def test_jitted_forward_compiles_once_per_signature():
-  jm = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8))
+  jm = tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=8))
   tokens, _ = h.random_batch(2048)
   first = jm(tokens)
   second = jm(tokens + 1)
@@ -193,6 +193,6 @@ def test_jitted_forward_compiles_once_per_signature():
 
 def test_attention_settings_are_checked_when_wrapping():
   with pytest.raises(tot.TorchOnTpuError, match="attention='flash' is not a kernel"):
-    tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), attention="flash")
+    tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=8), attention="flash")
   with pytest.raises(tot.TorchOnTpuError, match="unknown key 'block_x'"):
-    tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), attention_block_sizes={"block_x": 128})
+    tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=8), attention_block_sizes={"block_x": 128})

@@ -163,7 +163,7 @@ def test_moe_family_matches_torch_scanned_and_trained(family, caplog):
   ref_logits, ref_loss, ref_grads = torch_loss_and_grads(ref, inputs)
 
   mesh = tot.make_mesh(fsdp=8)
-  jm = tot.JittableModule(copy.deepcopy(ref), mesh=mesh)
+  jm = tot.ShardedModule(copy.deepcopy(ref), mesh=mesh)
   forward = {k: v for k, v in inputs.items() if k != "labels"}
   logits = tot.to_cpu(jm(**forward).logits)
   assert h.rel(logits, ref_logits) < 1e-5
@@ -172,7 +172,7 @@ def test_moe_family_matches_torch_scanned_and_trained(family, caplog):
   worst = max((h.rel(grads[n], g), n) for n, g in ref_grads.items())
   assert worst[0] < 1e-4, worst
 
-  scanned = tot.JittableModule(copy.deepcopy(ref), mesh=mesh, scan=True)
+  scanned = tot.ShardedModule(copy.deepcopy(ref), mesh=mesh, scan=True)
   if family in UNSCANNED:
     assert scanned._layout is None and any("cannot scan" in m for m in caplog.messages), UNSCANNED[family]
   else:
@@ -201,7 +201,7 @@ def test_eager_experts_loop_runs_the_grouped_path_with_the_same_numbers():
   inputs, _ = left_padded_batch()
   forward = {k: v for k, v in inputs.items() if k != "labels"}
   want = ref(**forward).logits.detach()
-  jm = tot.JittableModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=8))
+  jm = tot.ShardedModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=8))
   assert h.rel(tot.to_cpu(jm(**forward).logits), want) < 1e-5
 
 
@@ -218,7 +218,7 @@ def test_expert_parallel_splits_experts_and_matches_one_device(family, mesh_axes
   ref = build(family)
   inputs, labels = left_padded_batch()
   ref_logits, ref_loss, ref_grads = torch_loss_and_grads(ref, inputs)
-  jm = tot.JittableModule(copy.deepcopy(ref), mesh=tot.make_mesh(**mesh_axes), sharding="ep", scan=True)
+  jm = tot.ShardedModule(copy.deepcopy(ref), mesh=tot.make_mesh(**mesh_axes), sharding="ep", scan=True)
   expert_axis = "ep" if "ep" in mesh_axes else "fsdp"
   experts = [(n, s.spec) for n, s in jm.param_shardings.items() if ".experts." in n and len(s.spec) >= 2]
   assert experts and all(
@@ -238,7 +238,7 @@ def test_expert_parallel_preset_names_an_expert_count_the_axis_does_not_divide()
   with torch.device("meta"):
     model = transformers.AutoModelForCausalLM.from_config(config)
   with pytest.raises(tot.TorchOnTpuError, match=r"experts.gate_up_proj.*dim 0 has size 6, which ep=4 does not divide"):
-    tot.JittableModule(model, mesh=tot.make_mesh(ep=4, fsdp=2), sharding="ep")
+    tot.ShardedModule(model, mesh=tot.make_mesh(ep=4, fsdp=2), sharding="ep")
 
 
 def test_recipe_trains_plans_checkpoints_and_exports_an_moe_model(tmp_path):

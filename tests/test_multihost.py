@@ -1,7 +1,7 @@
 """Multi-host for real: several jax processes on loopback, started like pod hosts.
 
 `tests/multihost_worker.py` trains a 2-layer torchtitan Llama 3 debugmodel
-through the library (JittableModule, make_train_step, Trainer, data.batches on
+through the library (ShardedModule, make_train_step, Trainer, data.batches on
 the built-in corpus, data.to_global, Checkpointer with the data state); the
 tests compare 1 process x 8 CPU devices with 2 processes x 4 (the global
 batches as the step sees them, and the losses), checkpoints across the two,

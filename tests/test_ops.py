@@ -24,7 +24,7 @@ def test_context_manager_override_is_scoped_and_retraces():
   model = _model()
   x = torch.randn(8, 16)
   pre = model.proj(x).detach()
-  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=8))
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8))
   exact = tot.to_cpu(jm(x))
   assert torch.allclose(exact, F.gelu(pre), atol=1e-6)
   with tot.override_op(F.gelu, lambda t, approximate="none": torch.relu(t)):
@@ -38,7 +38,7 @@ def test_decorator_override_wraps_the_previous_definition_until_removed():
   model = _model()
   x = torch.randn(8, 16)
   pre = model.proj(x).detach()
-  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=8))
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8))
 
   @tot.override_op(F.gelu)
   def tanh_gelu(t, approximate="none"):
@@ -57,7 +57,7 @@ def test_aten_ops_can_be_overridden_too():
   model = _model()
   x = torch.randn(8, 16)
   pre = model.proj(x).detach()
-  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=8))
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8))
   with tot.override_op(torch.ops.aten.gelu.default, lambda t, approximate="none": t * 2):
     got = tot.to_cpu(jm(x))
   assert torch.allclose(got, pre * 2, atol=1e-6)

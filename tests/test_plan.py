@@ -30,7 +30,7 @@ def ce(out, labels):
 def abstract_step(grad_accum=1, **kw):
   with torch.device("meta"):
     model = Tiny()
-  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=-1), abstract=True)
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=-1), abstract=True)
   return tot.make_train_step(jm, ce, optax.adamw(1e-3), grad_accum=grad_accum, **kw)
 
 
@@ -107,7 +107,7 @@ def _planned_and_compiled(scan, remat, batch, seq, compute_dtype=None):
   mesh = tot.make_mesh(fsdp=1, devices=jax.devices()[:1])
   model = build_llama3("debugmodel", attention="sdpa", max_seq_len=seq)
   shape = plan.decoder_shape(model)
-  jm = tot.JittableModule(model, mesh=mesh, scan=scan, remat=remat, abstract=True, attention="xla")
+  jm = tot.ShardedModule(model, mesh=mesh, scan=scan, remat=remat, abstract=True, attention="xla")
   step = tot.make_train_step(
     jm, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), optax.adamw(1e-3), clip_norm=1.0,
     compute_dtype=compute_dtype,

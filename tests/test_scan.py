@@ -24,8 +24,8 @@ CASES = [
 @pytest.mark.parametrize("name,builder,mesh_axes,sharding", CASES, ids=[f"{c[0]}-{c[3]}" for c in CASES])
 def test_scanned_equals_unscanned_within_1e_6(name, builder, mesh_axes, sharding):
   mesh = tot.make_mesh(**mesh_axes)
-  loop = tot.JittableModule(builder(), mesh=mesh, sharding=sharding)
-  scanned = tot.JittableModule(builder(), mesh=mesh, sharding=sharding, scan=True)
+  loop = tot.ShardedModule(builder(), mesh=mesh, sharding=sharding)
+  scanned = tot.ShardedModule(builder(), mesh=mesh, sharding=sharding, scan=True)
   kwargs = h.call_kwargs(loop.module)
   tokens, labels = h.random_batch(h.vocab_of(loop.module))
   a = tot.to_cpu(h.logits_of(loop(tokens, **kwargs)))
@@ -40,7 +40,7 @@ def test_scanned_equals_unscanned_within_1e_6(name, builder, mesh_axes, sharding
 
 
 def test_stacked_params_keep_the_maps_sharding_with_none_on_the_layer_dim():
-  jm = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp", scan=True)
+  jm = tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp", scan=True)
   stacked = jm.params["layers.scan.layer.attention.wo.weight"]
   assert stacked.shape == (6, 256, 256)
   assert stacked.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tp")
@@ -49,8 +49,8 @@ def test_stacked_params_keep_the_maps_sharding_with_none_on_the_layer_dim():
 
 
 def test_state_dict_uses_the_original_per_layer_names():
-  plain = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=5)
-  scanned = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=5, scan=True)
+  plain = tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=5)
+  scanned = tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=8), seed=5, scan=True)
   a, b = plain.state_dict(), scanned.state_dict()
   assert list(a) == list(b)
   assert "layers.3.attention.qkv_linear.wq.weight" in b  # torchtitan's own save hooks still run
@@ -77,7 +77,7 @@ def test_remat_policies_change_memory_not_results():
   tokens, labels = h.random_batch(256)
   runs = {
     policy: _loss_grads_and_temp_bytes(
-      tot.JittableModule(h.hf(), mesh=tot.make_mesh(fsdp=8), scan=True, remat=policy), tokens, labels
+      tot.ShardedModule(h.hf(), mesh=tot.make_mesh(fsdp=8), scan=True, remat=policy), tokens, labels
     )
     for policy in ("none", "full", "dots_saveable")
   }
@@ -92,11 +92,11 @@ def test_remat_policies_change_memory_not_results():
 def test_loop_mode_runs_the_same_stack_unscanned_with_the_same_remat():
   tokens, labels = h.random_batch(256)
   mesh = tot.make_mesh(fsdp=8)
-  looped = tot.JittableModule(h.hf(), mesh=mesh, scan=False, remat="full")
+  looped = tot.ShardedModule(h.hf(), mesh=mesh, scan=False, remat="full")
   assert looped._layout is not None and not looped.module.model.layers.scan.scanned
-  scanned = _loss_grads_and_temp_bytes(tot.JittableModule(h.hf(), mesh=mesh, scan=True, remat="full"), tokens, labels)
+  scanned = _loss_grads_and_temp_bytes(tot.ShardedModule(h.hf(), mesh=mesh, scan=True, remat="full"), tokens, labels)
   loop = _loss_grads_and_temp_bytes(looped, tokens, labels)
-  unrolled = _loss_grads_and_temp_bytes(tot.JittableModule(h.hf(), mesh=mesh, scan=True, unroll=2), tokens, labels)
+  unrolled = _loss_grads_and_temp_bytes(tot.ShardedModule(h.hf(), mesh=mesh, scan=True, unroll=2), tokens, labels)
   for other in (loop, unrolled):
     assert other[0] == pytest.approx(scanned[0], rel=1e-6)
     assert max(h.rel(other[1][n], scanned[1][n]) for n in scanned[1]) < 1e-6
@@ -126,7 +126,7 @@ class Uneven(torch.nn.Module):
 def test_model_with_uneven_layers_runs_unscanned_with_a_notice(caplog):
   with torch.device("meta"):
     model = Uneven()
-  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=8), scan=True)
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8), scan=True)
   assert jm._layout is None
   assert any("cannot scan 'blocks'" in m and "layer 1 has no tensor 'bias'" in m for m in caplog.messages)
   assert tot.to_cpu(jm(torch.randn(8, 64))).shape == (8, 64)
@@ -158,14 +158,14 @@ def test_scanned_module_can_be_used_directly_with_extra_arguments():
     def forward(self, x, scale, shift):
       return self.stack(x, scale, shift=shift)
 
-  jm = tot.JittableModule(Holder(layers), mesh=tot.make_mesh(fsdp=8), sharding="replicated")
+  jm = tot.ShardedModule(Holder(layers), mesh=tot.make_mesh(fsdp=8), sharding="replicated")
   out, none = jm(x, scale, shift)
   assert none is None
   assert torch.allclose(tot.to_cpu(out), expected, atol=1e-6)
 
 
 def test_kv_caches_are_refused_under_scan():
-  jm = tot.JittableModule(h.hf(), mesh=tot.make_mesh(fsdp=8), scan=True)
+  jm = tot.ShardedModule(h.hf(), mesh=tot.make_mesh(fsdp=8), scan=True)
   tokens, _ = h.random_batch(256)
   with pytest.raises(tot.TorchOnTpuError, match="use_cache=False"):
     jm(tokens, use_cache=True)
@@ -205,7 +205,7 @@ def test_layers_that_differ_by_index_scan_in_groups_or_loop_never_wrong(kind, ru
   x = torch.randn(8, 32)
   want = ref(x).detach()
   mesh = tot.make_mesh(fsdp=8)
-  scanned = tot.JittableModule(copy.deepcopy(ref), mesh=mesh, sharding="replicated", scan=True)
+  scanned = tot.ShardedModule(copy.deepcopy(ref), mesh=mesh, sharding="replicated", scan=True)
   assert scanned._layout is not None
   got = tot.to_cpu(scanned(x))
   assert h.rel(got, want) < 1e-6
@@ -241,7 +241,7 @@ def test_a_loop_steered_by_per_layer_attributes_or_arguments_runs_as_written(cap
   torch.manual_seed(0)
   ref = Steered("alternate")
   x, scales = torch.randn(8, 32), torch.tensor([1.0, 0.5, 2.0, 1.5])
-  jm = tot.JittableModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=8), sharding="replicated", scan=True)
+  jm = tot.ShardedModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=8), sharding="replicated", scan=True)
   assert h.rel(tot.to_cpu(jm(x, scales)), ref(x, scales).detach()) < 1e-6
   assert any("run one at a time" in m for m in caplog.messages)
 
@@ -276,7 +276,7 @@ def test_layers_returning_extra_outputs_scan_and_hand_each_layer_its_own(caplog)
   ref = AuxStack()
   x, mask = torch.randn(8, 32), torch.ones(32)
   want = ref(x, mask).detach()
-  jm = tot.JittableModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=8), sharding="replicated", scan=True)
+  jm = tot.ShardedModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=8), sharding="replicated", scan=True)
   assert jm._layout is not None
   assert h.rel(tot.to_cpu(jm(x, mask)), want) < 1e-6
   assert not any("one at a time" in m or "as a loop" in m for m in caplog.messages)  # one scan served every layer
@@ -292,7 +292,7 @@ def test_torch_transformer_encoder_scans_at_parity(norm_first, caplog):
   x = torch.randn(8, 10, 32)
   mask = torch.nn.Transformer.generate_square_subsequent_mask(10)
   want = ref(x, mask=mask, is_causal=True).detach()
-  jm = tot.JittableModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=8), scan=True)
+  jm = tot.ShardedModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=8), scan=True)
   assert jm._layout is not None and not any("do not all compute" in m for m in caplog.messages)
   assert h.rel(tot.to_cpu(jm(x, mask=mask, is_causal=True)), want) < 1e-5
   assert jm.module.layers[0].self_attn.batch_first
@@ -307,7 +307,7 @@ def _abstract_step(scan, remat=None, seq=512):
 
   mesh = tot.make_mesh(fsdp=1, devices=jax.devices()[:1])
   model = build_llama3("debugmodel", attention="sdpa", max_seq_len=seq)
-  jm = tot.JittableModule(model, mesh=mesh, scan=scan, remat=remat, abstract=True, attention="xla")
+  jm = tot.ShardedModule(model, mesh=mesh, scan=scan, remat=remat, abstract=True, attention="xla")
   step = tot.make_train_step(jm, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), optax.adamw(1e-3))
   tokens = jax.ShapeDtypeStruct((2, seq), jax.numpy.int32)
   return jm, step, step.compile(tokens, tokens)
@@ -368,6 +368,6 @@ def test_a_layer_called_without_a_positional_hidden_state_is_refused_in_one_sent
         x, _, _ = layer(x=x, mask=mask)
       return x
 
-  jm = tot.JittableModule(KeywordCalls(), mesh=tot.make_mesh(fsdp=8), sharding="replicated", scan=True)
+  jm = tot.ShardedModule(KeywordCalls(), mesh=tot.make_mesh(fsdp=8), sharding="replicated", scan=True)
   with pytest.raises(tot.TorchOnTpuError, match="without a positional argument"):
     jm(torch.randn(8, 32), torch.ones(32))

@@ -199,7 +199,7 @@ def test_values_and_gradients_match_torch(case, mesh_name):
   _loss(want, weights).backward()
 
   axes = MESHES[mesh_name]
-  jm = tot.JittableModule(copy.deepcopy(ref), mesh=tot.make_mesh(**axes), sharding=_sharding_map(ref, axes))
+  jm = tot.ShardedModule(copy.deepcopy(ref), mesh=tot.make_mesh(**axes), sharding=_sharding_map(ref, axes))
   assert any("fsdp" in tuple(s.spec) for s in jm.param_shardings.values())
   _assert_close(f"{case} output", tot.to_cpu(jm(*inputs)).detach(), want.detach())
 
@@ -219,7 +219,7 @@ def test_single_row_scatter_into_a_sharded_array_is_right_with_our_compile_optio
   a scatter-add with sharded ids, then one row set, into a row-sharded table."""
   import jax.numpy as jnp
 
-  jm = tot.JittableModule(Op(lambda m, x: x), mesh=tot.make_mesh(fsdp=8), sharding={"table": ("fsdp", None)})
+  jm = tot.ShardedModule(Op(lambda m, x: x), mesh=tot.make_mesh(fsdp=8), sharding={"table": ("fsdp", None)})
   ids = _ids((8, 12), 30, pad=0).numpy()
   updates = np.random.RandomState(0).randn(8, 12, DIM).astype(np.float32)
 
@@ -271,7 +271,7 @@ def test_hf_model_with_pad_token_trains_like_torch(mesh_axes, sharding, pad_in_l
   torch.manual_seed(0)
   ref = transformers.AutoModelForCausalLM.from_config(config)
   assert ref.model.embed_tokens.padding_idx == 0
-  jm = tot.JittableModule(copy.deepcopy(ref), mesh=tot.make_mesh(**mesh_axes), sharding=sharding)
+  jm = tot.ShardedModule(copy.deepcopy(ref), mesh=tot.make_mesh(**mesh_axes), sharding=sharding)
   assert any(jm.param_shardings["model.embed_tokens.weight"].spec)  # the table is split
 
   def loss_fn(out, labels):

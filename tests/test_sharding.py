@@ -131,14 +131,14 @@ def test_fsdp_preset_needs_an_fsdp_axis():
 
 def test_errors_surface_through_the_jittable_module_naming_the_parameter():
   with pytest.raises(tot.TorchOnTpuError, match="'layers.0.attention.wo.weight'"):
-    tot.JittableModule(
+    tot.ShardedModule(
       h.titan(), mesh=tot.make_mesh(fsdp=8), sharding={"layers.0.attention.wo.weight": ("fsdp",)}
     )
 
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_activation_rule_pins_every_layers_output(scan):
-  jm = tot.JittableModule(
+  jm = tot.ShardedModule(
     h.titan(), mesh=tot.make_mesh(fsdp=4, tp=2), sharding={"layers.*": (None, None, "tp")}, scan=scan
   )
   tokens, _ = h.random_batch(2048)
@@ -150,7 +150,7 @@ def test_activation_rule_pins_every_layers_output(scan):
 
 
 def test_activation_rule_of_the_wrong_rank_names_module_and_shape():
-  jm = tot.JittableModule(h.titan(), mesh=tot.make_mesh(fsdp=8), sharding={"layers.*": ("fsdp", None)})
+  jm = tot.ShardedModule(h.titan(), mesh=tot.make_mesh(fsdp=8), sharding={"layers.*": ("fsdp", None)})
   tokens, _ = h.random_batch(2048)
   with pytest.raises(tot.TorchOnTpuError, match="module 'layers.0' outputs shape"):
     jm(tokens)

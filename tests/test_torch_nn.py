@@ -54,7 +54,7 @@ def test_torch_nn_module_matches_eager(name):
   want = ref(x)
   weights = torch.randn(want.shape)
   (want * weights).sum().backward()
-  jm = tot.JittableModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=8), sharding=_split_map(ref))
+  jm = tot.ShardedModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=8), sharding=_split_map(ref))
   assert h.rel(tot.to_cpu(jm(x)).detach(), want.detach()) < 1e-5
   step = tot.make_train_step(jm, lambda out, w: (out * w).sum(), optax.sgd(1.0))
   _, grads = step.gradients(x, weights)

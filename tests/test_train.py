@@ -51,7 +51,7 @@ def titan(n_layers=None, seqlen=32, **kwargs):
   config = titan_config(n_layers, seqlen)
   with torch.device("meta"):
     model = config.build()
-  return config, tot.JittableModule(model, mesh=tot.make_mesh(fsdp=-1), **kwargs)
+  return config, tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=-1), **kwargs)
 
 
 def batches(n, batch=8, seqlen=32, vocab=VOCAB, seed=0):
@@ -78,7 +78,7 @@ class Tiny(torch.nn.Module):
 def tiny(dropout=0.0, seed=0, **kwargs):
   with torch.device("meta"):
     model = Tiny(dropout=dropout)
-  return tot.JittableModule(model, mesh=tot.make_mesh(fsdp=-1), seed=seed, **kwargs)
+  return tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=-1), seed=seed, **kwargs)
 
 
 def tiny_batch(batch=8, seqlen=16, seed=0):
@@ -119,7 +119,7 @@ def test_hf_llama_matches_torch_adamw_for_20_steps():
     num_key_value_heads=2,
     max_position_embeddings=64,
   )
-  jm = tot.JittableModule(build_causal_lm(config), mesh=tot.make_mesh(fsdp=-1))
+  jm = tot.ShardedModule(build_causal_lm(config), mesh=tot.make_mesh(fsdp=-1))
   ref = build_causal_lm(config, device="cpu")
   ref.load_state_dict(jm.state_dict())
   step = tot.make_train_step(jm, ce_loss, adamw())
@@ -271,7 +271,7 @@ def test_compile_on_an_abstract_model_allocates_nothing():
   config = titan_config(n_layers=1)
   with torch.device("meta"):
     model = config.build()
-  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=-1), abstract=True)
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=-1), abstract=True)
   step = tot.make_train_step(jm, ce_loss, adamw(), grad_accum=2)
   spec = jax.ShapeDtypeStruct((8, 32), jnp.int32)
   report = step.compile(spec, spec)

@@ -32,7 +32,7 @@ def ce_loss(out, labels):
 def make_step(loss_fn=ce_loss, lr=1e-2, **kw):
   with torch.device("meta"):
     model = Tiny()
-  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=-1))
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=-1))
   return tot.make_train_step(jm, loss_fn, optax.adamw(lr), **kw)
 
 
@@ -275,7 +275,7 @@ def test_a_state_non_finite_before_the_first_step_is_refused():
   """An lr past float32's range, kept in the optimizer state, would make every step a skip of a NaN state."""
   with torch.device("meta"):
     model = Tiny()
-  jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=-1))
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=-1))
   step = tot.make_train_step(jm, ce_loss, optax.inject_hyperparams(optax.adamw)(learning_rate=1e39), skip_nonfinite=True)
   checkpointer = RecordingCheckpointer(every=1)
   with pytest.raises(tot.TorchOnTpuError, match=r"holds NaN or Inf before step 1 \(1 arrays, e.g. opt_state/hyperparams/learning_rate\); nothing was trained or saved"):

@@ -77,7 +77,7 @@ def fill_random(params: dict) -> None:
 
 def small_train_step(mesh, batch, seq):
   """A jitted fwd+bwd+AdamW step of torchtitan's debugmodel; returns (run_one_step)."""
-  jm = tot.JittableModule(llama("debugmodel", seq), mesh=mesh, seed=0)
+  jm = tot.ShardedModule(llama("debugmodel", seq), mesh=mesh, seed=0)
   optimizer = optax.adamw(1e-3)
   state = {"params": jm.params, "opt": optimizer.init(jm.params)}
   tokens = jm.place(torch.randint(0, 2048, (batch, seq + 1), generator=torch.Generator().manual_seed(0)))
@@ -130,9 +130,9 @@ def main(
 
   t = time.perf_counter()
   if model_init:
-    jm = tot.JittableModule(llama(flavor, seq), mesh=mesh, seed=0)
+    jm = tot.ShardedModule(llama(flavor, seq), mesh=mesh, seed=0)
   else:
-    jm = tot.JittableModule(llama(flavor, seq), mesh=mesh, abstract=True)
+    jm = tot.ShardedModule(llama(flavor, seq), mesh=mesh, abstract=True)
     fill_random(jm.params)
   jax.block_until_ready(jm.params)
   results["materialize_s"] = time.perf_counter() - t
@@ -200,7 +200,7 @@ def main(
   other_mesh = tot.make_mesh(fsdp=4, tp=2)
   for label, target_mesh in (("fsdp=8", None), ("fsdp=4,tp=2", other_mesh)):
     if target_mesh is not None:
-      other = tot.JittableModule(
+      other = tot.ShardedModule(
         llama(flavor, seq), mesh=target_mesh, sharding="fsdp_tp", abstract=True
       )
       target = checkpoint.abstract_state({**target, "params": other.params}, target_mesh)
@@ -216,7 +216,7 @@ def main(
   ckpt.close()
 
   # -- safetensors import straight into sharded arrays
-  target_jm = tot.JittableModule(llama(flavor, seq), mesh=mesh, abstract=True)
+  target_jm = tot.ShardedModule(llama(flavor, seq), mesh=mesh, abstract=True)
   t = time.perf_counter()
   checkpoint.import_safetensors(target_jm, root / "export")
   jax.block_until_ready(target_jm.params)

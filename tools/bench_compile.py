@@ -66,7 +66,7 @@ def main(argv=None) -> None:
   def build_step(n_layers, scan):
     with torch.device("meta"):
       meta_model = dataclasses.replace(base, layers=[base.layers[0]] * n_layers).build()
-    jm = tot.JittableModule(meta_model, mesh=tot.make_mesh(fsdp=args.devices), sharding="fsdp", scan=scan)
+    jm = tot.ShardedModule(meta_model, mesh=tot.make_mesh(fsdp=args.devices), sharding="fsdp", scan=scan)
     return tot.make_train_step(jm, loss_fn, optax.adamw(1e-4))
 
   # A process's first compile of each kind (scan, loop) also pays one-time

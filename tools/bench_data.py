@@ -5,7 +5,7 @@
 The pipeline number is tokenize + pack + batch on the default corpus with no
 prefetch (one consumer thread pulling as fast as it can). The step number is a
 jitted forward + backward of torchtitan's Llama 3 `debugmodel` (SDPA) through
-`JittableModule.functional_call` and `jax.value_and_grad` of a cross-entropy
+`ShardedModule.functional_call` and `jax.value_and_grad` of a cross-entropy
 loss, on 8 simulated CPU devices, fed by the same pipeline with prefetch; the
 time the step loop waited for its next batch is reported too.
 """
@@ -43,7 +43,7 @@ def step_tokens_per_s(tok, seqlen, batch, steps):
   mesh = tot.make_mesh(fsdp=-1)
   model = build_llama3("debugmodel", attention="sdpa", max_seq_len=seqlen)
   data.check_model_fit(tok.vocab_size, model.tok_embeddings.num_embeddings, seqlen, seqlen)
-  jm = tot.JittableModule(model, mesh=mesh, sharding="fsdp")
+  jm = tot.ShardedModule(model, mesh=mesh, sharding="fsdp")
 
   def loss_fn(params, buffers, input_ids, labels):
     logits = jax_view(jm.functional_call(params, buffers, torch_view(input_ids))).astype(jnp.float32)

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
   config._attn_implementation = "sdpa"
   torch.manual_seed(0)
   ref = transformers.AutoModelForCausalLM.from_config(config).eval()
-  jm = tot.JittableModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=1, devices=jax.devices()[:1]))
+  jm = tot.ShardedModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=1, devices=jax.devices()[:1]))
   prompt = torch.randint(0, args.vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
   tokens = gen._token_buffer(prompt, args.new)
   key = jax.random.key(0)

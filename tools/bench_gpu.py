@@ -14,7 +14,7 @@ clipping at 1.0, random tokens; every runner gets the same batches and, when
 so the losses of the first step agree to bf16 rounding.
 
 - `torch_on_tpu`: the recipe's path at its defaults (`recipes.llama3 --dtype=bfloat16`):
-  JittableModule with the layer stack as a scan (`--no-scan`: the layer loop) and the
+  ShardedModule with the layer stack as a scan (`--no-scan`: the layer loop) and the
   recipe's remat (`--remat=auto`), SDPA on cuDNN flash attention, `make_train_step`.
 - `compile`: torchtitan's model in PyTorch under `torch.autocast(bf16)` (what torchtitan
   uses when there is no FSDP to do mixed precision), each block and the loss
@@ -252,7 +252,7 @@ def ours_worker(args, seqlen: int, batch: int) -> dict:
   with torch.device("meta"):
     model = config.build()
   start = time.perf_counter()
-  jm = tot.JittableModule(
+  jm = tot.ShardedModule(
     model, mesh=tot.make_mesh(jax.devices()[:1], fsdp=1), sharding="fsdp", attention=args.attention,
     scan=args.scan, remat=None if args.remat == "auto" else args.remat,
   )

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     baseline = rss()
     start = time.perf_counter()
     with PeakRss() as peak:
-      jm = tot.JittableModule(model, mesh=mesh, sharding="fsdp", scan=args.scan)
+      jm = tot.ShardedModule(model, mesh=mesh, sharding="fsdp", scan=args.scan)
       if args.weights:
         checkpoint.import_safetensors(jm, weights)
       jax.block_until_ready((jm.params, jm.buffers))

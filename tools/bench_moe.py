@@ -78,7 +78,7 @@ def main(argv=None) -> int:
   import torch_on_tpu as tot
 
   ref = build(args)
-  ours = tot.JittableModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=1, devices=jax.devices()[:1]), scan=True)
+  ours = tot.ShardedModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=1, devices=jax.devices()[:1]), scan=True)
   g = torch.Generator().manual_seed(0)
   tokens = torch.randint(0, 4096, (args.batch, args.seq + 1), generator=g)
   x, y = tokens[:, :-1], tokens[:, 1:]

@@ -180,7 +180,7 @@ def main(argv=None) -> None:
   with torch.device("meta"):
     meta_model = config.build()
   flops = metrics.flops_per_token(meta_model, args.seq)
-  jm = tot.JittableModule(meta_model, mesh=tot.make_mesh(fsdp=args.devices), sharding="fsdp")
+  jm = tot.ShardedModule(meta_model, mesh=tot.make_mesh(fsdp=args.devices), sharding="fsdp")
   print(
     f"model: torchtitan Llama 3, {args.layers} layers, dim {args.dim}, {args.heads} heads, vocab "
     f"{config.vocab_size}, {flops.n_params / 1e6:.1f}M params; batch {args.batch} x seq {args.seq}, "

@@ -59,8 +59,8 @@ def _abstract_module(model, hf_config, scan=False, adapters: dict | None = None)
   rank, alpha, targets) the LoRA model a run with them trained."""
   mesh = tot.make_mesh(fsdp=-1)
   if not adapters:
-    return tot.JittableModule(build_model(model, hf_config), mesh=mesh, sharding="fsdp", scan=scan, abstract=True)
-  base = tot.JittableModule(build_model(model, hf_config), mesh=mesh, sharding="fsdp", abstract=True)
+    return tot.ShardedModule(build_model(model, hf_config), mesh=mesh, sharding="fsdp", scan=scan, abstract=True)
+  base = tot.ShardedModule(build_model(model, hf_config), mesh=mesh, sharding="fsdp", abstract=True)
   return lora.wrap(base, build_model(model, hf_config), scan=scan, **adapters)
 
 

@@ -8,12 +8,13 @@ use or at `tot.setup()` (see `torch_on_tpu.runtime`).
 from __future__ import annotations
 
 import importlib
+import warnings
 
 __version__ = "0.1.0"
 
 # Public name → the module that defines it, imported on first access.
 _EXPORTS = {
-  "JittableModule": "module",
+  "ShardedModule": "module",
   "ScannedModule": "scan",  # deprecated: StackedLayers
   "StackedLayers": "scan",
   "TorchOnTpuError": "errors",
@@ -29,10 +30,21 @@ _EXPORTS = {
   "to_cpu": "module",
 }
 
+# Former public name → its new name (a DeprecationWarning, then the new object).
+_RENAMED = {"JittableModule": "ShardedModule"}
+
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
+  if name in _RENAMED:
+    warnings.warn(
+      f"tot.{name} is now tot.{_RENAMED[name]} (torchax has a JittableModule of its own, with another "
+      f"signature); the old name will go.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return __getattr__(_RENAMED[name])
   if name in _EXPORTS:
     value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
   else:

@@ -37,7 +37,7 @@ import torch
 from torch_on_tpu import _compat
 from torch_on_tpu.errors import TorchOnTpuError, first_line
 from torch_on_tpu.models.family import CacheNotCarried
-from torch_on_tpu.module import JittableModule, to_cpu
+from torch_on_tpu.module import ShardedModule, to_cpu
 from torch_on_tpu.train import call_model
 
 torchax = _compat.import_torchax()
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 
 def generate(
-  model: JittableModule,
+  model: ShardedModule,
   prompt: torch.Tensor,
   max_new_tokens: int,
   *,
@@ -59,7 +59,7 @@ def generate(
   """The prompt `(batch, length)` token ids followed by `max_new_tokens` more, as a CPU tensor.
 
   Args:
-    model: the JittableModule of a causal LM (logits, or an output with `.logits`).
+    model: the ShardedModule of a causal LM (logits, or an output with `.logits`).
     prompt: integer token ids, `(batch, length)` or `(length,)`; the rows of a
       batch have the same length (no padding).
     max_new_tokens: tokens to add.
@@ -135,7 +135,7 @@ def _compiled(model, inputs_fn, length, new, top_k, cache, tokens, key, keep_log
   return jax.jit(full, compiler_options=options).lower(*args).compile()
 
 
-def _decode_cache(model: JittableModule, inputs_fn, max_cache_len: int):
+def _decode_cache(model: ShardedModule, inputs_fn, max_cache_len: int):
   """`(make, None)`: the family's KV cache for this model (see `Family.decode_cache`), or `(None, why not)`."""
   if model.family.has_decode_cache:
     if inputs_fn is not None:
@@ -216,5 +216,5 @@ def _keep(kept, step, logits):
   return None if kept is None else jax.lax.dynamic_update_index_in_dim(kept, logits, step, axis=0)
 
 
-def _default_inputs(model: JittableModule) -> Callable:
+def _default_inputs(model: ShardedModule) -> Callable:
   return lambda ids: model.family.model_inputs(model.module, {"input_ids": ids})

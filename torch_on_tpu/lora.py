@@ -1,6 +1,6 @@
 """LoRA fine-tuning with peft's own adapters, on a mesh, without a second copy of the model.
 
-    base = tot.JittableModule(build(), mesh=mesh, abstract=True)   # or materialised by init
+    base = tot.ShardedModule(build(), mesh=mesh, abstract=True)   # or materialised by init
     checkpoint.import_safetensors(base, weights_dir)                # the pretrained weights
     jm = lora.wrap(base, build(), rank=16, scan=True)               # peft model, base arrays shared
     step = tot.make_train_step(jm, loss_fn, optax.adamw(1e-4), trainable=lora.TRAINABLE)
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from torch_on_tpu.errors import TorchOnTpuError
-from torch_on_tpu.module import JittableModule
+from torch_on_tpu.module import ShardedModule
 
 # `make_train_step(trainable=...)` patterns for the adapters (peft names them
 # `<module>.lora_A.<adapter>.weight` and `<module>.lora_B.<adapter>.weight`).
@@ -45,7 +45,7 @@ def parse_targets(text: str):
 
 
 def wrap(
-  base: JittableModule,
+  base: ShardedModule,
   module,
   *,
   rank: int,
@@ -54,12 +54,12 @@ def wrap(
   dropout: float = 0.0,
   seed: int = 0,
   **jittable_kwargs,
-) -> JittableModule:
-  """A JittableModule of `module` (a fresh meta copy of `base`'s model) with peft
+) -> ShardedModule:
+  """A ShardedModule of `module` (a fresh meta copy of `base`'s model) with peft
   LoRA adapters of `rank` on `targets`, whose base params are `base`'s arrays.
 
   `alpha` defaults to `2 * rank`; `jittable_kwargs` (scan, remat, attention...)
-  go to the new JittableModule. `base` must not be scanned: its arrays are
+  go to the new ShardedModule. `base` must not be scanned: its arrays are
   read by original name (and stacked here if `scan=True`). An abstract `base`
   gives an abstract result.
   """
@@ -68,7 +68,7 @@ def wrap(
   if not isinstance(rank, int) or rank < 1:
     raise TorchOnTpuError(f"LoRA rank must be a positive integer, got {rank!r}.")
   if base.stored_layout() and any(stacked for _, stacked in base.stored_layout().values()):
-    raise TorchOnTpuError("lora.wrap needs a base JittableModule built without scan=True; build the base unscanned.")
+    raise TorchOnTpuError("lora.wrap needs a base ShardedModule built without scan=True; build the base unscanned.")
   config = peft.LoraConfig(
     r=rank,
     lora_alpha=alpha if alpha is not None else 2 * rank,
@@ -82,7 +82,7 @@ def wrap(
   specs = {**base.param_shardings, **base.buffer_shardings}
   sharding = {name: tuple(specs[base.canonical_name(base_name(name))].spec) for name in _original_names(model) if not is_adapter(name)}
   sharding.update({pattern: (None, None) for pattern in TRAINABLE})  # adapters are small: replicated
-  jm = JittableModule(
+  jm = ShardedModule(
     model,
     mesh=base.mesh,
     sharding=sharding,

@@ -43,7 +43,7 @@ the batch statistics are over the whole global batch, whatever its sharding
 (torch's `SyncBatchNorm`, not DDP's per-device statistics).
 
 On CPU, `F.linear` runs a kernel whose weight gradient XLA CPU lays out well
-(`cpu_linear`): JittableModule enters it around every trace of the model, so
+(`cpu_linear`): ShardedModule enters it around every trace of the model, so
 its forward and the train step both get it. It is installed per trace, not at
 import, because it depends on the mesh's platform; a user's own override of
 `F.linear` (`tot.override_op`) is left in place.

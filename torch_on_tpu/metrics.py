@@ -74,7 +74,7 @@ def dense_flops_per_token(
 
 
 def flops_per_token(model, seqlen: int) -> FlopsPerToken:
-  """From a torchtitan Llama-style or HF causal LM module (meta is fine) or a JittableModule."""
+  """From a torchtitan Llama-style or HF causal LM module (meta is fine) or a ShardedModule."""
   module = getattr(model, "module", model)
   n_layers, n_heads, head_dim = _attention_shape(module)
   params = {id(p): p for p in module.parameters()}

@@ -1,6 +1,6 @@
-"""`JittableModule`: the object the user holds.
+"""`ShardedModule`: the object the user holds.
 
-    model = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=-1), sharding="fsdp")
+    model = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=-1), sharding="fsdp")
     logits = model(tokens)                 # jitted; CPU inputs are placed on the mesh
 
 It takes a torch module nobody edited (built on `meta`, or initialised on CPU),
@@ -44,7 +44,7 @@ from torchax.tensor import Tensor as TorchaxTensor  # noqa: E402
 logger = logging.getLogger(__name__)
 
 
-class JittableModule:
+class ShardedModule:
   """A torch module whose parameters live on a device mesh as sharded jax arrays.
 
   Args:
@@ -89,7 +89,7 @@ class JittableModule:
   ):
     if not isinstance(module, torch.nn.Module):
       raise TorchOnTpuError(
-        f"JittableModule wraps a torch.nn.Module, got {type(module).__name__}."
+        f"ShardedModule wraps a torch.nn.Module, got {type(module).__name__}."
       )
     runtime.setup()
     self.module = module
@@ -368,7 +368,7 @@ class LazyStateDict(Mapping):
   when one of its entries is read.
   """
 
-  def __init__(self, jm: JittableModule):
+  def __init__(self, jm: ShardedModule):
     self._jm = jm
     self._names = jm._state_dict_names
     self._hooked = jm._hooked_modules
@@ -498,7 +498,7 @@ _RUNNING_WRAPPED = contextvars.ContextVar("running_wrapped", default=False)
 
 @contextlib.contextmanager
 def _running_wrapped():
-  """Marks a JittableModule's own call of its module (which `_refuse_direct_call` lets through)."""
+  """Marks a ShardedModule's own call of its module (which `_refuse_direct_call` lets through)."""
   token = _RUNNING_WRAPPED.set(True)
   try:
     yield
@@ -510,8 +510,8 @@ def _refuse_direct_call(module, args):
   """A forward pre-hook: the wrapped module holds only meta tensors, so calling it is a mistake."""
   if not _RUNNING_WRAPPED.get():
     raise TorchOnTpuError(
-      "This module was wrapped by JittableModule, which moved its parameters and buffers onto "
-      "the mesh and left the module itself on the meta device; call the JittableModule "
+      "This module was wrapped by ShardedModule, which moved its parameters and buffers onto "
+      "the mesh and left the module itself on the meta device; call the ShardedModule "
       "(jm(x)) instead, or, for eager CPU use, load jm.state_dict() into a fresh copy of the model."
     )
 

@@ -1,7 +1,7 @@
 """Memory planning: will this run fit on these devices, before anything compiles?
 
     shape = plan.decoder_shape(meta_model)                  # before wrapping it
-    step = tot.make_train_step(tot.JittableModule(meta_model, mesh=mesh, abstract=True), ...)
+    step = tot.make_train_step(tot.ShardedModule(meta_model, mesh=mesh, abstract=True), ...)
     memory = plan.plan_memory(step, shape, global_batch_size=8, seqlen=8192, remat="offload_dots")
     print(memory)                                           # the per-device table
     memory.check()                                          # TorchOnTpuError with a concrete fix
@@ -194,7 +194,7 @@ def plan_memory(
 ) -> MemoryPlan:
   """The per-device plan for `step` (a `TrainStep`, abstract or not) on its mesh.
 
-  `remat` is the per-layer policy the model runs with (`JittableModule(remat=)`);
+  `remat` is the per-layer policy the model runs with (`ShardedModule(remat=)`);
   `device_bytes` overrides the device's own memory (plan for another device).
   """
   plan = _estimate(step, shape, global_batch_size, seqlen, remat, step.grad_accum)

@@ -16,7 +16,7 @@ PRNG key):
    (`lowerings.register`), which also gives jax-backed tensors torch's `.cpu()`,
    `.item()`, `float()` and `int()`.
 
-`make_mesh`, `JittableModule`, `make_train_step`, `override_op` and `generate`
+`make_mesh`, `ShardedModule`, `make_train_step`, `override_op` and `generate`
 call `setup()` themselves; call it first only to control when the cost is paid
 or to join a multi-process run before other jax code runs.
 """

@@ -82,7 +82,7 @@ from torch_on_tpu import _compat, losses, ops
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu import sharding as sharding_lib
 from torch_on_tpu.errors import TorchOnTpuError
-from torch_on_tpu.module import JittableModule, _human_bytes
+from torch_on_tpu.module import ShardedModule, _human_bytes
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
@@ -96,7 +96,7 @@ _ARRAY_TYPES = (jax.Array, np.ndarray, torch.Tensor, jax.ShapeDtypeStruct)
 class TrainState(TypedDict):
   """Everything a resumed run needs besides the data position: a plain dict pytree.
 
-  `params` is the JittableModule's params dict; `buffers` its buffers dict
+  `params` is the ShardedModule's params dict; `buffers` its buffers dict
   (running statistics and counters a forward wrote: a resume must continue
   from them, not from their initial values); `rng` a raw uint32 key
   (`jax.random.PRNGKey`) that step n folds n into; `step` the number of
@@ -147,7 +147,7 @@ class CompileReport:
 
 
 def make_train_step(
-  model: JittableModule,
+  model: ShardedModule,
   loss_fn: Callable,
   optimizer: optax.GradientTransformation,
   *,
@@ -166,11 +166,11 @@ def make_train_step(
   """The compiled training step for `model` (see the module docstring for conventions).
 
   Args:
-    model: a `JittableModule` (abstract ones can only `compile`).
+    model: a `ShardedModule` (abstract ones can only `compile`).
     loss_fn: `loss_fn(outputs, labels)` → scalar torch tensor.
     optimizer: any optax `GradientTransformation` (schedules included).
     forward_remat: a policy name from `torch_on_tpu.remat.NAMES` for the whole
-      forward as one `jax.checkpoint` (per-layer remat is `JittableModule(remat=)`).
+      forward as one `jax.checkpoint` (per-layer remat is `ShardedModule(remat=)`).
     grad_accum: microbatches per step.
     clip_norm: max global gradient norm, or None.
     compute_dtype: dtype of the forward/backward (e.g. `jnp.bfloat16`).
@@ -187,7 +187,7 @@ def make_train_step(
   """
   if remat is not None:
     warnings.warn(
-      "make_train_step(remat=) is now forward_remat= (the per-layer policy is JittableModule(remat=)); "
+      "make_train_step(remat=) is now forward_remat= (the per-layer policy is ShardedModule(remat=)); "
       "the old name will go.",
       DeprecationWarning,
       stacklevel=2,
@@ -232,10 +232,10 @@ class TrainStep:
     trainable=None,
     skip_nonfinite=False,
   ):
-    if not isinstance(model, JittableModule):
+    if not isinstance(model, ShardedModule):
       raise TorchOnTpuError(
-        f"make_train_step needs a JittableModule, got {type(model).__name__}; wrap the "
-        f"model with tot.JittableModule(model, mesh=...) first."
+        f"make_train_step needs a ShardedModule, got {type(model).__name__}; wrap the "
+        f"model with tot.ShardedModule(model, mesh=...) first."
       )
     if not callable(loss_fn):
       raise TorchOnTpuError("make_train_step's loss_fn must be callable as loss_fn(outputs, labels).")
@@ -304,7 +304,7 @@ class TrainStep:
     waits for it; `step.metrics` holds it as a jax array)."""
     if self._abstract:
       raise TorchOnTpuError(
-        "This train step's model is abstract (JittableModule(..., abstract=True)); it can "
+        "This train step's model is abstract (ShardedModule(..., abstract=True)); it can "
         "only .compile(); build the model without abstract=True to train."
       )
     leaves, static = self._split_batch(self._place((inputs, labels)))
@@ -808,7 +808,7 @@ def _torch_tree(tree):
   return jax.tree.map(lambda x: torch_view(x) if isinstance(x, jax.Array) else x, tree)
 
 
-def call_model(model: JittableModule, params, buffers, inputs):
+def call_model(model: ShardedModule, params, buffers, inputs):
   """`(outputs, changed buffers)` of the model called on `inputs` (see the module docstring)."""
   viewed = _torch_tree(inputs)
   if isinstance(viewed, dict):

@@ -2,7 +2,7 @@
 
 torchax lowers SDPA by building an L×S bias and the full score matrix: at long
 sequence lengths that alone exhausts memory. While `kernels(mode, ...)` is
-active (JittableModule enters it around every trace), SDPA runs one of:
+active (ShardedModule enters it around every trace), SDPA runs one of:
 
 - `"splash"`: Pallas splash attention (TPU; Pallas interpret mode elsewhere, for tests),
 - `"cudnn"`: `jax.nn.dot_product_attention(implementation="cudnn")` (GPU; its

@@ -19,7 +19,7 @@ layer name). Exports back out are `torch_on_tpu/export.py`.
     ckpt.close()                                             # waits for the last save
 
 The training state is any pytree of jax arrays (params, buffers, optax state,
-step, RNG key); by convention its `"params"` entry is the `JittableModule`'s
+step, RNG key); by convention its `"params"` entry is the `ShardedModule`'s
 params dict, which is what `tools/convert.py` reads. With `model=jm`, layers
 that `jm` holds stacked (scan) are stored under their original per-layer
 names, in params and in every dict keyed like them (optimizer moments), so a

@@ -28,7 +28,7 @@ torchax = _compat.import_torchax()
 logger = logging.getLogger(__name__)
 
 
-PARAMS_KEY = "params"  # the training state's entry holding `JittableModule.params`
+PARAMS_KEY = "params"  # the training state's entry holding `ShardedModule.params`
 
 # ---- orbax training checkpoints ---------------------------------------------------------
 
@@ -54,7 +54,7 @@ class Checkpointer:
   steps are kept. `read_only=True` (for tools reading a live run's directory)
   neither writes nor cleans up.
 
-  `model` (the `JittableModule` whose params and buffers the state holds)
+  `model` (the `ShardedModule` whose params and buffers the state holds)
   puts its scan-stacked arrays on disk as one array per original layer name
   (`layers.0.attention.wq.weight`, ...), wherever a dict in the state is keyed
   by them (params, buffers, optax moments), and restores them into its own

@@ -1,7 +1,7 @@
 """torchtitan's Llama 3: built from torchtitan's own config registry, and its FSDP+TP map.
 
     model = build_llama3("debugmodel")            # on meta, exactly torchtitan's config
-    jm = tot.JittableModule(model, mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp")
+    jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp")
 
 torchtitan 0.3.0 uses FlexAttention for language models. `attention="sdpa"`
 swaps each layer's inner attention for torchtitan's own
@@ -14,7 +14,7 @@ built by a compiled function, which cannot run under jax):
 
     logits = jm(tokens, positions=positions, attention_masks=flex_masks(positions))
 
-While JittableModule's attention kernels are active, FlexAttention's compiled
+While ShardedModule's attention kernels are active, FlexAttention's compiled
 call is routed to them (document-causal from the positions, or plain causal
 for `flex_masks()`).
 """
@@ -108,7 +108,7 @@ class FlexMasks(BlockMask):
 
   A BlockMask subclass so FlexAttention's type check passes; it carries only the
   document ids, a leaf of both torch and jax pytrees, so it travels through
-  `JittableModule` calls and train steps into `jax.jit` like any input.
+  `ShardedModule` calls and train steps into `jax.jit` like any input.
   """
 
   def __init__(self, segment_ids: torch.Tensor | None = None):  # BlockMask.__init__ not called: no block state
