@@ -8,7 +8,6 @@ each device's rows), so fsdp=8 matches eager torch on the full batch.
 """
 
 import jax
-import numpy as np
 import optax
 import pytest
 import torch

@@ -10,6 +10,7 @@ import sys
 import jax
 import optax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 
@@ -173,6 +174,15 @@ class _MatMul(torch.nn.Module):
     return torch.mm(x, self.w)
 
 
+def _check_batch_norm():
+  x = torch.randn(4, 3, 5)
+  ones, zeros = jnp.ones(3), jnp.zeros(3)
+  out, mean, _ = _compat.torchax_batch_norm(jnp.asarray(x.numpy()), ones, zeros, zeros, ones, True, 0.1, 1e-5)
+  want = torch.nn.functional.batch_norm(x, torch.zeros(3), torch.ones(3), training=True)
+  np.testing.assert_allclose(np.asarray(out), want.numpy(), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(mean), x.mean((0, 2)).numpy(), rtol=1e-5, atol=1e-6)
+
+
 def _check_decomps():
   env = _compat.torchax_env()
   assert _compat.has_decomposition(env, torch.ops.aten.addcmul_) or _compat.has_lowering(env, torch.ops.aten.addcmul_)
@@ -260,6 +270,7 @@ _INTERNAL_API_CHECKS = {
   "torchax.tensor.Environment._ops": _check_op_table,
   "torchax.tensor.Environment._decomps": _check_decomps,
   "torchax.ops.ops_registry.Operator": _check_op_table,
+  "torchax.ops.jaten._aten__native_batch_norm_legit": _check_batch_norm,
   "torchax.tensor.Tensor._elem": _check_tensor_internals,
   "torchax.tensor.Tensor._env": _check_tensor_internals,
   "torch.nn.utils.stateless._reparametrize_module": _check_reparametrized,

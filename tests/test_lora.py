@@ -2,7 +2,6 @@
 optimizer state, are not donated, and keep their values bit for bit; adapters start as
 peft's (B zero, so the model is the base model) and train."""
 
-import jax
 import numpy as np
 import optax
 import pytest

@@ -14,7 +14,6 @@ import numpy as np
 import optax
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 
 import torch_on_tpu as tot

@@ -4,7 +4,6 @@ import collections
 import copy
 
 import jax
-import numpy as np
 import pytest
 import torch
 

@@ -4,7 +4,6 @@ import logging
 
 import jax
 import pytest
-import torch
 from jax.sharding import PartitionSpec as P
 
 import torch_on_tpu as tot

@@ -82,8 +82,8 @@ def main(argv=None) -> int:
     "meets_target": increase <= target,
   }
   gib = 2**30
-  print(f"| model | devices | params (GiB) | peak RSS increase (GiB) | x model | target (GiB) | time (s) | ok |")
-  print(f"|---|---|---|---|---|---|---|---|")
+  print("| model | devices | params (GiB) | peak RSS increase (GiB) | x model | target (GiB) | time (s) | ok |")
+  print("|---|---|---|---|---|---|---|---|")
   print(
     f"| {result['model']}{' scan' if args.scan else ''} | {result['devices']} | {param_bytes / gib:.2f} | "
     f"{increase / gib:.2f} | {result['ratio_to_model']:.3f} | {target / gib:.2f} | {seconds:.1f} | "

@@ -234,7 +234,7 @@ def main(argv=None) -> int:
       rows.append(("--lr=1e39, past float32 (llama3 recipe)", 1, nan_lr(tmp, "1e39", "holds NaN or Inf before step 1")))
       rows.append(("--lr=1e30, the update overflows (llama3 recipe)", 1, nan_lr(tmp, "1e30", "were skipped, 5 in a row")))
     if "sigkill" in only:
-      rows.append((f"SIGKILL at a random moment, then relaunch", args.kills, sigkill(tmp, args.kills)))
+      rows.append(("SIGKILL at a random moment, then relaunch", args.kills, sigkill(tmp, args.kills)))
     if "launcher" in only:
       rows.append(("SIGTERM to the launcher, 2 processes of the llama3 recipe", 1, launcher_sigterm(tmp)))
     shutil.rmtree(tmp / "cache", ignore_errors=True)

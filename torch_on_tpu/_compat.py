@@ -129,6 +129,7 @@ INTERNAL_APIS = {
   "torchax.tensor.Environment._ops": "the op table our lowerings and overrides are written into",
   "torchax.tensor.Environment._decomps": "whether torchax decomposes an in-place op itself",
   "torchax.ops.ops_registry.Operator": "a table entry (how torchax calls a lowering)",
+  "torchax.ops.jaten._aten__native_batch_norm_legit": "torchax's batch norm, under our running-stats update",
   "torchax.tensor.Tensor._elem": "the jax array inside a torchax tensor, written in place by init",
   "torchax.tensor.Tensor._env": "the environment a torchax tensor belongs to (its PRNG)",
   "torch.nn.utils.stateless._reparametrize_module": "a module run with other tensors, no copy",
@@ -184,6 +185,13 @@ def has_lowering(env, packet) -> bool:
 def has_decomposition(env, packet) -> bool:
   """torchax decomposes `packet`'s default overload into other ops."""
   return bool(env._decomps.get(getattr(packet, "default", None)))
+
+
+def torchax_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
+  """torchax's own batch-norm lowering on jax arrays: (output, saved mean, saved inverse std)."""
+  from torchax.ops import jaten
+
+  return jaten._aten__native_batch_norm_legit(x, weight, bias, running_mean, running_var, training, momentum, eps)
 
 
 def tensor_env(tensor):

@@ -265,11 +265,9 @@ def _register_jax_lowering(env, packet, fn) -> None:
 
 def _batch_norm(input, weight, bias, running_mean, running_var, training=False, momentum=0.1, eps=1e-5):
   """`aten.native_batch_norm` with torch's in-place running-statistics update."""
-  from torchax.ops import jaten
-
   x = input.jax()
   view = lambda t: None if t is None else t.jax()  # noqa: E731
-  out = jaten._aten__native_batch_norm_legit(
+  out = _compat.torchax_batch_norm(
     x, view(weight), view(bias), view(running_mean), view(running_var), training, momentum, eps
   )
   if training and running_mean is not None:
