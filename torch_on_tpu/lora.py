@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from torch_on_tpu import module_state
 from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.module import ShardedModule
 
@@ -107,8 +108,7 @@ def wrap(
 
 
 def _original_names(model) -> list[str]:
-  names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-  return names + [n for n, _ in model.named_buffers(remove_duplicate=False)]
+  return [n for n, _ in module_state.named_tensors(model)]
 
 
 def _adapter_init(key, like, is_a: bool) -> jax.Array:
