@@ -85,7 +85,7 @@ class Flags:
   memory_gib: float | None = flag(None, "plan against this much memory per device (default: the device's own)")
   seed: int = flag(0, "init, data order and dropout seed")
   sample: str | None = flag(None, "after training, print a greedy completion of this prompt from the final weights")
-  compile_cache: str | None = flag(None, "jax's persistent compilation cache, so a relaunch skips the compile (default: $XDG_CACHE_HOME/torch_on_tpu/jax; off: none)")
+  compile_cache: str | None = flag(None, "jax's persistent compilation cache, so a relaunch skips the compile (default: $XDG_CACHE_HOME/torch_on_tpu/jax; off or none: no cache)")
 
 
 @dataclasses.dataclass
@@ -298,7 +298,8 @@ def resolve(flags: Flags, recipe: Recipe) -> dict:
   config["ckpt_dir"] = flags.ckpt_dir or os.path.join(config["log_dir"], "ckpt")
   cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
   default_cache = os.path.join(cache_home, "torch_on_tpu", "jax")
-  config["compile_cache"] = None if flags.compile_cache == "off" else flags.compile_cache or default_cache
+  no_cache = flags.compile_cache is not None and str(flags.compile_cache).lower() in ("off", "none")
+  config["compile_cache"] = None if no_cache else flags.compile_cache or default_cache
   return config
 
 

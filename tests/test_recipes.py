@@ -52,7 +52,8 @@ def test_train_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch, c
   assert [r["step"] for r in lines if "eval_loss" in r] == [0, 4, 8]  # from step 0: where the curve starts
   assert (log_dir / "training.png").stat().st_size > 0
   with checkpoint.Checkpointer(log_dir / "ckpt", read_only=True) as ckpt:
-    saved = ckpt._manager.restore(8, args=checkpoint.ocp.args.Composite(config=checkpoint.ocp.args.JsonRestore()))
+    ocp = checkpoint.training_state.ocp
+    saved = ckpt._manager.restore(8, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
   assert saved["config"]["steps"] == 8 and saved["config"]["ckpt_dir"] == str(log_dir / "ckpt")
 
   # preempted after step 3 (SIGTERM: save, stop), relaunched with the same flags:
@@ -285,6 +286,7 @@ def test_compile_cache_is_on_by_default_and_can_be_turned_off(tmp_path, monkeypa
   recipe = common.Recipe(name="r", build=None, family="titan")
   assert common.resolve(llama3.Llama3Flags(), recipe)["compile_cache"] == str(tmp_path / "torch_on_tpu" / "jax")
   assert common.resolve(llama3.Llama3Flags(compile_cache="off"), recipe)["compile_cache"] is None
+  assert common.resolve(llama3.Llama3Flags(compile_cache="none"), recipe)["compile_cache"] is None
   session = jax.config.jax_compilation_cache_dir  # the test session's own cache (conftest)
   assert common._use_compile_cache(str(tmp_path / "c")) == session  # a cache already chosen wins
   jax.config.update("jax_compilation_cache_dir", None)

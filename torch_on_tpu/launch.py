@@ -160,8 +160,9 @@ def run(args: argparse.Namespace, out=None) -> int:
   lock = threading.Lock()
   last_lines: dict[int, str] = {}
   procs, pumps = [], []
+  base = {**os.environ, "XLA_FLAGS": xla_flags.with_defaults(os.environ.get("XLA_FLAGS", ""))}  # torch_on_tpu's defaults
   for index in range(args.nproc):
-    env = process_env(os.environ, index, args.nproc, port, args.cpu_devices)
+    env = process_env(base, index, args.nproc, port, args.cpu_devices)
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     procs.append(proc)
     pump = threading.Thread(target=_pump, args=(index, proc.stdout, out, lock, last_lines), daemon=True)

@@ -287,17 +287,18 @@ class HFFamily(Family):
     return HFForm(config) if callable(getattr(config, "save_pretrained", None)) else None
 
   def decode_cache(self, module, max_len):
-    if not is_hf(module):
-      return None, "a wrapped HF model (peft) is decoded with full forwards"
-    if not getattr(module, "_can_compile_fullgraph", False):
-      return None, f"transformers does not mark {type(module).__name__} as compilable with a static cache"
+    model = _hf_model(module)  # a peft wrapper passes the cache through to the model it holds
+    if model is None:
+      return None, f"{type(module).__name__} is a part of an HF model, not a causal LM"
+    if not getattr(model, "_can_compile_fullgraph", False):
+      return None, f"transformers does not mark {type(model).__name__} as compilable with a static cache"
     from transformers.cache_utils import StaticLayer
 
     try:
-      layers = StaticCacheCarry(module.config, max_len).cache.layers
+      layers = StaticCacheCarry(model.config, max_len).cache.layers
     except Exception as e:  # noqa: BLE001 (a config StaticCache cannot read: the full forward may still run)
       return None, f"transformers cannot build its StaticCache ({first_line(e)})"
     other = sorted({type(layer).__name__ for layer in layers if type(layer) is not StaticLayer})
     if other:
       return None, f"its static cache has {', '.join(other)} layers, whose state moves in Python between steps"
-    return (lambda: StaticCacheCarry(module.config, max_len)), None
+    return (lambda: StaticCacheCarry(model.config, max_len)), None
