@@ -4,8 +4,9 @@
     python -m torch_on_tpu.launch --nproc 2 train.py --lr=1e-3
 
 Each process gets `TOT_COORDINATOR` (a free port on 127.0.0.1),
-`TOT_NUM_PROCESSES` and `TOT_PROCESS_ID`, so `import torch_on_tpu` joins them
-into one jax run (see `torch_on_tpu.distributed`); `--cpu_devices K` gives each
+`TOT_NUM_PROCESSES` and `TOT_PROCESS_ID`, so the platform start-up
+(`tot.setup()`, run on first use) joins them into one jax run (see
+`torch_on_tpu.distributed`), and torch_on_tpu's XLA flag defaults; `--cpu_devices K` gives each
 process K simulated CPU devices (`JAX_PLATFORMS=cpu` and
 `--xla_force_host_platform_device_count=K` appended to `XLA_FLAGS`). Output
 lines are prefixed `[p0]`, `[p1]`, .... When one process fails the others get
