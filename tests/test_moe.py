@@ -18,7 +18,7 @@ import transformers
 
 import torch_on_tpu as tot
 from tests import helpers as h
-from torch_on_tpu import lowerings
+from torch_on_tpu.lowerings import model_ops
 
 COMMON = dict(
   vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -114,7 +114,7 @@ def test_grouped_mm_lowering_matches_torch_values_and_gradients(dtype):
   (want * w).sum().backward()
 
   def ours(a, b):
-    return lowerings._grouped_mm(a, b, jnp.asarray(offs.numpy()))
+    return model_ops._grouped_mm(a, b, jnp.asarray(offs.numpy()))
 
   jdtype = jnp.float32 if dtype == torch.float32 else jnp.bfloat16
   aj, bj = jnp.asarray(a.numpy()).astype(jdtype), jnp.asarray(b.numpy()).astype(jdtype)
@@ -275,4 +275,4 @@ def test_a_grouped_mm_form_experts_do_not_use_is_refused_in_one_sentence():
   import jax.numpy as jnp
 
   with pytest.raises(tot.TorchOnTpuError, match=r"_grouped_mm of a 3-D by a 3-D tensor without offs is not lowered"):
-    lowerings._grouped_mm(jnp.ones((2, 4, 8)), jnp.ones((2, 8, 4)))
+    model_ops._grouped_mm(jnp.ones((2, 4, 8)), jnp.ones((2, 8, 4)))

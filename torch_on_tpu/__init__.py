@@ -27,7 +27,7 @@ _EXPORTS = {
   "make_train_step": "train",
   "override_op": "ops",
   "setup": "runtime",
-  "to_cpu": "module",
+  "to_cpu": "host",
 }
 
 # Former public name → its new name (a DeprecationWarning, then the new object).

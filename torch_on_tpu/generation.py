@@ -37,7 +37,8 @@ import torch
 from torch_on_tpu import _compat
 from torch_on_tpu.errors import TorchOnTpuError, first_line
 from torch_on_tpu.models.family import CacheNotCarried
-from torch_on_tpu.module import ShardedModule, to_cpu
+from torch_on_tpu.host import to_cpu
+from torch_on_tpu.module import ShardedModule
 from torch_on_tpu.train import call_model
 
 torchax = _compat.import_torchax()

@@ -28,7 +28,7 @@ import functools
 import torch
 from torch.overrides import TorchFunctionMode
 
-from torch_on_tpu import _compat, ops
+from torch_on_tpu import _compat, op_table
 
 torchax = _compat.import_torchax()
 import jax  # noqa: E402
@@ -42,7 +42,7 @@ MAX_CHUNK, MIN_CHUNK = 8192, 1024  # columns per chunk
 def installed(model, upcasts: "Upcasts | None" = None):
   """While active (the train step's trace), `F.cross_entropy` runs `cross_entropy`, its rows
   over `model`'s data axes, reading the low-precision source of `upcasts`' tensors."""
-  return ops.bridge_overrides(
+  return op_table.bridge_overrides(
     {torch.nn.functional.cross_entropy: functools.partial(cross_entropy, model, upcasts or Upcasts())}
   )
 

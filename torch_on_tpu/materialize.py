@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from jax.sharding import NamedSharding
 
-from torch_on_tpu import _compat, models, module_state
+from torch_on_tpu import _compat, host, models, module_state
 from torch_on_tpu.errors import TorchOnTpuError
 
 # jax has no public dead-code elimination for jaxprs; this one is stable across
@@ -406,20 +406,4 @@ def upload(
 ) -> dict[str, jax.Array]:
   """An initialised CPU model → sharded arrays, one tensor at a time."""
   current = dict(module_state.named_tensors(module))
-  return {e.name: to_global_array(current[e.name], shardings[e.name]) for e in entries}
-
-
-def to_global_array(t: torch.Tensor, sharding: NamedSharding) -> jax.Array:
-  """A host torch tensor → a global jax.Array; each device copies only its slice."""
-  host = torch_to_numpy(t)
-  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-
-def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
-  """Zero-copy where numpy has the dtype (bf16 goes through a uint16 view)."""
-  t = t.detach()
-  if t.dtype == torch.bfloat16:
-    import ml_dtypes
-
-    return t.contiguous().view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
-  return t.contiguous().numpy()
+  return {e.name: host.to_global_array(current[e.name], shardings[e.name]) for e in entries}

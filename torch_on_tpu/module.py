@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding
 
-from torch_on_tpu import _compat, lowerings, materialize, models, module_state, ops, runtime, xla_flags
+from torch_on_tpu import _compat, host, lowerings, materialize, models, module_state, op_table, runtime, xla_flags
 from torch_on_tpu import attention as attention_lib
 from torch_on_tpu import scan as scan_lib
 from torch_on_tpu import mesh as mesh_lib
@@ -189,9 +189,9 @@ class ShardedModule:
     if isinstance(tensor, TorchaxTensor):
       return tensor.jax()
     if tensor.ndim == 0:
-      return jnp.asarray(materialize.torch_to_numpy(tensor))
+      return jnp.asarray(host.torch_to_numpy(tensor))
     sharding = self.batch_sharding(tensor.ndim, tensor.shape[0])
-    return materialize.to_global_array(tensor, sharding)
+    return host.to_global_array(tensor, sharding)
 
   # ---- the torch world ---------------------------------------------------------------
 
@@ -250,7 +250,7 @@ class ShardedModule:
     statics = tuple(None if t else x for x, t in zip(leaves, is_tensor))
     dynamic = [self.place(x) for x, t in zip(leaves, is_tensor) if t]
     try:
-      key = (treedef, is_tensor, statics, ops.generation())
+      key = (treedef, is_tensor, statics, op_table.generation())
       hash(key)
     except TypeError as e:
       raise TorchOnTpuError(
@@ -374,7 +374,7 @@ class LazyStateDict(Mapping):
     self._hooked = jm._hooked_modules
 
   def __getitem__(self, name):
-    tensor = to_cpu(self.array(name))
+    tensor = host.to_cpu(self.array(name))
     if any(name.startswith(prefix + ".") for prefix, _ in self._hooked):
       return tensor
     dtype = self._jm._entries[self._jm.canonical_name(name)].dtype
@@ -429,22 +429,6 @@ class ShardingTable:
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *body)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, body)])
-
-
-def to_cpu(tree):
-  """Torch tensors backed by jax arrays (or jax arrays) → plain CPU torch tensors."""
-
-  def convert(x):
-    if isinstance(x, TorchaxTensor):
-      x = x.jax()
-    if isinstance(x, jax.Array):
-      host = np.asarray(jax.device_get(x))
-      if host.dtype.name == "bfloat16":
-        return torch.from_numpy(host.view(np.uint16)).view(torch.bfloat16)
-      return torch.from_numpy(np.array(host))
-    return x
-
-  return _compat.torch_pytree.tree_map(convert, tree, is_leaf=lambda x: isinstance(x, jax.Array))
 
 
 def _check_output_leaves(flat):

@@ -13,31 +13,15 @@ receives torch tensors. As a decorator the override stays until `.remove()`;
 as a context manager the previous definition returns on exit. Inside the
 implementation the target resolves to what it was before the override, so an
 override can wrap the original. Compiled functions are keyed on
-`generation()`, so a changed override retraces instead of reusing a stale
+`op_table.generation()`, so a changed override retraces instead of reusing a stale
 program.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 
-from torch_on_tpu import _compat, runtime
-
-
-_generation = 0
-_lock = threading.Lock()
-
-
-def generation() -> int:
-  """Changes whenever an override is installed or removed."""
-  return _generation
-
-
-def _bump():
-  global _generation
-  with _lock:
-    _generation += 1
+from torch_on_tpu import _compat, op_table, runtime
 
 
 class override_op(contextlib.ContextDecorator):
@@ -83,14 +67,14 @@ class override_op(contextlib.ContextDecorator):
 
     env.override_op_definition(target, run_with_previous)  # torchax's public hook
     self._active = True
-    _bump()
+    op_table.changed()
 
   def remove(self):
     if not self._active:
       return
     _compat.set_op(self.env, self.target, self._previous)
     self._active = False
-    _bump()
+    op_table.changed()
 
   def __enter__(self):
     self._install()
@@ -99,22 +83,3 @@ class override_op(contextlib.ContextDecorator):
   def __exit__(self, *exc):
     self.remove()
     return False
-
-
-@contextlib.contextmanager
-def bridge_overrides(overrides: dict, *, env=None, is_jax_function: bool = False):
-  """Installs the bridge's own lowerings (attention kernels) for one trace.
-
-  Unlike `override_op` this does not change `generation()`: the bridge installs
-  the same overrides on every trace, so they are part of what a compiled
-  program is keyed on already (the module's settings), not a user change.
-  """
-  env = env or _compat.torchax_env()
-  previous = {t: _compat.registered_op(env, t) for t in overrides}
-  for target, impl in overrides.items():
-    _compat.set_op(env, target, _compat.make_operator(target, impl, jax_function=is_jax_function, user=True))
-  try:
-    yield
-  finally:
-    for target, op in previous.items():
-      _compat.set_op(env, target, op)

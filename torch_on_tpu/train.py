@@ -78,7 +78,7 @@ import optax
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
-from torch_on_tpu import _compat, losses, ops
+from torch_on_tpu import _compat, losses, op_table
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu import sharding as sharding_lib
 from torch_on_tpu.errors import TorchOnTpuError
@@ -500,7 +500,7 @@ class TrainStep:
   # ---- compilation ------------------------------------------------------------------
 
   def _executable(self, leaves, static):
-    signature = (static, tuple(_leaf_signature(x) for x in leaves), ops.generation())
+    signature = (static, tuple(_leaf_signature(x) for x in leaves), op_table.generation())
     compiled = self._executables.get(signature)
     if compiled is None:
       if self._signature is not None:

@@ -17,7 +17,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from torch_on_tpu import _compat, models, ops
+from torch_on_tpu import _compat, models, op_table
 from torch_on_tpu import mesh as mesh_lib
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu.attention import splash, xla_flash
@@ -61,7 +61,7 @@ def installed(attn: Attention):
     for target in (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention)
     if not _compat.overridden_by_user(env, target)
   }
-  with ops.bridge_overrides(overrides, is_jax_function=True), models.attention_routes(attn.flex):
+  with op_table.bridge_overrides(overrides, is_jax_function=True), models.attention_routes(attn.flex):
     yield
 
 

@@ -20,7 +20,7 @@ import torch
 from torch_on_tpu import _compat
 from torch_on_tpu.checkpoint import state_entries
 from torch_on_tpu.errors import TorchOnTpuError, first_line
-from torch_on_tpu.materialize import torch_to_numpy
+from torch_on_tpu.host import torch_to_numpy
 
 torchax = _compat.import_torchax()
 from torchax.ops import mappings  # noqa: E402

@@ -1,4 +1,4 @@
-"""ATen lowerings torchax lacks, registered into its environment by `runtime.setup()`.
+"""What model code and training need from ATen that torchax lacks or lowers wrongly.
 
 torchax lowers most functional ATen ops but misses some in-place variants that
 model init code uses (`erfinv_`, reached from `nn.init.trunc_normal_`). Any
@@ -56,7 +56,7 @@ import contextlib
 import numpy as np
 import torch
 
-from torch_on_tpu import _compat, ops, ragged
+from torch_on_tpu import _compat, host, op_table, ragged
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu.errors import TorchOnTpuError
 
@@ -223,7 +223,7 @@ def cpu_linear(mesh):
   overridden = _compat.overridden_by_user(_compat.torchax_env(), torch.nn.functional.linear)
   if mesh.devices.flat[0].platform != "cpu" or overridden:
     return contextlib.nullcontext()
-  return ops.bridge_overrides({torch.nn.functional.linear: _linear_with_bias}, is_jax_function=True)
+  return op_table.bridge_overrides({torch.nn.functional.linear: _linear_with_bias}, is_jax_function=True)
 
 
 def _linear_with_bias(x, weight, bias=None):
@@ -319,6 +319,4 @@ def _item(self):
 
 def _to_host(self, *args, **kwargs):
   """`.cpu()` on a jax-backed tensor outside torchax's environment: a plain CPU copy."""
-  from torch_on_tpu.module import to_cpu
-
-  return to_cpu(self)
+  return host.to_cpu(self)
