@@ -43,6 +43,40 @@ def test_the_shim_is_sufficient_and_leaves_torch_as_it_was():
   assert "restored" in shimmed.stdout
 
 
+@pytest.mark.parametrize("setup_first", [False, True])
+def test_torchax_imports_after_torch_on_tpu_before_or_after_setup(setup_first):
+  code = (
+    "import torch, torch_on_tpu as tot\n"
+    + ("tot.setup()\n" if setup_first else "")
+    + "import torchax\nimport torchax\n"  # a second import is the same module
+    "env = torchax.default_env()\n"
+    "with env:\n"
+    "    y = (torch.ones(2, device='jax') * 3).sum()\n"
+    "tot.setup()\n"
+    "jm = tot.ShardedModule(torch.nn.Linear(2, 2))\n"
+    "print(float(y), tuple(tot.to_cpu(jm(torch.ones(1, 2))).shape))\n"
+  )
+  run = _run(code)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert run.stdout.split() == ["6.0", "(1,", "2)"]
+
+
+def test_torch_compile_of_cpu_code_works_after_the_bridge_started():
+  code = (
+    "import torch, torch_on_tpu as tot\n"
+    "tot.setup()\n"
+    "model = torch.nn.Linear(4, 3)\n"
+    "x = torch.randn(5, 4)\n"
+    "compiled = torch.compile(model)\n"
+    "y = compiled(x)\n"
+    "y.sum().backward()\n"
+    "print(torch.allclose(y, model(x)), tuple(model.weight.grad.shape))\n"
+  )
+  run = _run(code)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert run.stdout.split() == ["True", "(3,", "4)"]
+
+
 def test_only_named_tensor_overloads_are_tolerated():
   assert _compat.is_named_tensor_overload("dim_Dimname")
   assert _compat.is_named_tensor_overload("correction_names")
@@ -266,6 +300,15 @@ def _check_clusters():
   assert _compat.managed_cluster_size() == 0  # this machine is no pod, Slurm job or MPI run
 
 
+def _check_device_module():
+  torchax = _compat.import_torchax()
+  # torchax's rename is what makes torch see an accelerator; its device module is the one asked.
+  assert torch._C._get_privateuse1_backend_name() == "jax"
+  assert torch.get_device_module("jax") is torchax.device_module
+  assert torch.accelerator.current_accelerator() == torch.device("jax")
+  assert not torch.accelerator.is_available()
+
+
 _INTERNAL_API_CHECKS = {
   "torchax.tensor.Environment._ops": _check_op_table,
   "torchax.tensor.Environment._decomps": _check_decomps,
@@ -284,6 +327,7 @@ _INTERNAL_API_CHECKS = {
   "jax._src.interpreters.partial_eval.dce_jaxpr": _check_dce_jaxpr,
   "jax._src.xla_bridge.backends_are_initialized": _check_backend_started,
   "jax._src.clusters.ClusterEnv": _check_clusters,
+  "torchax.device_module.is_available": _check_device_module,
 }
 
 

@@ -2,13 +2,19 @@
 
 Importing the package is quiet: public names load on first access and the
 platform (XLA flags, a multi-process join, torchax's lowerings) starts on first
-use or at `tot.setup()` (see `torch_on_tpu.runtime`).
+use or at `tot.setup()` (see `torch_on_tpu.runtime`). The one thing the import
+does is to put a finder on `sys.meta_path` that lets a later `import torchax`
+succeed on this stack (see `torch_on_tpu.torchax_import`).
 """
 
 from __future__ import annotations
 
 import importlib
 import warnings
+
+from torch_on_tpu import torchax_import
+
+torchax_import.install()
 
 __version__ = "0.1.0"
 

@@ -106,17 +106,40 @@ def import_torchvision_outside_torchax() -> None:
     pass
 
 
-def import_torchax():
-  """Imports torchax, applying the shims this stack needs first."""
-  if "torchax" in sys.modules:
-    return sys.modules["torchax"]
-  import_torchvision_outside_torchax()
+@contextlib.contextmanager
+def torchax_import_shims():
+  """Active while torchax's modules first load (see `torchax_import`): the
+  named-tensor overload stand-ins where this stack needs them."""
   shim = _tolerate_removed_dimname_overloads if dimname_shim_needed() else contextlib.nullcontext
   with shim():
-    import torchax
-    # Loaded lazily by torchax's Environment; both name Dimname overloads.
-    import torchax.amp
-    import torchax.decompositions  # noqa: F401
+    yield
+
+
+def after_torchax_import(torchax) -> None:
+  """Right after torchax's `__init__` ran, still under the shims: the modules its
+  environment loads lazily (both name Dimname overloads), then torch's accelerator fix."""
+  import torchax.amp
+  import torchax.decompositions  # noqa: F401
+
+  keep_torch_accelerator_off_torchax(torchax)
+
+
+def keep_torch_accelerator_off_torchax(torchax) -> None:
+  """torchax renames torch's spare device backend to `jax` and registers a device module
+  that says it is available, so `torch.accelerator` reports a `jax` accelerator it cannot
+  query (no streams, no device index) and `torch.compile` of plain CPU code fails. The
+  module says unavailable instead; torchax never asks it (`torch.device("jax")` and its
+  tensors are unaffected)."""
+  torchax.device_module.is_available = lambda: False
+
+
+def import_torchax():
+  """Imports torchax (with the shims, through `torchax_import`) after torchvision."""
+  if "torchax" not in sys.modules:
+    import_torchvision_outside_torchax()
+  import torchax
+
+  keep_torch_accelerator_off_torchax(torchax)  # also where torchax came in before torch_on_tpu
   return torchax
 
 
@@ -143,6 +166,7 @@ INTERNAL_APIS = {
   "jax._src.interpreters.partial_eval.dce_jaxpr": "pruning a traced init to the outputs of one chunk",
   "jax._src.xla_bridge.backends_are_initialized": "whether XLA_FLAGS and a distributed join still apply",
   "jax._src.clusters.ClusterEnv": "the clusters jax.distributed would detect by itself",
+  "torchax.device_module.is_available": "kept False so torch.accelerator (and torch.compile) ignore torchax's backend",
 }
 
 def torchax_env():

@@ -1,0 +1,494 @@
+"""PyTorch's operator test database through the public API, op by op: exact, wrong, or refused.
+
+    .venv/bin/python tools/op_sweep.py                       # the whole op_db, table to stdout
+    .venv/bin/python tools/op_sweep.py --ops=linalg.eigh,norm --verbose
+    .venv/bin/python tools/op_sweep.py --json=runs/op_sweep.json --markdown=runs/op_sweep.md
+
+Every op of `torch.testing._internal.common_methods_invocations.op_db` with
+float32 CPU samples runs up to `--samples` of them (the first ones op_db
+generates under a fixed seed):
+
+- forward: the op inside a module's `forward`, called through `ShardedModule`
+  (one simulated device), against eager torch;
+- backward: the sample's differentiable tensors become the module's
+  parameters, the op is called as torch's gradient tests call it (its
+  `gradcheck_wrapper`, the outputs its sample's `output_process_fn_grad`
+  keeps), the loss is Σ out·w over the floating outputs (w fixed random), and
+  `TrainStep.gradients` is compared with torch's autograd.
+
+A sample is *exact* when every output has torch's shape, the same kind of
+dtype (bool / integer / floating / complex; jax's 32-bit integers stand in for
+int64) and values within ‖Δ‖/‖ref‖ ≤ 1e-5 (NaN and ±Inf where torch has them;
+an absolute floor of 1e-6·√n for outputs that are zero in torch; only shape
+and dtype for `empty` and its kin, whose values torch leaves unspecified), *wrong*
+when it runs and differs, *refused* when it raises `TorchOnTpuError` with a
+one-sentence message, and *error* for anything else. An op takes its worst
+sample (wrong, then error, then refused). Ops whose eager output changes with
+the seed (random ops) and samples eager torch itself rejects are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import json
+import math
+import re
+import signal
+import sys
+import time
+import traceback
+import warnings
+
+import numpy as np
+import torch
+
+TOLERANCE = 1e-5
+# Ops whose values torch leaves unspecified (uninitialised memory): shape and dtype are compared.
+UNSPECIFIED_VALUES = {"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"}
+VERDICTS = ("exact", "wrong", "refused", "error")
+Outcome = collections.namedtuple("Outcome", "verdict detail")
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--ops", default=None, help="comma-separated op names (name or name.variant); default all")
+  p.add_argument("--samples", type=int, default=3, help="samples per op")
+  p.add_argument("--modes", default="forward,backward")
+  p.add_argument("--timeout", type=int, default=120, help="seconds per sample before it counts as an error")
+  p.add_argument("--json", default=None, help="write every op's outcome here")
+  p.add_argument("--markdown", default=None, help="write the summary and the non-exact ops here")
+  p.add_argument("--verbose", action="store_true", help="print each op as it finishes")
+  return p.parse_args(argv)
+
+
+# ---- which ops -----------------------------------------------------------------------------
+
+
+def op_key(op) -> str:
+  return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+def float32_ops(names=None):
+  """op_db's ops with float32 CPU support, sorted by key; `names` keeps those named."""
+  from torch.testing._internal.common_methods_invocations import op_db
+
+  ops = sorted((o for o in op_db if torch.float32 in o.supported_dtypes("cpu")), key=op_key)
+  if names:
+    wanted = set(names)
+    ops = [o for o in ops if op_key(o) in wanted or o.name in wanted]
+  return ops
+
+
+def samples_of(op, count: int, requires_grad: bool):
+  torch.manual_seed(0)
+  out = []
+  for sample in op.sample_inputs("cpu", torch.float32, requires_grad=requires_grad):
+    out.append(sample)
+    if len(out) == count:
+      break
+  return out
+
+
+# ---- samples as tensors + structure --------------------------------------------------------
+
+
+def _flatten(sample):
+  leaves, spec = torch.utils._pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
+  return leaves, spec
+
+
+def _call(op, leaves, spec):
+  x, args, kwargs = torch.utils._pytree.tree_unflatten(list(leaves), spec)
+  return op(x, *args, **kwargs)
+
+
+def _call_for_grad(op, leaves, spec, sample):
+  """As torch's own gradient tests call an op: through its `gradcheck_wrapper` (which
+  makes a Hermitian or triangular input of a general one), keeping the outputs its
+  sample's `output_process_fn_grad` selects."""
+  x, args, kwargs = torch.utils._pytree.tree_unflatten(list(leaves), spec)
+  return sample.output_process_fn_grad(op.gradcheck_wrapper(op, x, *args, **kwargs))
+
+
+def _clone(leaves):
+  return [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
+
+
+def _output_tensors(out):
+  leaves, _ = torch.utils._pytree.tree_flatten(out)
+  return leaves
+
+
+def _kind(dtype) -> str:
+  if dtype == torch.bool:
+    return "bool"
+  if dtype.is_complex:
+    return "complex"
+  if dtype.is_floating_point:
+    return "floating"
+  return "integer"
+
+
+def compare(got, want, values=True) -> str | None:
+  """None when `got` matches eager's `want` (see the module docstring), else what differs."""
+  got_leaves, want_leaves = _output_tensors(got), _output_tensors(want)
+  if len(got_leaves) != len(want_leaves):
+    return f"{len(got_leaves)} outputs, torch has {len(want_leaves)}"
+  for i, (g, w) in enumerate(zip(got_leaves, want_leaves)):
+    if not isinstance(w, torch.Tensor):
+      if isinstance(g, torch.Tensor):
+        g = g.cpu().item() if g.numel() == 1 else g
+      if isinstance(w, float) and isinstance(g, (int, float)) and math.isclose(g, w, rel_tol=TOLERANCE):
+        continue
+      if g != w:
+        return f"output {i}: {g!r}, torch {w!r}"
+      continue
+    if not isinstance(g, torch.Tensor):
+      return f"output {i}: a {type(g).__name__}, torch a tensor"
+    g = g.detach().cpu()
+    w = w.detach()
+    if tuple(g.shape) != tuple(w.shape):
+      return f"output {i}: shape {tuple(g.shape)}, torch {tuple(w.shape)}"
+    if _kind(g.dtype) != _kind(w.dtype):
+      return f"output {i}: dtype {g.dtype}, torch {w.dtype}"
+    problem = _value_difference(g, w) if values else None
+    if problem:
+      return f"output {i}: {problem}"
+  return None
+
+
+def _value_difference(g: torch.Tensor, w: torch.Tensor) -> str | None:
+  if w.numel() == 0:
+    return None
+  if _kind(w.dtype) in ("bool", "integer"):
+    mismatched = int((g.to(torch.int64) != w.to(torch.int64)).sum())
+    return f"{mismatched} of {w.numel()} values differ" if mismatched else None
+  g64 = g.to(torch.complex128 if w.is_complex() else torch.float64)
+  w64 = w.to(g64.dtype)
+  for name, test in (("NaN", torch.isnan), ("+Inf", torch.isposinf), ("-Inf", torch.isneginf)):
+    gm, wm = test(g64.real if w.is_complex() else g64), test(w64.real if w.is_complex() else w64)
+    if not torch.equal(gm, wm):
+      return f"{name} at {int((gm != wm).sum())} positions where torch differs"
+  finite = torch.isfinite(w64.real if w.is_complex() else w64)
+  if w.is_complex():
+    finite &= torch.isfinite(w64.imag)
+  delta = (g64 - w64)[finite]
+  ref = w64[finite]
+  err = float(torch.linalg.vector_norm(delta))
+  norm = float(torch.linalg.vector_norm(ref))
+  if math.isnan(err):
+    return "NaN where torch is finite"
+  if err <= TOLERANCE * norm or err <= 1e-6 * math.sqrt(max(ref.numel(), 1)) * (norm == 0 or norm < 1e-6):
+    return None
+  return f"rel err {err / norm:.2e}" if norm else f"abs err {err:.2e} (torch 0)"
+
+
+def is_random(op, sample) -> bool:
+  """The eager output depends on the global seed (bernoulli, dropout, rand_like, ...)."""
+  leaves, spec = _flatten(sample)
+  outs = []
+  for seed in (1, 2):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+      outs.append(_call(op, _clone(leaves), spec))
+  return compare(*outs) is not None
+
+
+# ---- through the bridge -------------------------------------------------------------------
+
+
+class _Forward(torch.nn.Module):
+  """The op on a sample whose tensors arrive as arguments."""
+
+  def __init__(self, op, spec, statics):
+    super().__init__()
+    self.op, self.spec, self.statics = op, spec, statics
+
+  def forward(self, *tensors):
+    it = iter(tensors)
+    leaves = [next(it) if s is _TENSOR else s for s in self.statics]
+    return _call(self.op, leaves, self.spec)
+
+
+class _WithParams(torch.nn.Module):
+  """The op on a sample whose differentiable tensors are this module's parameters."""
+
+  def __init__(self, op, spec, sample, leaves, trained):
+    super().__init__()
+    self.op, self.spec, self.sample = op, spec, sample
+    self.slots = []  # per leaf: ("p", name) | ("in", k) | ("static", value)
+    inputs = 0
+    for i, x in enumerate(leaves):
+      if i in trained:
+        self.register_parameter(f"p{i}", torch.nn.Parameter(x.detach().clone()))
+        self.slots.append(("p", f"p{i}"))
+      elif isinstance(x, torch.Tensor):
+        self.slots.append(("in", inputs))
+        inputs += 1
+      else:
+        self.slots.append(("static", x))
+
+  def forward(self, *tensors):
+    leaves = [
+      getattr(self, v) if k == "p" else tensors[v] if k == "in" else v for k, v in self.slots
+    ]
+    return _call_for_grad(self.op, leaves, self.spec, self.sample)
+
+
+class _Tensor:
+  pass
+
+
+_TENSOR = _Tensor()
+
+
+def _weights_for(outputs, seed=0):
+  gen = torch.Generator().manual_seed(seed)
+  return [
+    torch.randn(o.shape, generator=gen, dtype=o.dtype) if _differentiable_output(o) else None
+    for o in _output_tensors(outputs)
+  ]
+
+
+def _differentiable_output(o) -> bool:
+  return isinstance(o, torch.Tensor) and o.dtype.is_floating_point
+
+
+def weighted_sum(outputs, weights):
+  """Σ out·w over the floating outputs (the loss both sides differentiate)."""
+  total = None
+  for o, w in zip(_output_tensors(outputs), weights):
+    if w is None or not isinstance(o, torch.Tensor):
+      continue
+    term = (o * w).sum()
+    total = term if total is None else total + term
+  return total
+
+
+class Bridge:
+  """The public API on one simulated device: what a user would call."""
+
+  def __init__(self):
+    import optax
+
+    import torch_on_tpu as tot
+
+    self.tot = tot
+    self.optax = optax
+    devices = __import__("jax").devices()[:1]
+    self.mesh = tot.make_mesh(devices, fsdp=1)
+
+  def forward(self, op, leaves, spec):
+    statics = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+    tensors = [x.detach().clone() for x in leaves if isinstance(x, torch.Tensor)]
+    jm = self.tot.ShardedModule(_Forward(op, spec, statics), mesh=self.mesh, sharding="replicated")
+    out = jm(*tensors)
+    return self.tot.to_cpu(out)
+
+  def gradients(self, op, sample, leaves, spec, trained, weights):
+    module = _WithParams(op, spec, sample, leaves, trained)
+    inputs = tuple(x.detach().clone() for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and i not in trained)
+    jm = self.tot.ShardedModule(module, mesh=self.mesh, sharding="replicated")
+    labels = [None if w is None else w.numpy() for w in weights]
+
+    def loss_fn(outputs, labels):
+      from torchax.interop import torch_view
+
+      ws = [None if w is None else torch_view(w) for w in labels]
+      return weighted_sum(outputs, ws)
+
+    step = self.tot.make_train_step(jm, loss_fn, self.optax.sgd(0.0))
+    _, grads = step.gradients(inputs, labels)
+    return {int(k[1:]): torch.from_numpy(np.array(v)) for k, v in grads.items()}
+
+
+# ---- one op --------------------------------------------------------------------------------
+
+
+class _Timeout(Exception):
+  pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds):
+  def fire(*_):
+    raise _Timeout(f"took over {seconds} s")
+
+  old = signal.signal(signal.SIGALRM, fire)
+  signal.alarm(seconds)
+  try:
+    yield
+  finally:
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def _error_outcome(e: BaseException) -> Outcome:
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  refused = e
+  while refused is not None and not isinstance(refused, TorchOnTpuError):
+    refused = refused.__cause__ or refused.__context__
+  if refused is not None:
+    message = str(refused)
+    if "\n" in message.strip() or not message.rstrip().endswith((".", ")")):
+      return Outcome("error", f"TorchOnTpuError not one sentence: {message[:300]!r}")
+    return Outcome("refused", message)
+  first = (str(e).strip().splitlines() or [""])[0]
+  return Outcome("error", f"{type(e).__name__}: {first[:300]}")
+
+
+def run_forward(bridge, op, sample, timeout) -> Outcome | None:
+  leaves, spec = _flatten(sample)
+  try:
+    torch.manual_seed(0)
+    with torch.no_grad():
+      want = _call(op, _clone(leaves), spec)
+  except Exception:  # noqa: BLE001 (a sample eager torch rejects is not ours to judge)
+    return None
+  try:
+    with _time_limit(timeout), warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      got = bridge.forward(op, _clone(leaves), spec)
+  except Exception as e:  # noqa: BLE001
+    return _error_outcome(e)
+  problem = compare(got, want, values=op.name not in UNSPECIFIED_VALUES)
+  return Outcome("wrong", problem) if problem else Outcome("exact", "")
+
+
+def run_backward(bridge, op, sample, timeout) -> Outcome | None:
+  leaves, spec = _flatten(sample)
+  trained = {
+    i for i, x in enumerate(leaves)
+    if isinstance(x, torch.Tensor) and x.requires_grad and x.dtype.is_floating_point
+  }
+  if not trained:
+    return None
+  try:
+    params = [x.detach().clone().requires_grad_(i in trained) if isinstance(x, torch.Tensor) else x for i, x in enumerate(leaves)]
+    torch.manual_seed(0)
+    out = _call_for_grad(op, params, spec, sample)
+    weights = _weights_for(out)
+    loss = weighted_sum(out, weights)
+    if loss is None or not loss.requires_grad:
+      return None
+    order = sorted(trained)
+    grads = torch.autograd.grad(loss, [params[i] for i in order], allow_unused=True)
+    want = [torch.zeros_like(params[i]) if g is None else g for i, g in zip(order, grads)]
+  except Exception:  # noqa: BLE001
+    return None
+  try:
+    with _time_limit(timeout), warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      got = bridge.gradients(op, sample, _clone(leaves), spec, trained, weights)
+  except Exception as e:  # noqa: BLE001
+    return _error_outcome(e)
+  problem = compare([got[i] for i in order], want)
+  return Outcome("wrong", problem) if problem else Outcome("exact", "")
+
+
+def worst(outcomes: list[Outcome]) -> Outcome:
+  for verdict in ("wrong", "error", "refused"):
+    for o in outcomes:
+      if o.verdict == verdict:
+        return o
+  return outcomes[0]
+
+
+def sweep_op(bridge, op, modes, samples=3, timeout=120) -> dict:
+  """{mode: Outcome or None (nothing to judge)} for one op."""
+  result = {}
+  forward_samples = samples_of(op, samples, requires_grad=False)
+  if forward_samples and is_random(op, forward_samples[0]):
+    return {"random": True}
+  runners = {"forward": (run_forward, False), "backward": (run_backward, True)}
+  for mode in modes:
+    if mode == "backward" and not op.supports_autograd:
+      result[mode] = None
+      continue
+    runner, grad = runners[mode]
+    outcomes = []
+    for sample in forward_samples if not grad else samples_of(op, samples, requires_grad=True):
+      try:
+        outcome = runner(bridge, op, sample, timeout)
+      except Exception as e:  # noqa: BLE001 (a fault of the sweep itself is an error, not a crash)
+        outcome = Outcome("error", f"sweep: {type(e).__name__}: {e}"[:300])
+      if outcome is not None:
+        outcomes.append(outcome)
+    result[mode] = worst(outcomes) if outcomes else None
+  return result
+
+
+# ---- the table -----------------------------------------------------------------------------
+
+
+def summarize(results: dict, modes) -> dict:
+  counts = {}
+  for mode in modes:
+    c = collections.Counter(r[mode].verdict for r in results.values() if r.get(mode))
+    counts[mode] = {v: c.get(v, 0) for v in VERDICTS} | {"ops": sum(c.values())}
+  return counts
+
+
+def markdown(results: dict, modes, counts, seconds) -> str:
+  lines = [
+    f"op_db float32, up to 3 samples per op, {time.strftime('%Y-%m-%d')}, {seconds:.0f} s "
+    f"(`python tools/op_sweep.py`)",
+    "",
+    "| | ops | exact | silently wrong | refused (one sentence) | other error |",
+    "|---|---|---|---|---|---|",
+  ]
+  for mode in modes:
+    c = counts[mode]
+    lines.append(f"| {mode} | {c['ops']} | {c['exact']} | {c['wrong']} | {c['refused']} | {c['error']} |")
+  for mode in modes:
+    lines += ["", f"### {mode}: not exact", ""]
+    for name, r in sorted(results.items()):
+      o = r.get(mode)
+      if o and o.verdict != "exact":
+        lines.append(f"- `{name}` {o.verdict}: {o.detail}")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  modes = [m for m in args.modes.split(",") if m]
+  from torch_on_tpu import xla_flags
+
+  xla_flags.simulate_cpu_devices(1, replace=False)
+  bridge = Bridge()
+  ops = float32_ops(args.ops.split(",") if args.ops else None)
+  results = {}
+  start = time.perf_counter()
+  for i, op in enumerate(ops):
+    key = op_key(op)
+    t0 = time.perf_counter()
+    try:
+      results[key] = sweep_op(bridge, op, modes, args.samples, args.timeout)
+    except Exception as e:  # noqa: BLE001 (sample generation itself failed)
+      results[key] = {"skipped": f"{type(e).__name__}: {e}"[:200]}
+    if args.verbose:
+      r = results[key]
+      shown = ", ".join(f"{m}={r[m].verdict}: {r[m].detail[:160]}" for m in modes if r.get(m))
+      print(f"[{i + 1}/{len(ops)}] {key} ({time.perf_counter() - t0:.1f}s) {shown or r}", flush=True)
+  seconds = time.perf_counter() - start
+  counts = summarize(results, modes)
+  text = markdown(results, modes, counts, seconds)
+  print(text)
+  if args.markdown:
+    with open(args.markdown, "w") as f:
+      f.write(text)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(
+        {k: {m: (v._asdict() if isinstance(v, Outcome) else v) for m, v in r.items()} for k, r in results.items()},
+        f, indent=1,
+      )
+  return counts
+
+
+if __name__ == "__main__":
+  main()
