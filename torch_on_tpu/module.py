@@ -221,7 +221,7 @@ class ShardedModule:
     # `env.override_property(prng=key)` around the call for per-step randomness).
     kwargs = {**self.family.call_defaults(self.module, layer_stack=bool(self._layout)), **kwargs}
     with env, env.override_property(prng=env.param.prng):
-      with self._activation_constraints(), self._attention_kernels(), lowerings.cpu_linear(self.mesh):
+      with self._activation_constraints(), self._attention_kernels(), lowerings.cpu_linear(self.mesh), lowerings.made_on_device():
         with _compat.reparametrized(self.module, tensors), _running_wrapped():
           out = self.module(*args, **kwargs)
           after = {n: jax_view(self.module.get_buffer(n)) for n in before}

@@ -78,7 +78,7 @@ import optax
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
-from torch_on_tpu import _compat, losses, op_table
+from torch_on_tpu import _compat, losses, lowerings, op_table
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu import sharding as sharding_lib
 from torch_on_tpu.errors import TorchOnTpuError
@@ -474,7 +474,7 @@ class TrainStep:
     upcasts = losses.Upcasts()
     with env, env.override_property(prng=rng), losses.installed(self.model, upcasts):
       outputs, changed = call_model(self.model, params, buffers, inputs)
-      with upcasts:  # the loss sees fp32 outputs; the chunked head reads their bf16 source
+      with upcasts, lowerings.made_on_device():  # the loss sees fp32 outputs; the chunked head reads their bf16 source
         loss = self.loss_fn(upcasts.to_fp32(outputs), _torch_tree(labels))
     if not isinstance(loss, torch.Tensor):
       raise TorchOnTpuError(

@@ -4,17 +4,25 @@ One module per concern:
 
 - `model_ops`: what model code and training need (in-place inits, `normal_`,
   split, embedding / embedding bag, `_grouped_mm`, batch norm's running
-  statistics, `take_along_dim`, the CPU `F.linear`, `.cpu()` / `.item()`).
+  statistics, `take_along_dim`, the CPU `F.linear`, `.cpu()` / `.item()`);
+- `torch_semantics`: ops torchax lowers unlike torch (special functions, norms,
+  Hermitian linear algebra, saved statistics' gradients), found by
+  `tools/op_sweep.py`;
+- `factories`: tensors traced code makes on the CPU are made on the device
+  (`made_on_device`, entered per trace).
 """
 
 from __future__ import annotations
 
-from torch_on_tpu.lowerings import model_ops
+from torch_on_tpu.lowerings import factories, model_ops, torch_semantics
+from torch_on_tpu.lowerings.factories import made_on_device
 from torch_on_tpu.lowerings.model_ops import cpu_linear
 
-__all__ = ["cpu_linear", "register"]
+__all__ = ["cpu_linear", "made_on_device", "register"]
 
 
 def register(env) -> list[str]:
   """Registers every group into `env`; returns the in-place ops added."""
+  factories.register(env)
+  torch_semantics.register(env)
   return model_ops.register(env)

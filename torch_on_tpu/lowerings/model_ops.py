@@ -59,6 +59,7 @@ import torch
 from torch_on_tpu import _compat, host, op_table, ragged
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.lowerings import factories
 
 torchax = _compat.import_torchax()
 import jax  # noqa: E402
@@ -278,7 +279,16 @@ def _batch_norm(input, weight, bias, running_mean, running_var, training=False, 
     for stat, batch in ((running_mean, mean), (running_var, unbiased)):
       old = stat.jax()
       _compat.set_array(stat, ((1 - momentum) * old + momentum * batch).astype(old.dtype))
+  # the saved mean and inverse deviation carry no gradient in torch's autograd
+  out = (out[0], *(None if o is None else jax.lax.stop_gradient(o) for o in out[1:]))
   return tuple(torch_view(o) for o in out)
+
+
+def _batch_norm_with_update(input, weight, bias, running_mean, running_var, momentum, eps):
+  """`aten._batch_norm_with_update` (what `F.batch_norm` in training reaches through export
+  paths): the training batch norm above, and an empty reserve as on CPU."""
+  out, mean, rstd = _batch_norm(input, weight, bias, running_mean, running_var, True, momentum, eps)
+  return out, mean, rstd, torch_view(jnp.zeros((0,), jnp.uint8))
 
 
 def register(env) -> list[str]:
@@ -301,6 +311,8 @@ def register(env) -> list[str]:
     _register_jax_lowering(env, function, _take_along_dim)
   for packet in (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default):
     _compat.set_op(env, packet, _compat.make_operator(packet, _batch_norm, jax_function=False))
+  packet = torch.ops.aten._batch_norm_with_update.default
+  _compat.set_op(env, packet, _compat.make_operator(packet, _batch_norm_with_update, jax_function=False))
   TorchaxTensor.cpu = _to_host
   TorchaxTensor.item = _item
   TorchaxTensor.__float__ = lambda self: float(_item(self))
@@ -318,5 +330,8 @@ def _item(self):
 
 
 def _to_host(self, *args, **kwargs):
-  """`.cpu()` on a jax-backed tensor outside torchax's environment: a plain CPU copy."""
+  """`.cpu()` on a jax-backed tensor: a plain CPU copy, except in traced model code,
+  where the CPU means the device (`factories`)."""
+  if factories.cpu_means_device():
+    return self
   return host.to_cpu(self)
