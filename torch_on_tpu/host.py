@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from jax.sharding import NamedSharding
 
-from torch_on_tpu import _compat
+from torch_on_tpu import _compat, device_checks
 
 torchax = _compat.import_torchax()
 from torchax.tensor import Tensor as TorchaxTensor  # noqa: E402
@@ -39,6 +39,7 @@ def to_cpu(tree):
 
   def convert(x):
     if isinstance(x, TorchaxTensor):
+      device_checks.raise_pending(x)  # a failed index check of the program that made it
       x = x.jax()
     if isinstance(x, jax.Array):
       host = np.asarray(jax.device_get(x))

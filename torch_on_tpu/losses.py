@@ -28,7 +28,7 @@ import functools
 import torch
 from torch.overrides import TorchFunctionMode
 
-from torch_on_tpu import _compat, op_table
+from torch_on_tpu import _compat, device_checks, op_table
 
 torchax = _compat.import_torchax()
 import jax  # noqa: E402
@@ -142,6 +142,10 @@ def cross_entropy(
       input, target, weight, size_average, reduce, reduction, ignore_index, label_smoothing
     )
   rows = input.shape[0]
+  classes = input.shape[1]
+  device_checks.index_in_range(
+    jax_view(target), classes, what=f"cross_entropy as a target (logits of {classes} classes)", allowed=int(ignore_index)
+  )
   low = upcasts.source(input)
   loss = chunked_cross_entropy(
     jax_view(input if low is None else low), jax_view(target), ignore_index=int(ignore_index), reduction=reduction,

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding
 
-from torch_on_tpu import _compat, host, lowerings, materialize, models, module_state, op_table, runtime, xla_flags
+from torch_on_tpu import _compat, device_checks, host, lowerings, materialize, models, module_state, op_table, runtime, xla_flags
 from torch_on_tpu import attention as attention_lib
 from torch_on_tpu import scan as scan_lib
 from torch_on_tpu import mesh as mesh_lib
@@ -262,12 +262,24 @@ class ShardedModule:
       entry = self._compiled[key] = self._build_forward(treedef, is_tensor, statics)
     jitted, out_spec = entry
     self._rng, rng = jax.random.split(self._rng)
-    out_leaves, changed = jitted(self.params, self.buffers, dynamic, rng)
-    self.buffers.update(changed)
-    return _unflatten_output(out_spec, out_leaves)
+    out_leaves, changed, error = jitted(self.params, self.buffers, dynamic, rng)
+    self.buffers.update(changed)  # unchanged where an index check failed
+    outputs = _unflatten_output(out_spec, out_leaves)
+    if jax.tree.leaves(error):
+      flat = _compat.torch_pytree.tree_leaves(outputs)
+      device_checks.attach([t for t in flat if isinstance(t, torch.Tensor)], device_checks.Pending(error))
+    return outputs
 
   def _build_forward(self, treedef, is_tensor, statics):
     out_spec = {}
+
+    def checked_forward(params, buffers, dynamic, rng):
+      # Index checks (device_checks) ride along; a failed one keeps the buffers as they were
+      # and is raised when an output is read.
+      with device_checks.checking():
+        error, (outs, changed) = device_checks.checked(forward)(params, buffers, dynamic, rng)
+      changed = device_checks.keep_if_ok(error, changed, {n: buffers[n] for n in changed})
+      return outs, changed, error
 
     def forward(params, buffers, dynamic, rng):
       it = iter(dynamic)
@@ -283,7 +295,7 @@ class ShardedModule:
       out_spec["statics"] = [None if isinstance(x, torch.Tensor) else x for x in flat]
       return [jax_view(x) for x in flat if isinstance(x, torch.Tensor)], changed
 
-    return jax.jit(forward, compiler_options=self.compile_options), out_spec
+    return jax.jit(checked_forward, compiler_options=self.compile_options), out_spec
 
   @contextlib.contextmanager
   def _activation_constraints(self):

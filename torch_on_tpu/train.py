@@ -78,7 +78,7 @@ import optax
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
-from torch_on_tpu import _compat, losses, lowerings, op_table
+from torch_on_tpu import _compat, device_checks, losses, lowerings, op_table
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu import sharding as sharding_lib
 from torch_on_tpu.errors import TorchOnTpuError
@@ -295,6 +295,7 @@ class TrainStep:
     self._signature = None  # the signature the last step ran with
     self._eval_fns: dict = {}
     self._gradient_fns: dict = {}
+    self._pending: device_checks.Pending | None = None  # the last step's index checks, unread
 
   # ---- running ----------------------------------------------------------------------
 
@@ -307,10 +308,11 @@ class TrainStep:
         "This train step's model is abstract (ShardedModule(..., abstract=True)); it can "
         "only .compile(); build the model without abstract=True to train."
       )
+    self._raise_failed_check()  # the previous step's, before another update is applied
     leaves, static = self._split_batch(self._place((inputs, labels)))
     compiled = self._executable(leaves, static)
     trained, frozen = self._split(self.model.params)
-    loss, trained, opt_state, metrics, changed = compiled(
+    loss, trained, opt_state, metrics, changed, error = compiled(
       trained, frozen, self.model.buffers, self.opt_state, leaves, self.rng, np.int32(self.step_count)
     )
     self.model.params.update(trained)
@@ -318,7 +320,22 @@ class TrainStep:
     self.opt_state = opt_state
     self.metrics = metrics
     self.step_count += 1
-    return torch_view(loss)
+    loss = torch_view(loss)
+    if jax.tree.leaves(error):
+      self._pending = device_checks.Pending(
+        error, prefix=f"step {self.step_count - 1} was not applied: ", on_failure=self._undo_step_count
+      )
+      device_checks.attach([loss], self._pending)
+    return loss
+
+  def _raise_failed_check(self) -> None:
+    """Raises a failed index check of the last step (whose update the program did not apply)."""
+    pending, self._pending = self._pending, None
+    if pending is not None:
+      pending.raise_if_failed()
+
+  def _undo_step_count(self) -> None:
+    self.step_count -= 1
 
   def compile(self, inputs, labels) -> CompileReport:
     """Lowers and compiles the step for these inputs ahead of time.
@@ -337,10 +354,12 @@ class TrainStep:
     if fn is None:
       fn = self._eval_fns[static] = jax.jit(
         functools.partial(self._eval_flat, static),
-        out_shardings=self._replicated,
+        out_shardings=(self._replicated, self._replicated),
         compiler_options=self.model.compile_options,
       )
-    return torch_view(fn(self.model.params, self.model.buffers, leaves))
+    loss, error = fn(self.model.params, self.model.buffers, leaves)
+    device_checks.Pending(error).raise_if_failed()
+    return torch_view(loss)
 
   def gradients(self, inputs, labels) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The loss and the gradients the next step would apply (before clipping), keyed
@@ -352,16 +371,19 @@ class TrainStep:
       trained_shardings, _ = self._split(self.model.param_shardings)
       fn = self._gradient_fns[static] = jax.jit(
         functools.partial(self._gradients_flat, static),
-        out_shardings=(self._replicated, trained_shardings),
+        out_shardings=(self._replicated, trained_shardings, self._replicated),
         compiler_options=self.model.compile_options,
       )
     trained, frozen = self._split(self.model.params)
-    return fn(trained, frozen, self.model.buffers, leaves, self.rng, np.int32(self.step_count))
+    loss, grads, error = fn(trained, frozen, self.model.buffers, leaves, self.rng, np.int32(self.step_count))
+    device_checks.Pending(error).raise_if_failed()
+    return loss, grads
 
   def _gradients_flat(self, static, params, frozen, buffers, leaves, rng, step):
     inputs, labels = _merge_batch(leaves, static)
-    (loss, _), grads = self._loss_and_grads(params, frozen, buffers, inputs, labels, jax.random.fold_in(rng, step))
-    return loss, grads
+    with device_checks.checking():
+      (loss, _, error), grads = self._loss_and_grads(params, frozen, buffers, inputs, labels, jax.random.fold_in(rng, step))
+    return loss, grads, error
 
   def _eval_flat(self, static, params, buffers, leaves):
     inputs, labels = _merge_batch(leaves, static)
@@ -369,7 +391,9 @@ class TrainStep:
     was_training = module.training
     module.eval()  # traced once: dropout and friends off in this program
     try:
-      return self._loss(params, buffers, inputs, labels, jax.random.PRNGKey(0))[0]
+      with device_checks.checking():
+        error, (loss, _) = device_checks.checked(self._loss)(params, buffers, inputs, labels, jax.random.PRNGKey(0))
+      return loss, error
     finally:
       module.train(was_training)
 
@@ -385,13 +409,14 @@ class TrainStep:
     """
     rng = jax.random.PRNGKey(0) if rng is None else rng
     trained, frozen = self._split(params)
-    loss, trained, opt_state, metrics, changed = self._update(trained, frozen, buffers, opt_state, inputs, labels, rng)
+    with device_checks.checking():
+      loss, trained, opt_state, metrics, changed, _ = self._update(trained, frozen, buffers, opt_state, inputs, labels, rng)
     return loss, {**params, **trained}, {**buffers, **changed}, opt_state, metrics
 
   def _update(self, params, frozen, buffers, opt_state, inputs, labels, rng):
     """`pure` on the trained params alone; `frozen` only feeds the forward; returns
     the buffers the forward changed rather than all of them."""
-    (loss, changed), grads = self._loss_and_grads(params, frozen, buffers, inputs, labels, rng)
+    (loss, changed, error), grads = self._loss_and_grads(params, frozen, buffers, inputs, labels, rng)
     grad_norm = optax.global_norm(grads)
     if self.clip_norm is not None:
       scale = jnp.minimum(1.0, self.clip_norm / (grad_norm + 1e-6))
@@ -403,20 +428,26 @@ class TrainStep:
     new_opt_state = jax.tree.map(lambda new, old: jnp.asarray(new).astype(old.dtype), new_opt_state, opt_state)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite((new_params, new_opt_state))
     metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
+    # A failed index check (device_checks) leaves the state as it was; so does a
+    # nonfinite step with skip_nonfinite. The selects fuse into the update's own loops.
+    apply = ~device_checks.failed(error)
     if self.skip_nonfinite:
-      keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+      apply = apply & finite
+      metrics["skipped"] = metrics["nonfinite"]
+    if self.skip_nonfinite or jax.tree.leaves(error):
+      keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731
       new_params = jax.tree.map(keep, new_params, params)
       new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
       changed = {k: keep(v, buffers[k]) for k, v in changed.items()}  # running stats too
-      metrics["skipped"] = metrics["nonfinite"]
     lr = self._learning_rate(new_opt_state, opt_state)
     if lr is not None:
       metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
-    return loss, new_params, new_opt_state, metrics, changed
+    return loss, new_params, new_opt_state, metrics, changed, error
 
   def _flat_step(self, static, params, frozen, buffers, opt_state, leaves, rng, step):
     inputs, labels = _merge_batch(leaves, static)
-    return self._update(params, frozen, buffers, opt_state, inputs, labels, jax.random.fold_in(rng, step))
+    with device_checks.checking():
+      return self._update(params, frozen, buffers, opt_state, inputs, labels, jax.random.fold_in(rng, step))
 
   def _split(self, tree: dict) -> tuple[dict, dict]:
     """A dict keyed like `model.params` → (trained entries, frozen entries)."""
@@ -427,9 +458,14 @@ class TrainStep:
     def loss_fn(params, frozen, buffers, inputs, labels, rng):
       return self._loss({**frozen, **params}, buffers, inputs, labels, rng)
 
-    value_and_grad = jax.value_and_grad(remat_lib.checkpoint(loss_fn, self.forward_remat), has_aux=True)
+    # checkify outside the differentiation (inside, jax 0.10 hands custom VJPs the wrong
+    # residuals); checks inside a scan that is differentiated are then not made.
+    value_and_grad = device_checks.checked(
+      jax.value_and_grad(remat_lib.checkpoint(loss_fn, self.forward_remat), has_aux=True)
+    )
     if self.grad_accum == 1:
-      return value_and_grad(params, frozen, buffers, inputs, labels, rng)
+      error, ((loss, changed), grads) = value_and_grad(params, frozen, buffers, inputs, labels, rng)
+      return (loss, changed, error), grads
 
     leaves, static = self._split_batch((inputs, labels))
     micro = [self._microbatches(x, i, static) for i, x in enumerate(leaves)]
@@ -444,15 +480,18 @@ class TrainStep:
       index, micro_leaves = xs
       mi, ml = _merge_batch(micro_leaves, static)
       loss_sum, grad_sum, now = carry
-      (loss, changed), grads = value_and_grad(params, frozen, now, mi, ml, jax.random.fold_in(rng, index))
+      error, ((loss, changed), grads) = value_and_grad(params, frozen, now, mi, ml, jax.random.fold_in(rng, index))
       changed_names.update(changed)
       grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
-      return (loss_sum + loss, grad_sum, {**now, **changed}), None
+      return (loss_sum + loss, grad_sum, {**now, **changed}), error
 
     init = (jnp.zeros((), jnp.float32), zeros, dict(buffers))
-    (loss_sum, grad_sum, final), _ = jax.lax.scan(accumulate, init, (jnp.arange(self.grad_accum), micro))
+    (loss_sum, grad_sum, final), errors = jax.lax.scan(accumulate, init, (jnp.arange(self.grad_accum), micro))
+    # the first microbatch whose check failed (or the first, when none did) speaks for the step
+    first = jnp.argmax(jnp.stack([device_checks.failed(jax.tree.map(lambda e, i=i: e[i], errors)) for i in range(self.grad_accum)]))
+    error = jax.tree.map(lambda e: e[first], errors)
     grads = jax.tree.map(lambda g, p: (g / self.grad_accum).astype(p.dtype), grad_sum, params)
-    return (loss_sum / self.grad_accum, {n: final[n] for n in changed_names}), grads
+    return (loss_sum / self.grad_accum, {n: final[n] for n in changed_names}, error), grads
 
   def _microbatches(self, x, index, static):
     """(B, ...) → (k, B/k, ...), microbatch i holding rows i, i+k, i+2k, ..."""
@@ -528,7 +567,7 @@ class TrainStep:
         self._replicated,
       ),
       # Changed buffers: constrained to their own shardings inside the step.
-      out_shardings=(self._replicated, trained_shardings, self.opt_state_shardings, self._replicated, None),
+      out_shardings=(self._replicated, trained_shardings, self.opt_state_shardings, self._replicated, None, self._replicated),
       donate_argnums=(0, 3) if self.donate else (),
     )
     start = time.perf_counter()
@@ -614,6 +653,7 @@ class TrainStep:
 
   @property
   def state(self) -> TrainState:
+    self._raise_failed_check()
     return TrainState(
       params=dict(self.model.params),
       buffers=dict(self.model.buffers),

@@ -8,13 +8,15 @@ One module per concern:
 - `torch_semantics`: ops torchax lowers unlike torch (special functions, norms,
   Hermitian linear algebra, saved statistics' gradients), found by
   `tools/op_sweep.py`;
+- `index_checks`: torchax's index reads with torch's range check
+  (`device_checks`; the embedding and cross-entropy lowerings check their own);
 - `factories`: tensors traced code makes on the CPU are made on the device
   (`made_on_device`, entered per trace).
 """
 
 from __future__ import annotations
 
-from torch_on_tpu.lowerings import factories, model_ops, torch_semantics
+from torch_on_tpu.lowerings import factories, index_checks, model_ops, torch_semantics
 from torch_on_tpu.lowerings.factories import made_on_device
 from torch_on_tpu.lowerings.model_ops import cpu_linear
 
@@ -25,4 +27,5 @@ def register(env) -> list[str]:
   """Registers every group into `env`; returns the in-place ops added."""
   factories.register(env)
   torch_semantics.register(env)
+  index_checks.register(env)
   return model_ops.register(env)

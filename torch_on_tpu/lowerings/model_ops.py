@@ -56,7 +56,7 @@ import contextlib
 import numpy as np
 import torch
 
-from torch_on_tpu import _compat, host, op_table, ragged
+from torch_on_tpu import _compat, device_checks, host, op_table, ragged
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.lowerings import factories
@@ -133,7 +133,9 @@ def _scale_gradient_jvp(primals, tangents):
 
 
 def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-  """torch's `aten.embedding`: rows of `weight`; pad ids get no gradient."""
+  """torch's `aten.embedding`: rows of `weight`; pad ids get no gradient; an id past the
+  table raises (`device_checks`)."""
+  device_checks.index_in_range(indices, weight.shape[0], what=f"embedding (a table of {weight.shape[0]} rows)")
   rows = jnp.take(weight, indices, axis=0)
   if padding_idx is not None and padding_idx >= 0:
     keep = (indices != padding_idx)[..., None]
@@ -196,6 +198,8 @@ def _embedding_bag(
 
 
 def _take_along_dim(x, indices, dim=None):
+  size = x.size if dim is None else x.shape[dim]
+  device_checks.index_in_range(indices, size, what=f"take_along_dim (a dimension of size {size})")
   if dim is None:
     return jnp.take_along_axis(x.reshape(-1), indices.reshape(-1), axis=0)
   return jnp.take_along_axis(x, indices, axis=dim)
@@ -325,7 +329,9 @@ def register(env) -> list[str]:
 
 
 def _item(self):
-  """`.item()` on a jax-backed tensor, inside torchax's environment or not."""
+  """`.item()` on a jax-backed tensor, inside torchax's environment or not (a failed
+  index check of the program that made it is raised first)."""
+  device_checks.raise_pending(self)
   return np.asarray(jax.device_get(self.jax())).item()
 
 
@@ -334,4 +340,5 @@ def _to_host(self, *args, **kwargs):
   where the CPU means the device (`factories`)."""
   if factories.cpu_means_device():
     return self
+  device_checks.raise_pending(self)
   return host.to_cpu(self)
