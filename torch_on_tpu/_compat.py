@@ -167,7 +167,6 @@ INTERNAL_APIS = {
   "jax._src.xla_bridge.backends_are_initialized": "whether XLA_FLAGS and a distributed join still apply",
   "jax._src.clusters.ClusterEnv": "the clusters jax.distributed would detect by itself",
   "torchax.device_module.is_available": "kept False so torch.accelerator (and torch.compile) ignore torchax's backend",
-  "jax.experimental.checkify.Error": "its boolean leaves (did a check fail, inside the program) and get()'s message format",
 }
 
 def torchax_env():
@@ -301,20 +300,3 @@ def managed_cluster_size() -> int:
       return int(env.get_process_count())
   return 0
 
-
-def check_failed(error):
-  """Inside a program: whether any check of a `checkify` error failed (its boolean leaves
-  are the failure predicates; `Error` offers no public accessor that works under jit)."""
-  import jax.numpy as jnp
-  from jax import tree
-
-  predicates = [x for x in tree.leaves(error) if x.dtype == jnp.bool_]
-  return jnp.any(jnp.stack([jnp.any(p) for p in predicates])) if predicates else jnp.asarray(False)
-
-
-def check_message(error) -> str | None:
-  """The failed check's message, without the location checkify appends; None if none failed."""
-  message = error.get()
-  if message is None:
-    return None
-  return message.split(" (`check` failed)")[0]

@@ -4,51 +4,41 @@ torch raises `IndexError` for an embedding id past the table, a gather or
 `index_select` index past its dimension, a cross-entropy target past the
 classes. A jax gather clamps or fills instead, so one bad token id would
 poison a training run silently (NaN in the updated weights). Here the
-lowerings that read by index call `index_in_range`; while a `ShardedModule`
-forward or a train step is traced (`checking()`), that is a
-`jax.experimental.checkify` check, carried through scans, remat and custom
-gradients, and the program also returns whether any failed. The step then
-keeps its old state (`keep_if_ok`: the update is not applied) and the error is
-raised in one sentence, naming the op, the bad value and the valid range:
-when a result is read (`.item()`, `float()`, `.cpu()`, `tot.to_cpu`) or, for a
+lowerings that read by index call `index_in_range`. While a `ShardedModule`
+forward or a train step's loss is traced inside `collecting()`, each call adds
+two scalars to the program: whether an index is out of range, and the first
+such value. The program returns them (`Checks`); the step keeps its old state
+where one is set (`failed`; the selects fuse into the update), and the host
+raises one sentence naming the op, the bad value and the valid range, when a
+result is read (`.item()`, `float()`, `.cpu()`, `tot.to_cpu`) or, for a
 train step, before the next step is dispatched.
 
-Outside those traces a concrete index is checked at once, and a traced one
-(a user's own `jax.jit`) is left unchecked, as before.
+Index reads inside a transform the bridge applies to model code (a scanned
+layer stack, a rematerialised layer: `unchecked`) are not checked: their
+values live in that transform's trace. Outside the bridge's traces a concrete
+index is checked at once, and a traced one (a user's own `jax.jit`) is not.
+(`jax.experimental.checkify` would carry checks through those transforms, but
+in jax 0.10 it breaks custom-VJP residuals when differentiated and error
+shapes across `shard_map`.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
-from torch_on_tpu import _compat
 from torch_on_tpu.errors import TorchOnTpuError
 
-_CHECKING = contextvars.ContextVar("device_checks", default=False)
+_COLLECTOR = contextvars.ContextVar("device_checks", default=None)
 
 # The attribute a returned torch tensor carries while its program's checks are unread.
 PENDING_ATTRIBUTE = "_tot_pending_check"
-
-
-@contextlib.contextmanager
-def checking():
-  """While active, `index_in_range` on traced indices becomes a check of the program."""
-  token = _CHECKING.set(True)
-  try:
-    yield
-  finally:
-    _CHECKING.reset(token)
-
-
-def checked(fn):
-  """`fn` returning `(error, its output)`; run it (traced) inside `checking()`."""
-  return checkify.checkify(fn, errors=checkify.user_checks)
 
 
 class IndexOutOfRangeError(TorchOnTpuError, IndexError):
@@ -61,6 +51,61 @@ def _message(what: str, value, low: int, high: int) -> str:
     f"torch raises IndexError here, so fix the indices (token ids against the vocabulary, "
     f"targets against the classes)."
   )
+
+
+class Collector:
+  """The checks one trace adds: per check a failure flag, the first bad value, a message."""
+
+  def __init__(self):
+    self.flags, self.values, self.messages = [], [], []
+
+  def checks(self) -> "Checks":
+    """The program's outputs for these checks (empty arrays when there are none)."""
+    if not self.flags:
+      return Checks(jnp.zeros((0,), bool), jnp.zeros((0,), jnp.int32))
+    return Checks(jnp.stack(self.flags), jnp.stack(self.values).astype(jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Checks:
+  """Arrays a program returns: `flags[i]` check i failed, `values[i]` its first bad index."""
+
+  flags: jax.Array
+  values: jax.Array
+
+  def failed(self) -> jax.Array:
+    return jnp.any(self.flags)
+
+  def first_of(self) -> "Checks":
+    """Checks stacked over microbatches → per check: failed in any, the first bad value."""
+    first = jnp.argmax(self.flags, axis=0)
+    return Checks(jnp.any(self.flags, axis=0), jnp.take_along_axis(self.values, first[None], axis=0)[0])
+
+
+@contextlib.contextmanager
+def collecting():
+  """While active, `index_in_range` on traced indices adds a check to the `Collector` yielded."""
+  collector = Collector()
+  token = _COLLECTOR.set(collector)
+  try:
+    yield collector
+  finally:
+    _COLLECTOR.reset(token)
+
+
+def unchecked(fn):
+  """`fn` run without collecting (the body of a transform: its values cannot leave it)."""
+
+  @functools.wraps(fn)
+  def run(*args, **kwargs):
+    token = _COLLECTOR.set(None)
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      _COLLECTOR.reset(token)
+
+  return run
 
 
 def index_in_range(indices, size: int, *, what: str, negative_ok: bool = False, allowed=None) -> None:
@@ -78,33 +123,31 @@ def index_in_range(indices, size: int, *, what: str, negative_ok: bool = False, 
       message = _message(what, int(values[bad].flat[0]), low, size)
       raise IndexOutOfRangeError(message[0].upper() + message[1:])
     return
-  if not _CHECKING.get():
+  collector = _COLLECTOR.get()
+  if collector is None:
     return
   bad = (indices < low) | (indices >= size)
   if allowed is not None:
     bad &= indices != allowed
   flat = bad.reshape(-1)
-  first = indices.reshape(-1)[jnp.argmax(flat)]
-  checkify.check(~jnp.any(flat), _message(what, "{value}", low, size), value=first)
+  collector.flags.append(jnp.any(flat))
+  collector.values.append(indices.reshape(-1)[jnp.argmax(flat)])
+  collector.messages.append(_message(what, "{value}", low, size))
 
 
-def failed(error) -> jax.Array:
-  """A boolean scalar of the program: some check failed."""
-  return _compat.check_failed(error)
-
-
-def keep_if_ok(error, new, old):
-  """`new` where every check passed, else `old` (a tree of arrays; fused into their producers)."""
-  bad = failed(error)
+def keep_if_ok(checks: Checks, new, old):
+  """`new` where every check passed, else `old` (a tree of arrays)."""
+  bad = checks.failed()
   return jax.tree.map(lambda n, o: jnp.where(bad, o, n), new, old)
 
 
 class Pending:
-  """A program's check results, raised once, when read. `prefix` starts the sentence
-  (default: none); `on_failure` runs before the raise (the train step's bookkeeping)."""
+  """A program's check results with their messages, raised once, when read. `prefix`
+  starts the sentence; `on_failure` runs before the raise (the train step's bookkeeping)."""
 
-  def __init__(self, error, prefix: str = "", on_failure=None):
-    self.error = error
+  def __init__(self, checks: Checks, messages: list[str], prefix: str = "", on_failure=None):
+    self.checks = checks
+    self.messages = messages
     self.prefix = prefix
     self.on_failure = on_failure
     self.done = False
@@ -112,22 +155,21 @@ class Pending:
   def raise_if_failed(self) -> None:
     if self.done:
       return
-    message = _compat.check_message(self.error)
     self.done = True
-    if message:
-      if self.on_failure is not None:
-        self.on_failure()
-      text = self.prefix + message
-      raise IndexOutOfRangeError(text[0].upper() + text[1:])
+    flags = np.asarray(self.checks.flags)
+    if not flags.any():
+      return
+    first = int(np.argmax(flags))
+    if self.on_failure is not None:
+      self.on_failure()
+    text = self.prefix + self.messages[first].format(value=int(np.asarray(self.checks.values)[first]))
+    raise IndexOutOfRangeError(text[0].upper() + text[1:])
 
 
 def attach(tensors, pending: Pending) -> None:
   """Marks returned torch tensors: reading one raises `pending`'s error first."""
   for t in tensors:
-    try:
-      setattr(t, PENDING_ATTRIBUTE, pending)
-    except AttributeError:  # a tensor type that takes no attributes: it is checked elsewhere
-      pass
+    setattr(t, PENDING_ATTRIBUTE, pending)
 
 
 def raise_pending(tensor) -> None:

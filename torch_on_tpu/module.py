@@ -262,40 +262,37 @@ class ShardedModule:
       entry = self._compiled[key] = self._build_forward(treedef, is_tensor, statics)
     jitted, out_spec = entry
     self._rng, rng = jax.random.split(self._rng)
-    out_leaves, changed, error = jitted(self.params, self.buffers, dynamic, rng)
+    out_leaves, changed, checks = jitted(self.params, self.buffers, dynamic, rng)
     self.buffers.update(changed)  # unchanged where an index check failed
     outputs = _unflatten_output(out_spec, out_leaves)
-    if jax.tree.leaves(error):
-      flat = _compat.torch_pytree.tree_leaves(outputs)
-      device_checks.attach([t for t in flat if isinstance(t, torch.Tensor)], device_checks.Pending(error))
+    if out_spec["check_messages"]:
+      pending = device_checks.Pending(checks, out_spec["check_messages"])
+      device_checks.attach([t for t in _compat.torch_pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)], pending)
     return outputs
 
   def _build_forward(self, treedef, is_tensor, statics):
     out_spec = {}
-
-    def checked_forward(params, buffers, dynamic, rng):
-      # Index checks (device_checks) ride along; a failed one keeps the buffers as they were
-      # and is raised when an output is read.
-      with device_checks.checking():
-        error, (outs, changed) = device_checks.checked(forward)(params, buffers, dynamic, rng)
-      changed = device_checks.keep_if_ok(error, changed, {n: buffers[n] for n in changed})
-      return outs, changed, error
 
     def forward(params, buffers, dynamic, rng):
       it = iter(dynamic)
       leaves = [torch_view(next(it)) if t else s for t, s in zip(is_tensor, statics)]
       args, kwargs = _compat.torch_pytree.tree_unflatten(leaves, treedef)
       env = torchax.default_env()
-      with env.override_property(prng=rng):
+      with env.override_property(prng=rng), device_checks.collecting() as collector:
         out, changed = self.functional_call_with_buffers(params, buffers, *args, **kwargs)
+      # index checks (device_checks): a failed one keeps the buffers as they were and is
+      # raised when an output is read
+      checks = collector.checks()
+      out_spec["check_messages"] = collector.messages
+      changed = device_checks.keep_if_ok(checks, changed, {n: buffers[n] for n in changed})
       flat, out_tree = _compat.torch_pytree.tree_flatten(out)
       _check_output_leaves(flat)
       out_spec["tree"] = out_tree
       out_spec["is_tensor"] = [isinstance(x, torch.Tensor) for x in flat]
       out_spec["statics"] = [None if isinstance(x, torch.Tensor) else x for x in flat]
-      return [jax_view(x) for x in flat if isinstance(x, torch.Tensor)], changed
+      return [jax_view(x) for x in flat if isinstance(x, torch.Tensor)], changed, checks
 
-    return jax.jit(checked_forward, compiler_options=self.compile_options), out_spec
+    return jax.jit(forward, compiler_options=self.compile_options), out_spec
 
   @contextlib.contextmanager
   def _activation_constraints(self):

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import jax
 
+from torch_on_tpu import device_checks
 from torch_on_tpu.errors import TorchOnTpuError
 
 logger = logging.getLogger(__name__)
@@ -109,8 +110,10 @@ def policy(name: str) -> Callable:
 def checkpoint(fn: Callable, name: str | None, **kwargs) -> Callable:
   """`fn` under `jax.checkpoint` with the named policy; `fn` itself for None or `none`.
 
-  Extra keyword arguments (`static_argnums`, `prevent_cse`) go to `jax.checkpoint`.
+  Extra keyword arguments (`static_argnums`, `prevent_cse`) go to `jax.checkpoint`. Index
+  checks (`device_checks`) are not collected inside: their values live in the checkpoint's
+  own trace (a caller that wants them collects inside `fn` and returns them).
   """
   if name is None or name == "none":
     return fn
-  return jax.checkpoint(fn, policy=policy(name), **kwargs)
+  return jax.checkpoint(device_checks.unchecked(fn), policy=policy(name), **kwargs)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from jax.sharding import PartitionSpec
 
-from torch_on_tpu import _compat, models, module_state, remat as remat_lib
+from torch_on_tpu import _compat, device_checks, models, module_state, remat as remat_lib
 from torch_on_tpu.errors import TorchOnTpuError
 
 torchax = _compat.import_torchax()
@@ -200,7 +200,8 @@ class StackedLayers(torch.nn.Module):
         per_layer.append((h, produced))
       return h, per_layer
 
-    _, per_layer = jax.lax.scan(body, h, grouped, unroll=self.unroll)
+    # the scan's body has its own trace: index checks are not collected in it (device_checks)
+    _, per_layer = jax.lax.scan(device_checks.unchecked(body), h, grouped, unroll=self.unroll)
     for g in range(groups):
       for j in range(period):
         h_g, produced = jax.tree.map(lambda a, g=g: a[g], per_layer[j])

@@ -72,6 +72,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypedDict
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -296,6 +297,9 @@ class TrainStep:
     self._eval_fns: dict = {}
     self._gradient_fns: dict = {}
     self._pending: device_checks.Pending | None = None  # the last step's index checks, unread
+    self._check_messages: dict = {}  # a program's signature → its index checks' messages
+    self._traced_messages: list[str] | None = None  # set while the loss is traced
+    self._reached: dict[str, bool] = {}  # param name → the loss reaches it (set while tracing)
 
   # ---- running ----------------------------------------------------------------------
 
@@ -312,7 +316,7 @@ class TrainStep:
     leaves, static = self._split_batch(self._place((inputs, labels)))
     compiled = self._executable(leaves, static)
     trained, frozen = self._split(self.model.params)
-    loss, trained, opt_state, metrics, changed, error = compiled(
+    loss, trained, opt_state, metrics, changed, checks = compiled(
       trained, frozen, self.model.buffers, self.opt_state, leaves, self.rng, np.int32(self.step_count)
     )
     self.model.params.update(trained)
@@ -321,9 +325,10 @@ class TrainStep:
     self.metrics = metrics
     self.step_count += 1
     loss = torch_view(loss)
-    if jax.tree.leaves(error):
+    messages = self._check_messages[self._signature]
+    if messages:
       self._pending = device_checks.Pending(
-        error, prefix=f"step {self.step_count - 1} was not applied: ", on_failure=self._undo_step_count
+        checks, messages, prefix=f"step {self.step_count - 1} was not applied: ", on_failure=self._undo_step_count
       )
       device_checks.attach([loss], self._pending)
     return loss
@@ -336,6 +341,15 @@ class TrainStep:
 
   def _undo_step_count(self) -> None:
     self.step_count -= 1
+
+  def _raise_now(self, key, checks) -> None:
+    """Raises a failed index check of an eval / gradients program (whose messages were
+    recorded if this call traced it)."""
+    if self._traced_messages is not None:
+      self._check_messages[key] = self._traced_messages
+    messages = self._check_messages.get(key)
+    if messages:
+      device_checks.Pending(checks, messages).raise_if_failed()
 
   def compile(self, inputs, labels) -> CompileReport:
     """Lowers and compiles the step for these inputs ahead of time.
@@ -357,8 +371,9 @@ class TrainStep:
         out_shardings=(self._replicated, self._replicated),
         compiler_options=self.model.compile_options,
       )
-    loss, error = fn(self.model.params, self.model.buffers, leaves)
-    device_checks.Pending(error).raise_if_failed()
+    self._traced_messages = None
+    loss, checks = fn(self.model.params, self.model.buffers, leaves)
+    self._raise_now(("eval", static, tuple(map(_leaf_signature, leaves))), checks)
     return torch_view(loss)
 
   def gradients(self, inputs, labels) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -375,15 +390,15 @@ class TrainStep:
         compiler_options=self.model.compile_options,
       )
     trained, frozen = self._split(self.model.params)
-    loss, grads, error = fn(trained, frozen, self.model.buffers, leaves, self.rng, np.int32(self.step_count))
-    device_checks.Pending(error).raise_if_failed()
+    self._traced_messages = None
+    loss, grads, checks = fn(trained, frozen, self.model.buffers, leaves, self.rng, np.int32(self.step_count))
+    self._raise_now(("gradients", static, tuple(map(_leaf_signature, leaves))), checks)
     return loss, grads
 
   def _gradients_flat(self, static, params, frozen, buffers, leaves, rng, step):
     inputs, labels = _merge_batch(leaves, static)
-    with device_checks.checking():
-      (loss, _, error), grads = self._loss_and_grads(params, frozen, buffers, inputs, labels, jax.random.fold_in(rng, step))
-    return loss, grads, error
+    (loss, _, checks), grads = self._loss_and_grads(params, frozen, buffers, inputs, labels, jax.random.fold_in(rng, step))
+    return loss, grads, checks
 
   def _eval_flat(self, static, params, buffers, leaves):
     inputs, labels = _merge_batch(leaves, static)
@@ -391,9 +406,10 @@ class TrainStep:
     was_training = module.training
     module.eval()  # traced once: dropout and friends off in this program
     try:
-      with device_checks.checking():
-        error, (loss, _) = device_checks.checked(self._loss)(params, buffers, inputs, labels, jax.random.PRNGKey(0))
-      return loss, error
+      with device_checks.collecting() as collector:
+        loss, _ = self._loss(params, buffers, inputs, labels, jax.random.PRNGKey(0))
+      self._traced_messages = collector.messages
+      return loss, collector.checks()
     finally:
       module.train(was_training)
 
@@ -409,20 +425,21 @@ class TrainStep:
     """
     rng = jax.random.PRNGKey(0) if rng is None else rng
     trained, frozen = self._split(params)
-    with device_checks.checking():
-      loss, trained, opt_state, metrics, changed, _ = self._update(trained, frozen, buffers, opt_state, inputs, labels, rng)
+    loss, trained, opt_state, metrics, changed, _ = self._update(trained, frozen, buffers, opt_state, inputs, labels, rng)
     return loss, {**params, **trained}, {**buffers, **changed}, opt_state, metrics
 
   def _update(self, params, frozen, buffers, opt_state, inputs, labels, rng):
     """`pure` on the trained params alone; `frozen` only feeds the forward; returns
     the buffers the forward changed rather than all of them."""
-    (loss, changed, error), grads = self._loss_and_grads(params, frozen, buffers, inputs, labels, rng)
+    self._reached.clear()  # filled again by this trace's gradient
+    (loss, changed, checks), grads = self._loss_and_grads(params, frozen, buffers, inputs, labels, rng)
     grad_norm = optax.global_norm(grads)
     if self.clip_norm is not None:
       scale = jnp.minimum(1.0, self.clip_norm / (grad_norm + 1e-6))
       grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
     updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
+    new_params, new_opt_state = self._untouched_where_unreached(new_params, new_opt_state, params, opt_state)
     # Keep every dtype as it came in: a promoted leaf would change the signature.
     new_params = jax.tree.map(lambda new, old: new.astype(old.dtype), new_params, params)
     new_opt_state = jax.tree.map(lambda new, old: jnp.asarray(new).astype(old.dtype), new_opt_state, opt_state)
@@ -430,11 +447,11 @@ class TrainStep:
     metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
     # A failed index check (device_checks) leaves the state as it was; so does a
     # nonfinite step with skip_nonfinite. The selects fuse into the update's own loops.
-    apply = ~device_checks.failed(error)
+    apply = ~checks.failed()
     if self.skip_nonfinite:
       apply = apply & finite
       metrics["skipped"] = metrics["nonfinite"]
-    if self.skip_nonfinite or jax.tree.leaves(error):
+    if self.skip_nonfinite or checks.flags.shape[0]:
       keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731
       new_params = jax.tree.map(keep, new_params, params)
       new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
@@ -442,12 +459,25 @@ class TrainStep:
     lr = self._learning_rate(new_opt_state, opt_state)
     if lr is not None:
       metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
-    return loss, new_params, new_opt_state, metrics, changed, error
+    return loss, new_params, new_opt_state, metrics, changed, checks
+
+  def _untouched_where_unreached(self, new_params, new_opt_state, params, opt_state):
+    """torch.optim skips a parameter whose `.grad` is None: one the loss does not reach
+    (known while tracing, `_value_and_grad`) keeps its value and its optimizer state (no
+    weight decay, no moment decay); shared state such as optax's step count still advances."""
+    unreached = {k for k in params if not self._reached.get(k, True)}
+    if not unreached:
+      return new_params, new_opt_state
+    update = {k: k not in unreached for k in params}
+    state_mask = optax.tree_map_params(
+      self.optimizer, lambda _, m: m, new_opt_state, update, transform_non_params=lambda _: True
+    )
+    new_opt_state = jax.tree.map(lambda new, old, m: new if m else old, new_opt_state, opt_state, state_mask)
+    return {k: params[k] if k in unreached else v for k, v in new_params.items()}, new_opt_state
 
   def _flat_step(self, static, params, frozen, buffers, opt_state, leaves, rng, step):
     inputs, labels = _merge_batch(leaves, static)
-    with device_checks.checking():
-      return self._update(params, frozen, buffers, opt_state, inputs, labels, jax.random.fold_in(rng, step))
+    return self._update(params, frozen, buffers, opt_state, inputs, labels, jax.random.fold_in(rng, step))
 
   def _split(self, tree: dict) -> tuple[dict, dict]:
     """A dict keyed like `model.params` → (trained entries, frozen entries)."""
@@ -456,16 +486,15 @@ class TrainStep:
 
   def _loss_and_grads(self, params, frozen, buffers, inputs, labels, rng):
     def loss_fn(params, frozen, buffers, inputs, labels, rng):
-      return self._loss({**frozen, **params}, buffers, inputs, labels, rng)
+      with device_checks.collecting() as collector:  # index checks come out with the loss
+        loss, changed = self._loss({**frozen, **params}, buffers, inputs, labels, rng)
+      self._traced_messages = collector.messages
+      return loss, (changed, collector.checks())
 
-    # checkify outside the differentiation (inside, jax 0.10 hands custom VJPs the wrong
-    # residuals); checks inside a scan that is differentiated are then not made.
-    value_and_grad = device_checks.checked(
-      jax.value_and_grad(remat_lib.checkpoint(loss_fn, self.forward_remat), has_aux=True)
-    )
+    value_and_grad = _value_and_grad(remat_lib.checkpoint(loss_fn, self.forward_remat), self._reached)
     if self.grad_accum == 1:
-      error, ((loss, changed), grads) = value_and_grad(params, frozen, buffers, inputs, labels, rng)
-      return (loss, changed, error), grads
+      (loss, (changed, checks)), grads = value_and_grad(params, frozen, buffers, inputs, labels, rng)
+      return (loss, changed, checks), grads
 
     leaves, static = self._split_batch((inputs, labels))
     micro = [self._microbatches(x, i, static) for i, x in enumerate(leaves)]
@@ -480,18 +509,16 @@ class TrainStep:
       index, micro_leaves = xs
       mi, ml = _merge_batch(micro_leaves, static)
       loss_sum, grad_sum, now = carry
-      error, ((loss, changed), grads) = value_and_grad(params, frozen, now, mi, ml, jax.random.fold_in(rng, index))
+      (loss, (changed, checks)), grads = value_and_grad(params, frozen, now, mi, ml, jax.random.fold_in(rng, index))
       changed_names.update(changed)
       grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
-      return (loss_sum + loss, grad_sum, {**now, **changed}), error
+      return (loss_sum + loss, grad_sum, {**now, **changed}), checks
 
     init = (jnp.zeros((), jnp.float32), zeros, dict(buffers))
-    (loss_sum, grad_sum, final), errors = jax.lax.scan(accumulate, init, (jnp.arange(self.grad_accum), micro))
-    # the first microbatch whose check failed (or the first, when none did) speaks for the step
-    first = jnp.argmax(jnp.stack([device_checks.failed(jax.tree.map(lambda e, i=i: e[i], errors)) for i in range(self.grad_accum)]))
-    error = jax.tree.map(lambda e: e[first], errors)
+    (loss_sum, grad_sum, final), per_micro = jax.lax.scan(accumulate, init, (jnp.arange(self.grad_accum), micro))
+    checks = per_micro.first_of()  # a check failed in any microbatch, its first bad value
     grads = jax.tree.map(lambda g, p: (g / self.grad_accum).astype(p.dtype), grad_sum, params)
-    return (loss_sum / self.grad_accum, {n: final[n] for n in changed_names}, error), grads
+    return (loss_sum / self.grad_accum, {n: final[n] for n in changed_names}, checks), grads
 
   def _microbatches(self, x, index, static):
     """(B, ...) → (k, B/k, ...), microbatch i holding rows i, i+k, i+2k, ..."""
@@ -546,7 +573,9 @@ class TrainStep:
         logger.warning(
           "Train step recompiles: %s.", _signature_change(self._signature, signature)
         )
+      self._traced_messages = None
       compiled = self._executables[signature] = self._compile(leaves, static)
+      self._check_messages[signature] = self._traced_messages or []
       self._reports[signature] = self.last_compile
     self._signature = signature
     return compiled
@@ -846,6 +875,34 @@ def _cast_floating(x, dtype):
 
 def _torch_tree(tree):
   return jax.tree.map(lambda x: torch_view(x) if isinstance(x, jax.Array) else x, tree)
+
+
+def _value_and_grad(fn, reached: dict):
+  """`jax.value_and_grad(fn, has_aux=True)` over its first argument (a dict of params) that
+  also records, into `reached`, which params the loss depends on: a gradient output of the
+  backward program that does not depend on its cotangent input is a structural zero (the
+  param is unused, or used only through a detach), torch's `.grad is None`."""
+
+  def value_and_grad(params, *rest):
+    loss, vjp_fn, aux = jax.vjp(lambda p: fn(p, *rest), params, has_aux=True)
+    (grads,) = vjp_fn(jnp.ones_like(loss))
+    names = jax.tree_util.tree_flatten_with_path(grads)[0]
+    for (path, _), depends in zip(names, _outputs_depend_on_input(vjp_fn, loss)):
+      reached[_key_name(path[0])] = reached.get(_key_name(path[0]), False) or depends
+    return (loss, aux), grads
+
+  return value_and_grad
+
+
+def _outputs_depend_on_input(fn, example) -> list[bool]:
+  """For each output leaf of `fn(example)`: whether it depends on the input (conservative:
+  an equation with a dependent input makes all its outputs dependent)."""
+  jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(example.shape, example.dtype)).jaxpr
+  dependent = set(jaxpr.invars)
+  for eqn in jaxpr.eqns:
+    if any(isinstance(v, jex.Var) and v in dependent for v in eqn.invars):
+      dependent.update(eqn.outvars)
+  return [isinstance(v, jex.Var) and v in dependent for v in jaxpr.outvars]
 
 
 def call_model(model: ShardedModule, params, buffers, inputs):
