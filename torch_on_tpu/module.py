@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding
 
-from torch_on_tpu import _compat, device_checks, host, lowerings, materialize, models, module_state, op_table, runtime, xla_flags
+from torch_on_tpu import _compat, device_checks, host, lowerings, materialize, models, module_state, op_table, refusals, runtime, xla_flags
 from torch_on_tpu import attention as attention_lib
 from torch_on_tpu import scan as scan_lib
 from torch_on_tpu import mesh as mesh_lib
@@ -262,7 +262,8 @@ class ShardedModule:
       entry = self._compiled[key] = self._build_forward(treedef, is_tensor, statics)
     jitted, out_spec = entry
     self._rng, rng = jax.random.split(self._rng)
-    out_leaves, changed, checks = jitted(self.params, self.buffers, dynamic, rng)
+    with refusals.translated():  # an op that cannot be compiled: one sentence naming it
+      out_leaves, changed, checks = jitted(self.params, self.buffers, dynamic, rng)
     self.buffers.update(changed)  # unchanged where an index check failed
     outputs = _unflatten_output(out_spec, out_leaves)
     if out_spec["check_messages"]:

@@ -79,7 +79,7 @@ import optax
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
-from torch_on_tpu import _compat, device_checks, losses, lowerings, op_table
+from torch_on_tpu import _compat, device_checks, losses, lowerings, op_table, refusals
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu import sharding as sharding_lib
 from torch_on_tpu.errors import TorchOnTpuError
@@ -372,7 +372,8 @@ class TrainStep:
         compiler_options=self.model.compile_options,
       )
     self._traced_messages = None
-    loss, checks = fn(self.model.params, self.model.buffers, leaves)
+    with refusals.translated():
+      loss, checks = fn(self.model.params, self.model.buffers, leaves)
     self._raise_now(("eval", static, tuple(map(_leaf_signature, leaves))), checks)
     return torch_view(loss)
 
@@ -391,7 +392,8 @@ class TrainStep:
       )
     trained, frozen = self._split(self.model.params)
     self._traced_messages = None
-    loss, grads, checks = fn(trained, frozen, self.model.buffers, leaves, self.rng, np.int32(self.step_count))
+    with refusals.translated():
+      loss, grads, checks = fn(trained, frozen, self.model.buffers, leaves, self.rng, np.int32(self.step_count))
     self._raise_now(("gradients", static, tuple(map(_leaf_signature, leaves))), checks)
     return loss, grads
 
@@ -574,7 +576,8 @@ class TrainStep:
           "Train step recompiles: %s.", _signature_change(self._signature, signature)
         )
       self._traced_messages = None
-      compiled = self._executables[signature] = self._compile(leaves, static)
+      with refusals.translated():  # an op that cannot be compiled: one sentence naming it
+        compiled = self._executables[signature] = self._compile(leaves, static)
       self._check_messages[signature] = self._traced_messages or []
       self._reports[signature] = self.last_compile
     self._signature = signature
