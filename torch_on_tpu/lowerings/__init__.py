@@ -10,13 +10,16 @@ One module per concern:
   `tools/op_sweep.py`;
 - `index_checks`: torchax's index reads with torch's range check
   (`device_checks`; the embedding and cross-entropy lowerings check their own);
+- `added_ops`: ops torchax has no working lowering for, from jax's pieces
+  (`ldexp`, `nonzero_static`, `narrow` with a tensor start, `combinations`,
+  `cov`, `max_unpool`, `index_reduce`, `adaptive_max_pool`, `segment_reduce`);
 - `factories`: tensors traced code makes on the CPU are made on the device
   (`made_on_device`, entered per trace).
 """
 
 from __future__ import annotations
 
-from torch_on_tpu.lowerings import factories, index_checks, model_ops, torch_semantics
+from torch_on_tpu.lowerings import added_ops, factories, index_checks, model_ops, torch_semantics
 from torch_on_tpu.lowerings.factories import made_on_device
 from torch_on_tpu.lowerings.model_ops import cpu_linear
 
@@ -27,5 +30,6 @@ def register(env) -> list[str]:
   """Registers every group into `env`; returns the in-place ops added."""
   factories.register(env)
   torch_semantics.register(env)
+  added_ops.register(env)
   index_checks.register(env)
   return model_ops.register(env)
