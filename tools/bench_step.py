@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/bench_step.py                 # 1-device mesh (the default)
     .venv/bin/python tools/bench_step.py --devices=8     # 8 simulated CPU devices
+    .venv/bin/python tools/bench_step.py --runners=torch_on_tpu,torch_on_tpu_unchecked  # the index checks' cost
 
 One model for all three: torchtitan's Llama 3 built from torchtitan's own config
 classes with debugmodel's structure (vocab 2048, RoPE, SwiGLU, fused QKV) at
@@ -189,18 +190,21 @@ def main(argv=None) -> None:
   )
 
   runs = {}  # name → run(batch index) → (seconds, loss)
-  if "torch_on_tpu" in names:
+  for name, checked in (("torch_on_tpu", True), ("torch_on_tpu_unchecked", False)):
+    if name not in names:
+      continue
     step = tot.make_train_step(
-      jm, loss_fn, optax.adamw(HP["lr"], b1=HP["b1"], b2=HP["b2"], eps=HP["eps"], weight_decay=HP["weight_decay"])
+      jm, loss_fn, optax.adamw(HP["lr"], b1=HP["b1"], b2=HP["b2"], eps=HP["eps"], weight_decay=HP["weight_decay"]),
+      check_indices=checked,
     )
-    print(f"torch_on_tpu: {step.compile(*batches[0])}", flush=True)
+    print(f"{name}: {step.compile(*batches[0])}", flush=True)
 
-    def ours(index):
+    def ours(index, step=step):
       start = time.perf_counter()
       loss = float(step(*batches[index]))
       return time.perf_counter() - start, loss
 
-    runs["torch_on_tpu"] = ours
+    runs[name] = ours
   workdir = tempfile.TemporaryDirectory()
   torch_runners = None
   if {"eager", "compile"} & set(names):
@@ -237,6 +241,9 @@ def main(argv=None) -> None:
   peak = max(peaks) if peaks else metrics.cpu_matmul_peak()
   print(f"XLA fp32 matmul peak ({args.peak}, best of the rounds): {peak / 1e9:.1f} GFLOP/s", flush=True)
   print_table(times, first_loss, flops, tokens, peak)
+  if {"torch_on_tpu", "torch_on_tpu_unchecked"} <= set(times):
+    checked, unchecked = (statistics.median(times[k]) for k in ("torch_on_tpu", "torch_on_tpu_unchecked"))
+    print(f"index checks (make_train_step(check_indices=True) vs False): {checked / unchecked - 1:+.2%} of the step (medians)")
   print(
     f"FLOPs/token: torchtitan {flops.torchtitan / 1e6:.1f}M (MFU uses this), causal "
     f"{flops.causal / 1e6:.1f}M; per-step seconds: "

@@ -3,6 +3,7 @@
     .venv/bin/python tools/op_sweep.py                       # the whole op_db, table to stdout
     .venv/bin/python tools/op_sweep.py --ops=linalg.eigh,norm --verbose
     .venv/bin/python tools/op_sweep.py --json=runs/op_sweep.json --markdown=runs/op_sweep.md
+    .venv/bin/python tools/op_sweep.py --shard=0/2 --json=a.json & ...; tools/op_sweep.py --merge a.json b.json
 
 Every op of `torch.testing._internal.common_methods_invocations.op_db` with
 float32 CPU samples runs up to `--samples` of them (the first ones op_db
@@ -62,6 +63,8 @@ def parse_args(argv=None):
   p.add_argument("--json", default=None, help="write every op's outcome here")
   p.add_argument("--markdown", default=None, help="write the summary and the non-exact ops here")
   p.add_argument("--verbose", action="store_true", help="print each op as it finishes")
+  p.add_argument("--shard", default="0/1", help="i/n: run every n-th op from the i-th (merge the JSONs with --merge)")
+  p.add_argument("--merge", nargs="*", default=None, help="JSON files of shards to merge into one table")
   return p.parse_args(argv)
 
 
@@ -519,7 +522,7 @@ def summarize(results: dict, modes) -> dict:
 
 def markdown(results: dict, modes, counts, seconds) -> str:
   lines = [
-    f"op_db float32, up to 3 samples per op, {time.strftime('%Y-%m-%d')}, {seconds:.0f} s "
+    f"op_db float32, up to 3 samples per op, {time.strftime('%Y-%m-%d')}, {seconds:.0f} s of sweeping "
     f"(`python tools/op_sweep.py`)",
     "",
     "| | ops | exact | silently wrong | refused (one sentence) | other error |",
@@ -540,11 +543,14 @@ def markdown(results: dict, modes, counts, seconds) -> str:
 def main(argv=None):
   args = parse_args(argv)
   modes = [m for m in args.modes.split(",") if m]
+  if args.merge:
+    return _merged(args, modes)
   from torch_on_tpu import xla_flags
 
   xla_flags.simulate_cpu_devices(1, replace=False)
   bridge = Bridge()
-  ops = float32_ops(args.ops.split(",") if args.ops else None)
+  index, count = (int(x) for x in args.shard.split("/"))
+  ops = float32_ops(args.ops.split(",") if args.ops else None)[index::count]
   results = {}
   start = time.perf_counter()
   with _unfixed_seeds():
@@ -560,6 +566,21 @@ def main(argv=None):
         shown = ", ".join(f"{m}={r[m].verdict}: {r[m].detail[:160]}" for m in modes if r.get(m))
         print(f"[{i + 1}/{len(ops)}] {key} ({time.perf_counter() - t0:.1f}s) {shown or r}", flush=True)
   seconds = time.perf_counter() - start
+  return _report(args, modes, results, seconds)
+
+
+def _merged(args, modes):
+  results, seconds = {}, 0.0
+  for path in args.merge:
+    with open(path) as f:
+      shard = json.load(f)
+    seconds += shard.pop("_seconds", 0.0)
+    for name, r in shard.items():
+      results[name] = {m: Outcome(**v) if isinstance(v, dict) else v for m, v in r.items()}
+  return _report(args, modes, results, seconds)
+
+
+def _report(args, modes, results, seconds):
   counts = summarize(results, modes)
   text = markdown(results, modes, counts, seconds)
   print(text)
@@ -568,10 +589,8 @@ def main(argv=None):
       f.write(text)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(
-        {k: {m: (v._asdict() if isinstance(v, Outcome) else v) for m, v in r.items()} for k, r in results.items()},
-        f, indent=1,
-      )
+      table = {k: {m: (v._asdict() if isinstance(v, Outcome) else v) for m, v in r.items()} for k, r in results.items()}
+      json.dump({**table, "_seconds": seconds}, f, indent=1)
   return counts
 
 

@@ -84,10 +84,11 @@ class Checks:
 
 
 @contextlib.contextmanager
-def collecting():
-  """While active, `index_in_range` on traced indices adds a check to the `Collector` yielded."""
+def collecting(enabled: bool = True):
+  """While active, `index_in_range` on traced indices adds a check to the `Collector` yielded
+  (which stays empty when not `enabled`: the program makes no checks)."""
   collector = Collector()
-  token = _COLLECTOR.set(collector)
+  token = _COLLECTOR.set(collector if enabled else None)
   try:
     yield collector
   finally:

@@ -162,6 +162,7 @@ def make_train_step(
   learning_rate: float | Callable | None = None,
   trainable: str | Sequence[str] | Callable[[str], bool] | None = None,
   skip_nonfinite: bool = False,
+  check_indices: bool = True,
   remat: str | None = None,
 ) -> "TrainStep":
   """The compiled training step for `model` (see the module docstring for conventions).
@@ -184,6 +185,10 @@ def make_train_step(
       `model.params` names); None trains all of them.
     skip_nonfinite: keep the state unchanged on a step whose loss, gradient
       norm or update is not finite (metric `skipped`).
+    check_indices: check embedding ids, gather / index_select indices and
+      cross-entropy targets inside the step, as torch does (`device_checks`: a
+      bad one leaves the state unchanged and raises); False leaves them
+      unchecked (an out-of-range id then reads a clamped or NaN row).
     remat: the former name of `forward_remat` (deprecated).
   """
   if remat is not None:
@@ -210,6 +215,7 @@ def make_train_step(
     learning_rate=learning_rate,
     trainable=trainable,
     skip_nonfinite=skip_nonfinite,
+    check_indices=check_indices,
   )
 
 
@@ -232,6 +238,7 @@ class TrainStep:
     learning_rate,
     trainable=None,
     skip_nonfinite=False,
+    check_indices=True,
   ):
     if not isinstance(model, ShardedModule):
       raise TorchOnTpuError(
@@ -262,6 +269,7 @@ class TrainStep:
     self.donate = donate
     self.learning_rate = learning_rate
     self.skip_nonfinite = skip_nonfinite
+    self.check_indices = check_indices
     self._replicated = NamedSharding(model.mesh, PartitionSpec())
     self._abstract = any(isinstance(v, jax.ShapeDtypeStruct) for v in model.params.values())
     if self.master_dtype is not None:
@@ -408,7 +416,7 @@ class TrainStep:
     was_training = module.training
     module.eval()  # traced once: dropout and friends off in this program
     try:
-      with device_checks.collecting() as collector:
+      with device_checks.collecting(self.check_indices) as collector:
         loss, _ = self._loss(params, buffers, inputs, labels, jax.random.PRNGKey(0))
       self._traced_messages = collector.messages
       return loss, collector.checks()
@@ -488,7 +496,7 @@ class TrainStep:
 
   def _loss_and_grads(self, params, frozen, buffers, inputs, labels, rng):
     def loss_fn(params, frozen, buffers, inputs, labels, rng):
-      with device_checks.collecting() as collector:  # index checks come out with the loss
+      with device_checks.collecting(self.check_indices) as collector:  # index checks come out with the loss
         loss, changed = self._loss({**frozen, **params}, buffers, inputs, labels, rng)
       self._traced_messages = collector.messages
       return loss, (changed, collector.checks())

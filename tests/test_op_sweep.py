@@ -1,0 +1,90 @@
+"""A deterministic slice of tools/op_sweep.py (PyTorch's op_db through the public API).
+
+The whole sweep (every float32 op, forward and backward) is `python tools/op_sweep.py`;
+here: the ops whose lowering this project fixed or added (each must be exact, or refused
+where torch's own behaviour is not reproduced), and every 40th op of the sorted list,
+none of which may answer wrongly without an error.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("op_sweep", Path(__file__).parent.parent / "tools" / "op_sweep.py")
+op_sweep = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(op_sweep)
+
+# op → expected (forward, backward) verdicts; None: no backward samples.
+FIXED = {
+  "polygamma.polygamma_n_1": ("exact", "exact"),  # jax's zeta is wrong for negative arguments
+  "digamma": ("exact", "exact"),  # its gradient is the trigamma above
+  "i0": ("exact", "exact"),
+  "special.log_ndtr": ("exact", "exact"),  # NaN gradient through torch's where-formula
+  "nn.functional.elu": ("exact", "exact"),  # exp, not expm1 + 1, in the gradient
+  "norm": ("exact", "exact"),  # ord=0 is a float count
+  "linalg.norm.subgradients_at_zero": ("exact", "exact"),
+  "nn.functional.pdist": ("exact", "exact"),
+  "torch.ops.aten._safe_softmax.default": ("exact", "exact"),
+  "linalg.eigvalsh": ("exact", "exact"),  # one triangle
+  "linalg.pinv.hermitian": ("exact", "exact"),
+  "cholesky_inverse": ("exact", "exact"),
+  "native_layer_norm": ("exact", "exact"),  # saved statistics carry no gradient
+  "as_strided_scatter": ("exact", "refused"),  # torch's input gradient is not the derivative
+  "arange": ("exact", None),  # made inside the forward on the CPU
+  "signal.windows.hann": ("exact", None),
+  "eye": ("exact", None),
+  "nonzero": ("refused", None),  # data-dependent size: one sentence naming nonzero_static
+  "masked_select": ("refused", "refused"),
+  "ldexp": ("exact", "exact"),
+  "nonzero_static": ("exact", None),
+  "narrow": ("exact", "exact"),
+  "combinations": ("exact", "exact"),
+  "nn.functional.max_unpool2d": ("exact", "exact"),
+  "index_reduce.mean": ("exact", "exact"),
+}
+
+_ALL = [op_sweep.op_key(op) for op in op_sweep.float32_ops()]
+EVERY_40TH = [name for name in _ALL[::40] if name not in FIXED]
+
+
+@pytest.fixture(scope="module")
+def bridge():
+  return op_sweep.Bridge()
+
+
+def _verdicts(bridge, name, samples):
+  (op,) = [o for o in op_sweep.float32_ops([name]) if op_sweep.op_key(o) == name]
+  with op_sweep._unfixed_seeds():
+    result = op_sweep.sweep_op(bridge, op, ["forward", "backward"], samples=samples, timeout=300)
+  return {mode: result.get(mode) for mode in ("forward", "backward")}
+
+
+@pytest.mark.parametrize("name", sorted(FIXED))
+def test_a_fixed_op_is_exact_or_refused_in_one_sentence(bridge, name):
+  got = _verdicts(bridge, name, samples=2)
+  for mode, want in zip(("forward", "backward"), FIXED[name]):
+    outcome = got[mode]
+    assert (outcome.verdict if outcome else None) == want, (mode, outcome)
+    if want == "refused":
+      assert outcome.detail.count(". ") == 0 and outcome.detail.endswith("."), outcome.detail
+
+
+@pytest.mark.parametrize("name", EVERY_40TH)
+def test_no_op_of_the_slice_answers_wrongly(bridge, name):
+  for mode, outcome in _verdicts(bridge, name, samples=1).items():
+    assert outcome is None or outcome.verdict != "wrong", (mode, outcome)
+
+
+def test_the_sweep_tells_a_wrong_answer_from_rounding():
+  import torch
+
+  want = torch.tensor([1.0, 2.0, 3.0])
+  assert op_sweep.compare(want + 1e-7, want) is None
+  assert "rel err" in op_sweep.compare(want * 1.001, want)
+  assert "dtype" in op_sweep.compare(want.int(), want)
+  assert "NaN" in op_sweep.compare(torch.tensor([float("nan"), 2.0, 3.0]), want)
+  ok, _ = op_sweep.rounding_only([want * (1 + 3e-5)], [want * (1 + 2e-5)], [want.double()])
+  assert ok  # as far from float64 as torch's own float32 result
+  ok, _ = op_sweep.rounding_only([want * (1 + 3e-4)], [want * (1 + 2e-5)], [want.double()])
+  assert not ok
