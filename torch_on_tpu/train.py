@@ -447,25 +447,35 @@ class TrainStep:
     if self.clip_norm is not None:
       scale = jnp.minimum(1.0, self.clip_norm / (grad_norm + 1e-6))
       grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
-    updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    new_params, new_opt_state = self._untouched_where_unreached(new_params, new_opt_state, params, opt_state)
-    # Keep every dtype as it came in: a promoted leaf would change the signature.
-    new_params = jax.tree.map(lambda new, old: new.astype(old.dtype), new_params, params)
-    new_opt_state = jax.tree.map(lambda new, old: jnp.asarray(new).astype(old.dtype), new_opt_state, opt_state)
+    def optimizer_step(operands):
+      grads, opt_state, params = operands
+      updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+      new_params = optax.apply_updates(params, updates)
+      new_params, new_opt_state = self._untouched_where_unreached(new_params, new_opt_state, params, opt_state)
+      # Keep every dtype as it came in: a promoted leaf would change the signature.
+      new_params = jax.tree.map(lambda new, old: new.astype(old.dtype), new_params, params)
+      new_opt_state = jax.tree.map(lambda new, old: jnp.asarray(new).astype(old.dtype), new_opt_state, opt_state)
+      return new_params, new_opt_state
+
+    operands = (grads, opt_state, params)
+    checked = checks.flags.shape[0] > 0
+    if checked and not self.skip_nonfinite:
+      # A failed index check (device_checks) skips the update: a branch, so the state is
+      # not read again by a select after the optimizer's own loops.
+      new_params, new_opt_state = jax.lax.cond(checks.failed(), lambda ops: (ops[2], ops[1]), optimizer_step, operands)
+    else:
+      new_params, new_opt_state = optimizer_step(operands)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite((new_params, new_opt_state))
     metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
-    # A failed index check (device_checks) leaves the state as it was; so does a
-    # nonfinite step with skip_nonfinite. The selects fuse into the update's own loops.
     apply = ~checks.failed()
-    if self.skip_nonfinite:
+    if self.skip_nonfinite:  # a nonfinite step keeps the state too (its check needs the new one)
       apply = apply & finite
       metrics["skipped"] = metrics["nonfinite"]
-    if self.skip_nonfinite or checks.flags.shape[0]:
       keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731
       new_params = jax.tree.map(keep, new_params, params)
       new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
-      changed = {k: keep(v, buffers[k]) for k, v in changed.items()}  # running stats too
+    if self.skip_nonfinite or checked:
+      changed = {k: jnp.where(apply, v, buffers[k]) for k, v in changed.items()}  # running stats too
     lr = self._learning_rate(new_opt_state, opt_state)
     if lr is not None:
       metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
