@@ -40,6 +40,6 @@ setup(
     "cpu": ["jax[cpu]"],
     "tpu": ["jax[tpu]"],
     "cuda": ["jax[cuda12]"],
-    "test": ["pytest", "pytest-timeout", "pytest-xdist"],
+    "test": ["pytest", "pytest-timeout", "pytest-xdist", "expecttest"],  # expecttest: torch.testing._internal (the op_db sweep)
   },
 )
