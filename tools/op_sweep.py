@@ -305,7 +305,7 @@ _TENSOR = _Tensor()
 def _weights_for(outputs, seed=0):
   gen = torch.Generator().manual_seed(seed)
   return [
-    torch.randn(o.shape, generator=gen, dtype=o.dtype) if _differentiable_output(o) else None
+    torch.randn(o.shape, generator=gen).to(o.dtype) if _differentiable_output(o) else None
     for o in _output_tensors(outputs)
   ]
 
@@ -349,7 +349,7 @@ class Bridge:
     module = _WithParams(op, spec, sample, leaves, trained)
     inputs = tuple(x.detach().clone() for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and i not in trained)
     jm = self.tot.ShardedModule(module, mesh=self.mesh, sharding="replicated")
-    labels = [None if w is None else w.numpy() for w in weights]
+    labels = [None if w is None else w.float().numpy() for w in weights]  # the step sees fp32 outputs
 
     def loss_fn(outputs, labels):
       from torchax.interop import torch_view

@@ -13,6 +13,7 @@ import torch
 from jax.sharding import NamedSharding
 
 from torch_on_tpu import _compat, device_checks
+from torch_on_tpu.errors import TorchOnTpuError
 
 torchax = _compat.import_torchax()
 from torchax.tensor import Tensor as TorchaxTensor  # noqa: E402
@@ -20,6 +21,11 @@ from torchax.tensor import Tensor as TorchaxTensor  # noqa: E402
 
 def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
   """Zero-copy where numpy has the dtype (bf16 goes through a uint16 view)."""
+  if t.layout != torch.strided:
+    raise TorchOnTpuError(
+      f"A {t.layout} tensor cannot become a jax array (jax arrays are dense, torch_on_tpu has no "
+      f"sparse layouts); pass x.to_dense()."
+    )
   t = t.detach()
   if t.dtype == torch.bfloat16:
     import ml_dtypes

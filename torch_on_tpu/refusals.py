@@ -1,8 +1,9 @@
 """What torch code cannot do inside a compiled program, said in one sentence naming the op.
 
-While model or loss code is traced, three kinds of library error mean "this op
+While model or loss code is traced, four kinds of library error mean "this op
 cannot run here", and each arrives as a raw jax or torchax error with a
-traceback: an ATen op torchax has no lowering for (`OperatorNotFound`), a
+traceback: an ATen op torchax has no lowering for (`OperatorNotFound`) or
+whose torchax lowering fails on the arguments given, a
 value the program has not computed yet being read on the host (an output whose
 size depends on tensor values — `nonzero`, `masked_select`, `unique` — or a
 Python `if` / `.item()` on a tensor: jax's tracer conversion errors), and a jax
@@ -59,13 +60,33 @@ def _op_in_traceback(error: BaseException) -> str | None:
   return None
 
 
+def _failed_torchax_lowering(error: BaseException) -> str | None:
+  """The torchax lowering whose own code raised `error` (the innermost frame is torchax's):
+  the outermost frame of the innermost run of torchax op frames (`_aten_upsample` →
+  `upsample`), or the lowering a bad call names (`_aten_searchsorted() got ...`)."""
+  frames = [f for f in traceback.extract_tb(error.__traceback__)]
+  if not frames or "/torchax/" not in frames[-1].filename.replace("\\", "/"):
+    return None
+  called = re.search(r"_aten_(\w+)\(\)", str(error))
+  if called:
+    return called.group(1)
+  name = None
+  for frame in reversed(frames):
+    if "/torchax/ops/" not in frame.filename.replace("\\", "/"):
+      if name is not None:
+        break
+      continue
+    name = frame.name
+  return re.sub(r"^_(aten_|torch_)?", "", name).lstrip("_") if name else None
+
+
 def _aten_name(error: BaseException) -> str | None:
   match = re.search(r"aten::(\w+)", str(error))
   return match.group(1) if match else None
 
 
 def translate(error: BaseException) -> TorchOnTpuError | None:
-  """The one-sentence refusal for `error`, or None when it is not one of the three kinds."""
+  """The one-sentence refusal for `error`, or None when it is not one of the kinds above."""
   import jax
 
   torchax_missing = type(error).__name__ == "OperatorNotFound"
@@ -91,6 +112,12 @@ def translate(error: BaseException) -> TorchOnTpuError | None:
       f"{STATIC_ALTERNATIVES.get(key, _GENERIC)}."
     )
   message = str(error)
+  lowering = _failed_torchax_lowering(error)
+  if lowering is not None and not isinstance(error, NotImplementedError):
+    return TorchOnTpuError(
+      f"torchax's lowering of aten.{lowering} failed on these arguments ({first_line(error)}); give it "
+      f"one with tot.override_op(torch.ops.aten.{lowering}.default, impl) or compute it outside the model."
+    )
   if isinstance(error, NotImplementedError) and re.search(
     r"Differentiation rule|VJP not implemented|gradients are only implemented|Derivatives of", message
   ):
@@ -104,7 +131,7 @@ def translate(error: BaseException) -> TorchOnTpuError | None:
 
 @contextlib.contextmanager
 def translated():
-  """Context around tracing model code: the three kinds of error above become one sentence."""
+  """Context around tracing model code: the kinds of error above become one sentence."""
   try:
     yield
   except TorchOnTpuError:
