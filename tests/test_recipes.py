@@ -4,6 +4,7 @@ train, resume, eval, dry run, a plan that does not fit, a run-time OOM, HF + LoR
 import json
 import logging
 import pathlib
+import resource
 import subprocess
 import sys
 
@@ -121,7 +122,7 @@ def test_a_plan_that_does_not_fit_fails_with_one_suggestion(tmp_path):
   with pytest.raises(tot.TorchOnTpuError) as info:
     llama3.run(titan_flags(tmp_path, memory_gib=0.07, seqlen=64, global_batch_size=64))
   message = str(info.value)
-  assert message.startswith("The step needs about") and "remat='full'" in message
+  assert message.startswith("The step needs about") and "use --remat=full (recompute" in message  # the flag, not remat='full'
   assert message.count(". ") == 0 and message.endswith(".")
 
 
@@ -212,33 +213,70 @@ def test_llama3_hf_impl_is_the_same_architecture():
   assert twin.config.rope_parameters["rope_type"] == "llama3"
 
 
-def test_bad_flags_are_one_sentence(tmp_path):
-  with pytest.raises(tot.TorchOnTpuError, match="--model='7B' is not a Llama 3 flavor"):
-    llama3.run(titan_flags(tmp_path, model="7B"))
-  with pytest.raises(tot.TorchOnTpuError, match="--dtype='fp8'"):
-    llama3.run(titan_flags(tmp_path, dtype="fp8"))
-  with pytest.raises(tot.TorchOnTpuError, match="--attention=none leaves attention to torchax's own SDPA"):
-    llama3.run(titan_flags(tmp_path, attention="none"))
-  with pytest.raises(tot.TorchOnTpuError, match="--titan_attention='causal' is not flex or sdpa"):
-    llama3.run(titan_flags(tmp_path, titan_attention="causal"))
-  with pytest.raises(tot.TorchOnTpuError, match="--cpu_devices=3 but jax already started with 8"):
-    llama3.run(titan_flags(tmp_path, cpu_devices=3))
-  with pytest.raises(tot.TorchOnTpuError, match="--config='nowhere' does not exist"):
-    hf.run(hf.HFFlags(config="nowhere"))
-  with pytest.raises(tot.TorchOnTpuError, match="recipes.hf needs --config=PATH"):
-    hf.run(hf.HFFlags())
+def test_bad_flags_are_one_sentence_naming_the_flag_before_the_model_is_built(tmp_path, hf_dir, monkeypatch):
+  monkeypatch.setattr(tot.ShardedModule, "__init__", lambda *a, **k: pytest.fail("built the model"))
+  (tmp_path / "notes.jsonl").write_text('{"body": "some text"}\n')
+  for flags, message in [
+    (dict(model="8b"), "--model='8b' is not one of debugmodel, 1B, 3B, 8B, 70B, 405B; did you mean --model=8B?"),
+    (dict(dtype="fp8"), "--dtype='fp8' is not one of float32, bfloat16, bfloat16-all; pick one of those."),
+    (dict(remat="bogus"), f"--remat='bogus' is not one of auto, {', '.join(remat_lib.NAMES)}; pick one of those."),
+    (dict(seqlen=0), "--seqlen=0 is below its minimum of 1; give 1 or more."),
+    (dict(max_skips=-1), "--max_skips=-1 is below its minimum of 0; give 0 or more."),
+    (dict(data=str(tmp_path / "notes/*.txt")), f"--data: Data glob '{tmp_path}/notes/*.txt' matches no files; check the pattern and the directory."),
+    (dict(profile="a"), "--profile: 'a' is not FIRST,LAST step numbers; write e.g. --profile=10,12."),
+    (dict(resume_step=2, resume=False), "--resume_step needs --resume=True; drop one of the two."),
+    (dict(global_batch_size=6, grad_accum=4), "--global_batch_size=6 does not divide into --grad_accum=4 microbatches; make the batch a multiple of 4."),
+    (dict(global_batch_size=6), "--global_batch_size=6 does not split over the 8 data devices (fsdp=8); use a multiple of 8, e.g. --global_batch_size=8."),
+    (dict(fsdp=64, tp=4), "--fsdp=64 --tp=4 needs 256 devices but 8 are available; make the axis sizes multiply to 8 or use -1 on one axis."),
+    (dict(attention="none"), "--attention=none leaves attention to torchax's own SDPA lowering, which cannot run torchtitan's flex attention; add --titan_attention=sdpa (plain causal attention) or pick an --attention kernel."),
+    (dict(cpu_devices=3), "--cpu_devices=3 but jax already started with 8 cpu devices in this process; run the recipe in a fresh process."),
+  ]:
+    with pytest.raises(tot.TorchOnTpuError) as info:
+      llama3.run(titan_flags(tmp_path, **flags))
+    assert str(info.value) == message
+  for flags, message in [
+    (dict(config="gpt2"), "--config: 'gpt2' does not exist (recipes.hf reads local files and fetches no hub names: download the model first, e.g. `hf download gpt2 --local-dir models/gpt2`, and pass that directory); pass a config.json or a directory holding one."),
+    (dict(), "--config: recipes.hf needs it: a config.json or a model directory holding one."),
+    (dict(config=str(tmp_path)), f"--config: directory '{tmp_path}' has no config.json; point at the file or its directory."),
+    (dict(config=str(hf_dir), lora_rank=-1), "--lora_rank=-1 is below its minimum of 0; give 0 or more."),
+  ]:
+    with pytest.raises(tot.TorchOnTpuError) as info:
+      hf.run(hf.HFFlags(**flags))
+    assert str(info.value) == message
 
 
-def test_an_unknown_remat_policy_lists_every_valid_one_before_the_config_is_printed():
+def test_library_errors_name_the_flag_that_sets_their_argument(tmp_path):
+  """`errors.spoken_as_flags`: the recipe maps call arguments to its flags (--data_field sets field=)."""
+  from torch_on_tpu import errors
+
+  (tmp_path / "notes.jsonl").write_text('{"body": "some text"}\n')
+  corpus = str(tmp_path / "notes.jsonl")
+  with pytest.raises(tot.TorchOnTpuError, match=r"has no field 'text' \(a record has fields \['body'\]\); name one of those with field\.$"):
+    data.source(corpus).read(0)
+  with errors.spoken_as_flags(common.flag_spelling(hf.HFFlags)):
+    with pytest.raises(tot.TorchOnTpuError, match=r"name one of those with --data_field\.$"):
+      data.source(corpus).read(0)
+    assert errors.args({"fsdp": 4, "scan": False, "remat": "full", "overwrite": True}) == "--fsdp=4 --scan=false --remat=full overwrite=True"
+    assert not errors.settable("val_fraction") and errors.settable("eval_every")
+  assert errors.args({"fsdp": 4, "scan": False}) == "fsdp=4, scan=False"  # Python again outside
+
+
+def test_start_up_checks_stop_a_bad_batch_within_seconds_before_anything_is_built():
+  """In a fresh process the check that needs the devices (the batch over them) still comes
+  before the model: 2.3 s of CPU (2.4 s wall on an idle 2-core machine). The bound is on the
+  child's CPU time, which the machine's other load barely changes (its wall time triples)."""
+  before = resource.getrusage(resource.RUSAGE_CHILDREN)
   done = subprocess.run(
-    [sys.executable, "-m", "recipes.llama3", "--remat=bogus", "--steps=1", "--cpu_devices=8"], cwd=ROOT,
+    [sys.executable, "-m", "recipes.llama3", "--global_batch_size=6", "--cpu_devices=4"], cwd=ROOT,
     capture_output=True, text=True, timeout=300,
   )
-  assert done.returncode != 0
-  assert "Run config" not in done.stdout and "Mesh" not in done.stdout
-  (sentence,) = [x for x in done.stderr.splitlines() if "--remat='bogus'" in x]
-  for name in ("auto", *remat_lib.NAMES):
-    assert f" {name}" in sentence.split("choose one of")[1], name
+  after = resource.getrusage(resource.RUSAGE_CHILDREN)
+  cpu_seconds = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+  assert done.returncode == 1 and "Run config" not in done.stdout and "Mesh" not in done.stdout
+  assert done.stderr.strip().splitlines()[-1] == (
+    "error: --global_batch_size=6 does not split over the 4 data devices (fsdp=4); use a multiple of 4, e.g. --global_batch_size=8."
+  )
+  assert cpu_seconds < 3, cpu_seconds
 
 
 def test_help_lists_every_flag_with_its_default():
