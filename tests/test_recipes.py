@@ -63,18 +63,35 @@ def test_train_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch, c
     patch.setattr(checkpoint.PreemptionGuard, "should_stop", lambda self, step: step == 3)
     stopped = llama3.run(titan_flags(tmp_path, "split", steps=8, save_every=4, eval_every=4))
   assert stopped["preempted"] and stopped["steps"] == 3
+  assert stopped["final_eval_loss"] is None and stopped["last_eval"]["step"] == 0  # not step 0's as the run's
   resumed = llama3.run(titan_flags(tmp_path, "split", steps=8, save_every=4, eval_every=4))
   assert resumed["start"]["step"] == 3
   assert losses(resumed) == losses(full)[3:]
   assert resumed["final_eval_loss"] == full["final_eval_loss"]
 
 
-def test_a_finished_run_relaunched_says_so_before_anything_is_built(tmp_path, monkeypatch, capsys):
-  first = llama3.run(titan_flags(tmp_path, steps=1, eval_every=0, sample="The cat"))
-  assert f"Sample: 'The cat' → {first['sample']!r}" in capsys.readouterr().out
-  assert len(first["sample"]) > 10  # 32 greedy tokens of text
+def test_a_small_corpus_trains_without_eval_and_a_finished_run_only_samples(tmp_path, monkeypatch, capsys):
+  notes = tmp_path / "notes"
+  notes.mkdir()
+  for i in range(9):  # the README's --data='notes/*.txt': too few documents to hold one out for eval
+    (notes / f"{i}.txt").write_text(f"Note {i}: the cat sat on the mat and looked at the {i} birds outside.\n")
+  flags = dict(steps=1, data=str(notes / "*.txt"), sample="The cat")
+  first = llama3.run(titan_flags(tmp_path, **flags))  # --eval_every at its default
+  out = capsys.readouterr().out
+  assert "No eval: 9 files under" in out and "training on all of it without eval (--eval_every=0 skips this look)" in out
+  assert f"Sample: 'The cat' → {first['sample']!r}" in out
+  assert first["sample"] and first["final_eval_loss"] is None  # greedy tokens decoded to text
+
+  # relaunched with --sample: the saved weights are sampled; the train step is neither compiled nor run
+  monkeypatch.setattr(tot.TrainStep, "compile", lambda *a: pytest.fail("compiled the train step"))
+  monkeypatch.setattr(tot, "Trainer", lambda *a, **k: pytest.fail("ran the Trainer"))
+  again = llama3.run(titan_flags(tmp_path, **flags))
+  out = capsys.readouterr()
+  assert f"already holds step 1 of --steps=1; sampling from it.\n" in out.out and again["sample"] == first["sample"]
+  assert "trained" not in out.out and "%|" not in out.err  # no training summary, no progress bar
+
   monkeypatch.setattr(common, "_run", lambda *args: pytest.fail("built the model"))
-  done = llama3.run(titan_flags(tmp_path, steps=1, eval_every=0))  # relaunched after it finished
+  done = llama3.run(titan_flags(tmp_path, steps=1))  # relaunched after it finished, without --sample
   assert done["finished"] and done["last_step"] == 1
   assert capsys.readouterr().out.splitlines() == [
     f"Nothing to train: {tmp_path / 'run' / 'ckpt'} already holds step 1 of --steps=1; raise --steps to "
