@@ -19,6 +19,7 @@ import glob
 import importlib.util
 import inspect
 import json
+import math
 import os
 import shutil
 import sys
@@ -450,6 +451,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   )
   if main:
     print(memory, flush=True)
+    print(_parameter_count(abstract_step), flush=True)
   spec = jax.ShapeDtypeStruct((flags.global_batch_size, flags.seqlen), jnp.int32)
   documents = ("positions", "segment_ids") if recipe.family == "titan" else ()  # what data.batches yields
   abstract_batch = {key: spec for key in ("input_ids", "labels", *documents)}
@@ -575,6 +577,13 @@ def _eval_batches(flags: Flags, source, tokenizer, data_kwargs: dict, main: bool
         flush=True,
       )
     return None
+
+
+def _parameter_count(step) -> str:
+  """peft's line, for every run: what trains of what the model holds."""
+  sizes = {name: math.prod(array.shape) for name, array in step.model.params.items()}
+  trainable, total = sum(sizes[n] for n in step.trainable), sum(sizes.values())
+  return f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {100 * trainable / total:.4f}"
 
 
 SAMPLE_TOKENS = 32  # what --sample adds to the prompt (fewer if --seqlen leaves less room)

@@ -176,7 +176,7 @@ def hf_dir(tmp_path_factory):
   return path
 
 
-def test_hf_lora_trains_only_the_adapters_and_exports(tmp_path, hf_dir, caplog, capsys):
+def test_hf_lora_trains_only_the_adapters_and_exports(tmp_path, hf_dir, caplog, capsys, recwarn):
   import peft
 
   from safetensors.torch import load_file
@@ -202,13 +202,21 @@ def test_hf_lora_trains_only_the_adapters_and_exports(tmp_path, hf_dir, caplog, 
 
   # The printed export command: the adapters merged into a model transformers loads, with
   # the run's own tokenizer beside it; --mode=adapter: a peft adapter for the pretrained base.
-  command = [line for line in capsys.readouterr().out.splitlines() if "tools/convert.py to_hf" in line][0]
+  printed = capsys.readouterr().out
+  (count,) = [line for line in printed.splitlines() if line.startswith("trainable params: ")]  # as peft prints it
+  trainable = sum(int(np.prod(jm.params[k].shape)) for k in adapters)
+  assert count.startswith(f"trainable params: {trainable:,d} || all params: ") and trainable < 0.1 * sum(v.size for v in jm.params.values())
+  assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]  # peft's transformers deprecation stays quiet
+  command = [line for line in printed.splitlines() if "tools/convert.py to_hf" in line][0]
   args = command.split("python tools/convert.py ")[1].split()
   convert = h.load_module(ROOT / "tools" / "convert.py")
   assert convert.main(args) == 0
   out = pathlib.Path(args[2])
   tokens = torch.randint(0, 256, (2, 16))
   want = np.asarray(jm(tokens, use_cache=False).logits.jax())
+  assert convert.main(args) == 1  # again: the directory exists; the error names convert's flag
+  assert capsys.readouterr().err.strip().endswith("already exists and is not empty; pick a new path or pass --overwrite.")
+  assert "read only" not in caplog.text and "read_only=True" not in caplog.text  # orbax's notices on a read-only open
   merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
   assert h.rel(merged(tokens).logits.detach().numpy(), want) < 1e-5  # fp32 on CPU: ‖Δ‖/‖ref‖
   tokenizer = transformers.AutoTokenizer.from_pretrained(out)

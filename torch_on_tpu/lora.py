@@ -18,6 +18,8 @@ zeros, so training starts from exactly the base model.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 
@@ -77,7 +79,9 @@ def wrap(
     lora_dropout=dropout,
   )
   try:
-    model = peft.get_peft_model(module, config)
+    with warnings.catch_warnings():  # peft asks transformers 5 for a property it deprecated: not the user's to fix
+      warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+      model = peft.get_peft_model(module, config)
   except ValueError as e:
     raise TorchOnTpuError(f"peft cannot put LoRA adapters on targets={targets!r} ({e}); name modules the model has.") from None
   specs = {**base.param_shardings, **base.buffer_shardings}
