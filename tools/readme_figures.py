@@ -202,7 +202,8 @@ def kind_of(accelerator_name: str | None) -> str:
 
 def body(figure: Figure, rendered: str, when: datetime.date, where: str) -> str:
   """A region's text: when, where and the command, then the rendered output."""
-  return f"*{when.isoformat()}, {where}:* `{figure.command}` → {rendered}\n"
+  separator = "" if rendered.startswith("\n") else " "  # a table goes below, after an empty line
+  return f"*{when.isoformat()}, {where}:* `{figure.command}` →{separator}{rendered}\n"
 
 
 def rewrite(figure: Figure, text: str) -> None:
