@@ -20,6 +20,7 @@ def test_three_line_snippet_trains(name):
   scope = {}
   exec(compile(snippet(name), f"README.md:{name}", "exec"), scope)
   first = float(scope["loss"])
+  assert repr(scope["loss"]) == f"tensor({first:.4f}, device='jax')"  # prints as torch's tensors do
   second = float(scope["step"](*_same_batch(name, scope)))
   assert math.isfinite(first) and second < first  # a real update on the same batch lowers the loss
   params = scope["model"].params
@@ -50,6 +51,7 @@ import importlib  # noqa: E402
 import shlex  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 import types  # noqa: E402
 
 from recipes import common  # noqa: E402
@@ -216,8 +218,12 @@ def tiny(argv: list[str]) -> list[str]:
 
 
 def test_every_runnable_documented_command_runs_as_written():
-  """One pass over the docs in order (a convert command reads the run a recipe command made)."""
-  done = set()
+  """One pass over the docs in order (a convert command reads the run a recipe command made); a
+  command that is also a figure's renders that figure from its output (at the tiny step count)."""
+  done, rendered = set(), []
+  regions = {}
+  for figure in figures.figures():
+    regions.setdefault(tuple(figures.argv_of(figure.command)), []).append(figure)
   with figures.scratch_directory() as directory:
     make_placeholders(directory)
     for command in documented_commands():
@@ -225,9 +231,12 @@ def test_every_runnable_documented_command_runs_as_written():
       if not command.runs or argv[0] != sys.executable or "pytest" in argv or tuple(argv) in done:
         continue  # not run here; or CI itself is the pytest command; or already run
       done.add(tuple(argv))
+      start = time.monotonic()
       result = subprocess.run(argv, cwd=directory, env=figures.user_env(), capture_output=True, text=True, timeout=900)
+      print(f"{time.monotonic() - start:6.1f} s  {command.where}  {shlex.join(command.argv)}")  # with -s: where the time goes
       output = result.stdout + result.stderr
       assert result.returncode == 0, f"{command.where}: `{shlex.join(command.argv)}` exited {result.returncode}:\n{output[-3000:]}"
-      if "--dry_run" in argv:  # the README's figure of it renders from this output
-        assert " GiB/device, compiled peak " in figures.render_dry_run(output, 1.0, directory)
+      for figure in regions.get(tuple(figures.argv_of(shlex.join(command.argv))), []):
+        rendered.append(figures.RENDERERS[figure.renderer](output, 1.0, directory))  # its figure renders from it
   assert len(done) >= 8
+  assert len(rendered) >= 2 and any("compiled peak" in r for r in rendered) and any("eval loss" in r for r in rendered)
