@@ -51,8 +51,9 @@ def flag(default, help: str, *, choices=None, minimum=None, check=None, argument
 
   What it takes is checked at start-up, before any device or model (`check_flags`):
   `choices` (a tuple, or a function returning one, e.g. names another module defines),
-  `minimum` (for numbers; None always passes) and `check` (`value → None`, raising
-  `TorchOnTpuError` with a sentence about the value; the flag's name is put in front).
+  `minimum` (for numbers; None always passes) and `check` (`(value, flags) → None`, raising
+  `TorchOnTpuError` with a sentence about the value; the flag's name is put in front), for
+  what needs a look at the machine (files).
   `argument`: the library call argument this flag sets when its name differs (`--data_field`
   sets `field=`), so that errors from the library name the flag (`errors.spoken_as_flags`).
   """
@@ -66,22 +67,22 @@ def _remat_names() -> tuple[str, ...]:
   return ("auto", *remat_lib.NAMES)
 
 
-def _existing_data(spec) -> None:
-  """--data names files that exist (the files are listed, not read)."""
+def _existing_data(spec, flags) -> None:
+  """--data names files that exist (listed; of JSONL or Parquet the first record is read, for --data_field)."""
   if spec is not None:
     from torch_on_tpu.data import sources
 
-    sources.source(spec)
+    sources.source(spec, field=flags.data_field)
 
 
-def existing_path(path) -> None:
+def existing_path(path, flags) -> None:
   from torch_on_tpu.errors import TorchOnTpuError
 
   if path is not None and not os.path.exists(path):
     raise TorchOnTpuError(f"{path!r} does not exist; pass an existing file or directory.")
 
 
-def _profile_format(spec) -> None:
+def _profile_format(spec, flags) -> None:
   from torch_on_tpu.errors import TorchOnTpuError
 
   try:
@@ -699,13 +700,13 @@ def check_flags(flags: Flags, mesh=None, *, read_files: bool = True) -> None:
 
   if mesh is None:
     for field in dataclasses.fields(flags):
-      _check_value(field, getattr(flags, field.name), TorchOnTpuError, read_files)
+      _check_value(field, flags, TorchOnTpuError, read_files)
   for check in STARTUP_CHECKS:
     check(flags, mesh)
 
 
-def _check_value(field, value, error, read_files: bool) -> None:
-  meta, name = field.metadata, field.name
+def _check_value(field, flags: Flags, error, read_files: bool) -> None:
+  meta, name, value = field.metadata, field.name, getattr(flags, field.name)
   choices = meta.get("choices")
   choices = choices() if callable(choices) else choices
   if choices and value not in choices:
@@ -718,7 +719,7 @@ def _check_value(field, value, error, read_files: bool) -> None:
     raise error(f"--{name}={value} is below its minimum of {minimum}; give {minimum} or more.")
   if read_files and meta.get("check") is not None:
     try:
-      meta["check"](value)
+      meta["check"](value, flags)
     except error as e:
       raise error(f"--{name}: {e}") from None
 

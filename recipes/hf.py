@@ -19,7 +19,7 @@ import os
 from recipes import common
 
 
-def _local_config(path) -> None:
+def _local_config(path, flags) -> None:
   """--config is a local config.json or a directory holding one: hub names are not fetched."""
   from torch_on_tpu.errors import TorchOnTpuError
 

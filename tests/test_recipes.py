@@ -248,6 +248,7 @@ def test_bad_flags_are_one_sentence_naming_the_flag_before_the_model_is_built(tm
     (dict(seqlen=0), "--seqlen=0 is below its minimum of 1; give 1 or more."),
     (dict(max_skips=-1), "--max_skips=-1 is below its minimum of 0; give 0 or more."),
     (dict(data=str(tmp_path / "notes/*.txt")), f"--data: Data glob '{tmp_path}/notes/*.txt' matches no files; check the pattern and the directory."),
+    (dict(data=str(tmp_path / "notes.jsonl")), f"--data: JSONL file '{tmp_path}/notes.jsonl' has no field 'text' (a record has fields ['body']); name one of those with --data_field."),
     (dict(profile="a"), "--profile: 'a' is not FIRST,LAST step numbers; write e.g. --profile=10,12."),
     (dict(resume_step=2, resume=False), "--resume_step needs --resume=True; drop one of the two."),
     (dict(global_batch_size=6, grad_accum=4), "--global_batch_size=6 does not divide into --grad_accum=4 microbatches; make the batch a multiple of 4."),

@@ -147,7 +147,7 @@ def render_dry_run(output: str, seconds: float, directory: Path) -> str:
 
 def render_demo(output: str, seconds: float, directory: Path) -> str:
   """A recipe's training run: train and eval loss at start and end, tokens/s, the wall time."""
-  (log,) = directory.glob("runs/*/metrics.jsonl")
+  log = max(directory.glob("runs/*/metrics.jsonl"), key=lambda path: path.stat().st_mtime)  # the run just made
   records = [json.loads(line) for line in log.read_text().splitlines()]
   train = [r["loss"] for r in records if "loss" in r]
   evals = [r["eval_loss"] for r in records if "eval_loss" in r]
