@@ -1,10 +1,25 @@
-"""The README's snippets run as written, so they cannot rot."""
+"""The README's snippets, and every shell command in a fenced block of the README and docs/, run
+as written, so they cannot rot; every figure region names its date, machine and command."""
 
+import ast
+import contextlib
+import dataclasses
+import importlib
+import io
 import math
 import pathlib
 import re
+import shlex
+import subprocess
+import sys
+import time
+import types
 
 import pytest
+
+from recipes import common
+from tests import helpers as h
+from torch_on_tpu import launch
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
@@ -44,19 +59,6 @@ def _same_batch(name, scope):
 # not run (it needs a TPU, a GPU, the network or your own script); every command is still
 # checked as far as it can be here: its flags parsed and passed through the recipe's start-up
 # checks, the launcher's command line, a benchmark's arguments, the pins and extras it installs.
-
-import ast  # noqa: E402
-import dataclasses  # noqa: E402
-import importlib  # noqa: E402
-import shlex  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import types  # noqa: E402
-
-from recipes import common  # noqa: E402
-from tests import helpers as h  # noqa: E402
-from torch_on_tpu import launch  # noqa: E402
 
 ROOT = README.parent
 figures = h.load_module(ROOT / "tools" / "readme_figures.py")
@@ -217,6 +219,20 @@ def tiny(argv: list[str]) -> list[str]:
   return [a for a in argv if not a.startswith("--steps=")] + [f"--steps={TINY_STEPS}"]
 
 
+def run_documented(argv: list[str], directory) -> tuple[int, str]:
+  """(exit status, output) of a documented command run in `directory`. A `tools/` script runs its
+  `main(argv)` in this process: the same code as its `__main__` (`sys.exit(main())`), without
+  paying a fresh interpreter's imports per command; everything else in a fresh process."""
+  if argv[1].startswith("tools/"):
+    script = h.load_module(ROOT / argv[1])
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(directory), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+      returncode = script.main(argv[2:])
+    return returncode, out.getvalue() + err.getvalue()
+  result = subprocess.run(argv, cwd=directory, env=figures.user_env(), capture_output=True, text=True, timeout=900)
+  return result.returncode, result.stdout + result.stderr
+
+
 def test_every_runnable_documented_command_runs_as_written():
   """One pass over the docs in order (a convert command reads the run a recipe command made); a
   command that is also a figure's renders that figure from its output (at the tiny step count)."""
@@ -232,10 +248,9 @@ def test_every_runnable_documented_command_runs_as_written():
         continue  # not run here; or CI itself is the pytest command; or already run
       done.add(tuple(argv))
       start = time.monotonic()
-      result = subprocess.run(argv, cwd=directory, env=figures.user_env(), capture_output=True, text=True, timeout=900)
+      returncode, output = run_documented(argv, directory)
       print(f"{time.monotonic() - start:6.1f} s  {command.where}  {shlex.join(command.argv)}")  # with -s: where the time goes
-      output = result.stdout + result.stderr
-      assert result.returncode == 0, f"{command.where}: `{shlex.join(command.argv)}` exited {result.returncode}:\n{output[-3000:]}"
+      assert returncode == 0, f"{command.where}: `{shlex.join(command.argv)}` exited {returncode}:\n{output[-3000:]}"
       for figure in regions.get(tuple(figures.argv_of(shlex.join(command.argv))), []):
         rendered.append(figures.RENDERERS[figure.renderer](output, 1.0, directory))  # its figure renders from it
   assert len(done) >= 8
