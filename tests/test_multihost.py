@@ -212,10 +212,14 @@ def test_launcher_relays_a_progress_bar_as_it_is_drawn_not_at_its_line_end():
     time.sleep(0.01)
   assert out.getvalue() == "\r[p0]  10%|█         | 1/10"
   console._write(1, "[p1] a line\n")  # another process writes: the bar's line is ended first
+  os.write(write, "\r 15%|█▌        | 1/10[Gl".encode())  # gloo's notice after the open bar, in pieces
+  os.write(write, b"oo] Rank 0 is connected to 1 peer ranks.\n")
   os.write(write, "\r 20%|██        | 2/10\n".encode())
   os.close(write)
   relay.join(timeout=10)
-  assert out.getvalue() == "\r[p0]  10%|█         | 1/10\n[p1] a line\n\r[p0]  20%|██        | 2/10\n"
+  assert out.getvalue() == (
+    "\r[p0]  10%|█         | 1/10\n[p1] a line\n\r[p0]  15%|█▌        | 1/10\r[p0]  20%|██        | 2/10\n"
+  )
 
 
 def test_launcher_stops_the_others_and_fails_when_one_process_fails(tmp_path):

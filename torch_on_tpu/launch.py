@@ -157,8 +157,8 @@ class _Console:
       for piece in re.split(r"([\r\n])", decoder.decode(chunk)):
         if piece in ("\r", "\n"):
           self._write(index, line.end(piece))
-          if line.text.strip() and not line.dropped:
-            self.last_lines[index] = line.text.strip()
+          if line.visible.strip():
+            self.last_lines[index] = line.visible.strip()
           line = _Line(index)
         elif piece:
           self._write(index, line.add(piece))
@@ -177,35 +177,44 @@ class _Console:
 
 
 class _Line:
-  """One line of one process's output as it arrives: what to write of it, when."""
+  """One line of one process's output as it arrives: what to write of it, when. A noise notice
+  may start mid-line (C++ writes it after a progress bar that has no line end yet): the line is
+  written up to it, and the notice dropped with its own line end."""
 
   def __init__(self, index: int):
     self.prefix = f"[p{index}] "
     self.text = ""
     self.written = 0  # characters of `text` already written
-    self.dropped = False
+    self.noise_at = None  # where a noise notice starts in `text`
+
+  @property
+  def visible(self) -> str:
+    return self.text if self.noise_at is None else self.text[: self.noise_at]
 
   def add(self, piece: str) -> str:
-    """The text to write now that `piece` arrived; held back while the line may still turn out to be noise."""
+    """The text to write now that `piece` arrived (held back while it may still turn out to be noise)."""
     self.text += piece
-    if self.dropped or any(p.startswith(self.text) and p != self.text for p in NOISE_PREFIXES):
-      return ""
-    if self.text.startswith(NOISE_PREFIXES):
-      self.dropped = True
-      return ""
-    return self._rest()
+    if self.noise_at is None:
+      hits = [i for i in (self.text.find(p, self.written) for p in NOISE_PREFIXES) if i >= 0]
+      self.noise_at = min(hits) if hits else None
+    if self.noise_at is not None:
+      return self._upto(self.noise_at)
+    maybe = max((n for p in NOISE_PREFIXES for n in range(1, len(p)) if self.text.endswith(p[:n])), default=0)
+    return self._upto(len(self.text) - maybe)
 
   def end(self, terminator: str) -> str:
     """The text to write as the line ends with `terminator` (`\n`, `\r`, or "" at the stream's end)."""
-    if self.dropped:
-      return ""
-    if not self.text and terminator != "\n":
-      return terminator  # a bar's redraw starts with \r: its text gets the prefix
-    return self._rest() + terminator
+    if self.noise_at is not None:
+      return self._upto(self.noise_at)  # the notice's line end is its own: a bar before it stays open
+    if not self.text:  # an empty line; or a bar's redraw starting with \r, whose text gets the prefix
+      return (self.prefix if terminator == "\n" else "") + terminator
+    return self._upto(len(self.text)) + terminator
 
-  def _rest(self) -> str:
-    rest = ("" if self.written else self.prefix) + self.text[self.written:]
-    self.written = len(self.text)
+  def _upto(self, end: int) -> str:
+    if end <= self.written:
+      return ""
+    rest = ("" if self.written else self.prefix) + self.text[self.written : end]
+    self.written = end
     return rest
 
 
