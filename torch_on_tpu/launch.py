@@ -138,10 +138,10 @@ NOISE_PREFIXES = ("[Gloo] ",)
 
 
 class _Console:
-  """Where every process's output goes, as it arrives: each line, and each redraw of a
-  progress bar (which ends in `\r`, not a newline), prefixed `[p<index>] `; lines starting
-  with a `NOISE_PREFIXES` entry dropped. A line one process left open (a bar) is ended
-  before another process writes."""
+  r"""Where every process's output goes, as it arrives: each line, and each redraw of a
+  progress bar (which starts with `\r`, not a newline), prefixed `[p<index>] `; notices
+  starting with a `NOISE_PREFIXES` entry dropped. A line one process left open (a bar) is
+  ended before another process writes."""
 
   def __init__(self, out):
     self.out = out
@@ -203,10 +203,10 @@ class _Line:
     return self._upto(len(self.text) - maybe)
 
   def end(self, terminator: str) -> str:
-    """The text to write as the line ends with `terminator` (`\n`, `\r`, or "" at the stream's end)."""
+    r"""The text to write as the line ends with `terminator` (`\n`, `\r`, or "" at the stream's end)."""
     if self.noise_at is not None:
       return self._upto(self.noise_at)  # the notice's line end is its own: a bar before it stays open
-    if not self.text:  # an empty line; or a bar's redraw starting with \r, whose text gets the prefix
+    if not self.text:  # an empty line; or the start of a bar's redraw, whose text gets the prefix
       return (self.prefix if terminator == "\n" else "") + terminator
     return self._upto(len(self.text)) + terminator
 
