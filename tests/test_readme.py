@@ -4,9 +4,11 @@ as written, so they cannot rot; every figure region names its date, machine and 
 import ast
 import contextlib
 import dataclasses
+import datetime
 import importlib
 import io
 import math
+import os
 import pathlib
 import re
 import shlex
@@ -196,6 +198,16 @@ def test_every_figure_region_names_its_date_machine_command_and_a_renderer():
       recipe_flags(argv[2], argv[3:], mesh=types.SimpleNamespace(shape={"fsdp": fsdp, "tp": flags.tp}, axis_names=("fsdp", "tp")))
     else:
       check_python(argv[1:])
+
+
+def test_a_figure_is_regenerated_in_place_with_its_date_machine_and_command(tmp_path):
+  page = tmp_path / "page.md"
+  command = "python -c \"print('| a | b |'); print('not a table')\""
+  page.write_text(f"before\n\n<!-- figure: {command} -->\nold\n<!-- /figure -->\n\nafter\n")
+  (figure,) = figures.figures([page])
+  text = figures.regenerate(figure, when=datetime.date(2026, 11, 24))
+  assert text.startswith(f"*2026-11-24, {os.cpu_count()}-core CPU") and text.endswith(f":* `{command}` →\n\n| a | b |\n")
+  assert page.read_text() == f"before\n\n<!-- figure: {command} -->\n{text}<!-- /figure -->\n\nafter\n"
 
 
 def make_placeholders(directory) -> None:
