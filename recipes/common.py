@@ -1,14 +1,19 @@
-"""What both recipes share: flags → resolved config → mesh, model, plan, data, step,
-checkpoints, the Trainer.
+"""What both recipes share: flags → start-up checks → resolved config → mesh, model, plan,
+data, step, checkpoints, the Trainer.
 
-`run(flags, recipe)` is the whole recipe, top to bottom. Nothing here imports
+`run(flags, recipe_for)` is the whole recipe, top to bottom. Nothing here imports
 jax at module level: `--cpu_devices` must set `XLA_FLAGS`, and a TPU run its
 `LIBTPU_INIT_ARGS`, before jax starts a backend (`setup_platform`).
 
 A recipe is a `Recipe`: a name for its run directory and a builder of the
 torch model on meta (called once for the plan and once for the run; twice
 more for LoRA). The CLI's `--help` comes from the flags dataclass: each
-field's default and help text (`cli`).
+field's default and help text (`cli`). A flag says what values it takes
+(`flag(choices=, minimum=, check=)`) and which library argument it sets when
+the names differ (`flag(argument=)`): the first drives the start-up checks
+(`check_flags`, with the `@startup_check`s across flags), the second how errors
+name it (`flag_spelling`, for `errors.spoken_as_flags`). A new flag needs no
+other code for either.
 """
 
 from __future__ import annotations
