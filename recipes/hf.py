@@ -43,7 +43,9 @@ class HFFlags(common.Flags):
   )
   lora_rank: int = common.flag(0, "LoRA rank (0: train every parameter)", minimum=0)
   lora_alpha: float | None = common.flag(None, "LoRA alpha (default: 2 x rank)")
-  lora_targets: str = common.flag("all-linear", "modules that get adapters: peft's 'all-linear' or comma-separated names")
+  lora_targets: str = common.flag(
+    "all-linear", "modules that get adapters: peft's 'all-linear' or comma-separated names", argument="targets"
+  )
 
 
 def load_config(path: str):

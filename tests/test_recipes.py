@@ -284,6 +284,7 @@ def test_library_errors_name_the_flag_that_sets_their_argument(tmp_path):
       data.source(corpus).read(0)
     assert errors.args({"fsdp": 4, "scan": False, "remat": "full", "overwrite": True}) == "--fsdp=4 --scan=false --remat=full overwrite=True"
     assert not errors.settable("val_fraction") and errors.settable("eval_every")
+    assert errors.arg("targets", ["q_proj", "v_proj"]) == "--lora_targets=q_proj,v_proj"  # flag(argument="targets")
   assert errors.args({"fsdp": 4, "scan": False}) == "fsdp=4, scan=False"  # Python again outside
 
 

@@ -56,7 +56,8 @@ def settable(name: str) -> bool:
 
 def arg(name: str, value=_UNSET) -> str:
   """How the user sets call argument `name` (to `value`): `name=value` from Python,
-  `--flag=value` (`--flag` for True) under `spoken_as_flags`. Without a value: `name=` / `--flag=`."""
+  `--flag=value` (`--flag` for True, a list comma-separated) under `spoken_as_flags`.
+  Without a value: `name=` / `--flag=`."""
   flag = None if _flags is None else _flags.get(name)
   if flag is None:
     return f"{name}=" if value is _UNSET else f"{name}={value!r}"
@@ -64,7 +65,12 @@ def arg(name: str, value=_UNSET) -> str:
     return f"--{flag}="
   if value is True:
     return f"--{flag}"
-  text = str(value).lower() if isinstance(value, bool) else str(value)
+  if isinstance(value, bool):
+    text = str(value).lower()
+  elif isinstance(value, (list, tuple)):
+    text = ",".join(map(str, value))  # a command line's list: comma-separated
+  else:
+    text = str(value)
   return f"--{flag}={shlex.quote(text)}"
 
 
