@@ -1,7 +1,7 @@
 """Regenerates every measured figure in the README (and docs/) from the command that produces it.
 
     .venv/bin/python tools/readme_figures.py --list              # every figure: where, renderer, command
-    .venv/bin/python tools/readme_figures.py --only=dry-run      # rerun the figures whose command contains this
+    .venv/bin/python tools/readme_figures.py --only=--dry_run    # rerun the figures whose command contains this
     .venv/bin/python tools/readme_figures.py                     # rerun them all (hours: the benchmarks)
 
 A figure is a region of a Markdown page between two comments; the opening one
@@ -231,9 +231,10 @@ def regenerate(figure: Figure, when: datetime.date | None = None) -> str:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--list", action="store_true", help="list the figures and exit")
-  parser.add_argument("--only", default=None, help="only the figures whose command contains this text")
+  parser.add_argument("--only", default=None, help="only the figures whose command contains this text (or is it)")
   args = parser.parse_args(argv)
   chosen = [f for f in figures() if args.only is None or args.only in f.command]
+  chosen = [f for f in chosen if f.command == args.only] or chosen  # a whole command picks just its figure
   if args.list or not chosen:
     for f in chosen:
       print(f"{f.page.relative_to(ROOT)}:{f.line}  [{f.renderer}{', needs ' + f.requires if f.requires else ''}]  {f.command}")
