@@ -50,7 +50,7 @@ def to_cpu(tree):
     if isinstance(x, jax.Array):
       host = np.asarray(jax.device_get(x))
       if host.dtype.name == "bfloat16":
-        return torch.from_numpy(host.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(np.array(host.view(np.uint16))).view(torch.bfloat16)
       return torch.from_numpy(np.array(host))
     return x
 
