@@ -45,6 +45,10 @@ class IndexOutOfRangeError(TorchOnTpuError, IndexError):
   """An index past its dimension, found by the compiled program (an IndexError, as torch's)."""
 
 
+class InvalidValueError(TorchOnTpuError):
+  """A value torch rejects with a ValueError (a negative variance), found by the compiled program."""
+
+
 def _message(what: str, value, low: int, high: int) -> str:
   return (
     f"an index given to {what} is {value}, outside the valid range [{low}, {high}); "
@@ -57,7 +61,7 @@ class Collector:
   """The checks one trace adds: per check a failure flag, the first bad value, a message."""
 
   def __init__(self):
-    self.flags, self.values, self.messages = [], [], []
+    self.flags, self.values, self.messages = [], [], []  # messages: (text with {value}, error type)
 
   def checks(self) -> "Checks":
     """The program's outputs for these checks (empty arrays when there are none)."""
@@ -133,7 +137,22 @@ def index_in_range(indices, size: int, *, what: str, negative_ok: bool = False, 
   flat = bad.reshape(-1)
   collector.flags.append(jnp.any(flat))
   collector.values.append(indices.reshape(-1)[jnp.argmax(flat)])
-  collector.messages.append(_message(what, "{value}", low, size))
+  collector.messages.append((_message(what, "{value}", low, size), IndexOutOfRangeError))
+
+
+def all_true(ok, message: str) -> None:
+  """Checks a condition on values (`ok`, a boolean array, all True) as `index_in_range` checks
+  indices; `message` is the sentence raised (as `InvalidValueError`) when one is False."""
+  if not isinstance(ok, jax.core.Tracer):
+    if not np.asarray(ok).all():
+      raise InvalidValueError(message)
+    return
+  collector = _COLLECTOR.get()
+  if collector is None:
+    return
+  collector.flags.append(~jnp.all(ok))
+  collector.values.append(jnp.zeros((), jnp.int32))
+  collector.messages.append((message, InvalidValueError))
 
 
 def keep_if_ok(checks: Checks, new, old):
@@ -146,7 +165,7 @@ class Pending:
   """A program's check results with their messages, raised once, when read. `prefix`
   starts the sentence; `on_failure` runs before the raise (the train step's bookkeeping)."""
 
-  def __init__(self, checks: Checks, messages: list[str], prefix: str = "", on_failure=None):
+  def __init__(self, checks: Checks, messages: list[tuple[str, type]], prefix: str = "", on_failure=None):
     self.checks = checks
     self.messages = messages
     self.prefix = prefix
@@ -163,8 +182,9 @@ class Pending:
     first = int(np.argmax(flags))
     if self.on_failure is not None:
       self.on_failure()
-    text = self.prefix + self.messages[first].format(value=int(np.asarray(self.checks.values)[first]))
-    raise IndexOutOfRangeError(text[0].upper() + text[1:])
+    template, error = self.messages[first]
+    text = self.prefix + template.format(value=int(np.asarray(self.checks.values)[first]))
+    raise error(text[0].upper() + text[1:])
 
 
 def attach(tensors, pending: Pending) -> None:

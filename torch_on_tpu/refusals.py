@@ -61,10 +61,13 @@ def _op_in_traceback(error: BaseException) -> str | None:
 
 
 def _failed_torchax_lowering(error: BaseException) -> str | None:
-  """The torchax lowering whose own code raised `error` (the innermost frame is torchax's):
-  the outermost frame of the innermost run of torchax op frames (`_aten_upsample` →
-  `upsample`), or the lowering a bad call names (`_aten_searchsorted() got ...`)."""
+  """The torchax lowering whose own code raised `error` (the innermost frame outside jax is
+  torchax's): the outermost frame of the innermost run of torchax op frames
+  (`_aten_upsample` → `upsample`), or the lowering a bad call names
+  (`_aten_searchsorted() got ...`)."""
   frames = [f for f in traceback.extract_tb(error.__traceback__)]
+  while frames and "/jax/" in frames[-1].filename.replace("\\", "/"):
+    frames.pop()  # jax.numpy code torchax called
   if not frames or "/torchax/" not in frames[-1].filename.replace("\\", "/"):
     return None
   called = re.search(r"_aten_(\w+)\(\)", str(error))

@@ -306,7 +306,7 @@ class TrainStep:
     self._gradient_fns: dict = {}
     self._pending: device_checks.Pending | None = None  # the last step's index checks, unread
     self._check_messages: dict = {}  # a program's signature → its index checks' messages
-    self._traced_messages: list[str] | None = None  # set while the loss is traced
+    self._traced_messages: list | None = None  # (message, error type) per check, set while the loss is traced
     self._reached: dict[str, bool] = {}  # param name → the loss reaches it (set while tracing)
 
   # ---- running ----------------------------------------------------------------------

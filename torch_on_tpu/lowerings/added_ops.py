@@ -4,8 +4,13 @@ Each has a static output shape, so it can run inside a compiled program:
 `ldexp`, `nonzero_static` (torchax's pads after an `argwhere` of data-dependent
 size), `narrow` with a tensor start, `combinations`, `cov` (torch's Python
 checks read values), `max_unpool2d/3d` (torchax's loops over the values on the
-host), `index_reduce`, `adaptive_max_pool2d/3d` and `segment_reduce`. Indices
-they read are range-checked like torch (`device_checks`).
+host), `index_reduce`, `adaptive_max_pool2d/3d`, `segment_reduce`,
+`householder_product` / `ormqr` (reflector by reflector: jax has no gradient
+for its own), `linalg_lu` / `lu_unpack` (torchax's slice with traced bounds),
+`gaussian_nll_loss` (its value check made by the program), `rrelu_with_noise`,
+antialiased bilinear resizing, and the gradient of a
+dilated max pool (torch's: at the max indices; jax has none). Indices they read are
+range-checked like torch (`device_checks`).
 """
 
 from __future__ import annotations
@@ -208,6 +213,171 @@ def _segment_reduce(data, reduce, *, lengths=None, indices=None, offsets=None, a
   return jnp.moveaxis(out.astype(data.dtype), 0, axis)
 
 
+def _reflectors_applied(a, tau, c, *, adjoint=False, from_right=False):
+  """Q·c (or Qᴴ·c, c·Q, c·Qᴴ) for Q = H₁⋯H_k, H_i = I - τᵢ vᵢvᵢᴴ, vᵢ below a's diagonal with
+  a unit on it: LAPACK's compact form, applied reflector by reflector (differentiable)."""
+  m = a.shape[-2]
+  k = tau.shape[-1]
+  rows = jnp.arange(m)
+  reflectors = []
+  for i in range(k):
+    v = jnp.where(rows[:, None] > i, a[..., :, i : i + 1], 0) + (rows[:, None] == i).astype(a.dtype)
+    reflectors.append((v, tau[..., i][..., None, None]))
+  # Q·c applies H_k first; Qᴴ·c applies H₁ᴴ first; c·Q applies H₁ first; c·Qᴴ applies H_kᴴ first
+  order = reflectors if adjoint != from_right else reflectors[::-1]
+  for v, t in order:
+    t = jnp.conj(t) if adjoint else t
+    if from_right:
+      c = c - (c @ v) * t @ jnp.conj(jnp.swapaxes(v, -1, -2))
+    else:
+      c = c - v * t @ (jnp.conj(jnp.swapaxes(v, -1, -2)) @ c)
+  return c
+
+
+def _householder_product(a, tau):
+  """torch.linalg.householder_product: the first n columns of Q (jax has no gradient for its own)."""
+  m, n = a.shape[-2:]
+  eye = jnp.broadcast_to(jnp.eye(m, n, dtype=a.dtype), (*a.shape[:-2], m, n))
+  return _reflectors_applied(a, tau, eye)
+
+
+def _ormqr(a, tau, other, left=True, transpose=False):
+  """torch.ormqr: `other` multiplied by Q (or Qᴴ) of a QR factorisation in compact form."""
+  return _reflectors_applied(a, tau, other, adjoint=transpose, from_right=not left)
+
+
+def _permutation_matrix(perm, m, dtype):
+  """P with A = P·L·U from a permutation with A[perm] = L·U."""
+  return jnp.swapaxes(jax.nn.one_hot(perm, m, dtype=dtype), -1, -2)
+
+
+def _lu_parts(lu, k):
+  m, n = lu.shape[-2:]
+  lower = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=lu.dtype)
+  upper = jnp.triu(lu[..., :k, :])
+  return lower, upper
+
+
+def _linalg_lu(a, *, pivot=True):
+  """torch.linalg.lu: (P, L, U) with A = P·L·U, for any m × n."""
+  if not pivot:
+    raise TorchOnTpuError("linalg.lu(pivot=False) is not lowered; use pivot=True (the default).")
+  m, n = a.shape[-2:]
+  lu, _, perm = jax.lax.linalg.lu(a)
+  lower, upper = _lu_parts(lu, min(m, n))
+  return _permutation_matrix(perm, m, a.dtype), lower, upper
+
+
+def _lu_unpack(lu, pivots, unpack_data=True, unpack_pivots=True):
+  """torch.lu_unpack: LAPACK's 1-based row swaps → P; the factors → L, U."""
+  m, n = lu.shape[-2:]
+  k = min(m, n)
+  lower, upper = _lu_parts(lu, k) if unpack_data else (jnp.zeros((0,), lu.dtype),) * 2
+  if not unpack_pivots:
+    return jnp.zeros((0,), lu.dtype), lower, upper
+  perm = jnp.broadcast_to(jnp.arange(m), (*lu.shape[:-2], m))
+  swaps = pivots.astype(jnp.int32) - 1
+  for i in range(pivots.shape[-1]):
+    j = swaps[..., i : i + 1]
+    at_i = perm[..., i : i + 1]
+    at_j = jnp.take_along_axis(perm, j, axis=-1)
+    perm = jnp.where(jnp.arange(m) == i, at_j, perm)
+    perm = jnp.where(jnp.arange(m) == j, at_i, perm)
+  return _permutation_matrix(perm, m, lu.dtype), lower, upper
+
+
+def _rrelu_with_noise(x, noise, lower=0.125, upper=1.0 / 3, training=False, generator=None, *, env=None):
+  """torch's rrelu: negative inputs scaled by a slope drawn from U(lower, upper) in training
+  (from the step's key), by their mean in eval."""
+  if not training:
+    return jnp.where(x >= 0, x, x * ((lower + upper) / 2))
+  slope = jax.random.uniform(env.get_and_rotate_prng_key(generator), x.shape, x.dtype, lower, upper)
+  return jnp.where(x >= 0, x, x * slope)
+
+
+def _upsample_bilinear2d_aa(x, output_size, align_corners, scales_h=None, scales_w=None):
+  """Antialiased bilinear resize (torch's `antialias=True`): jax's triangle kernel, widened
+  when shrinking, at torch's scales (the given factors, else output / input)."""
+  if align_corners:
+    raise TorchOnTpuError("interpolate(antialias=True, align_corners=True) is not lowered; use align_corners=False.")
+  out_h, out_w = (int(s) for s in output_size)
+  scale = jnp.asarray([scales_h or out_h / x.shape[-2], scales_w or out_w / x.shape[-1]], jnp.float32)
+  return jax.image.scale_and_translate(
+    x, (*x.shape[:-2], out_h, out_w), (x.ndim - 2, x.ndim - 1), scale, jnp.zeros(2, jnp.float32), "linear", antialias=True
+  ).astype(x.dtype)
+
+
+def _upsample_bilinear2d_aa_any(x, output_size, align_corners, *scales, scale_factors=None, scales_h=None, scales_w=None):
+  """Both overloads: `(output_size, align_corners, scales_h, scales_w)` and `.vec`'s
+  `(output_size or None, align_corners, scale_factors)`."""
+  if scale_factors is not None or (scales_h, scales_w) != (None, None):
+    scales = (scale_factors,) if scale_factors is not None else (scales_h, scales_w)
+  if len(scales) == 1 and (scales[0] is None or isinstance(scales[0], (list, tuple))):
+    factors = scales[0]
+    if output_size is None:
+      output_size = [int(math.floor(n * f)) for n, f in zip(x.shape[-2:], factors)]
+    scales = tuple(factors) if factors else ()
+  return _upsample_bilinear2d_aa(x, output_size, align_corners, *scales)
+
+
+def _dilated_max_pool(original):
+  """max_pool2d/3d_with_indices whose gradient jax lacks when dilated: torch's backward, the
+  output's gradient added at each window's max index."""
+
+  def lowered(x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False):
+    dilations = dilation if isinstance(dilation, (list, tuple)) else [dilation]
+    if all(d == 1 for d in dilations):
+      return original(x, kernel_size, stride, padding, dilation, ceil_mode)
+    y, indices = original(jax.lax.stop_gradient(x), kernel_size, stride, padding, dilation, ceil_mode)
+    return _gradient_at_indices(len(kernel_size))(x, y, indices), indices
+
+  return lowered
+
+
+def _gradient_at_indices(spatial: int):
+  @jax.custom_vjp
+  def pooled(x, y, indices):
+    return y
+
+  def fwd(x, y, indices):
+    return y, (x.shape, indices)
+
+  def bwd(residuals, grad):
+    shape, indices = residuals
+    plane = math.prod(shape[-spatial:])
+    flat = grad.reshape(-1, math.prod(grad.shape[-spatial:]))
+    rows = jnp.arange(flat.shape[0])[:, None]
+    dx = jnp.zeros((flat.shape[0], plane), grad.dtype).at[rows, indices.reshape(flat.shape)].add(flat)
+    return dx.reshape(shape), None, None
+
+  pooled.defvjp(fwd, bwd)
+  return pooled
+
+
+def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
+  """F.gaussian_nll_loss without its Python check on values (`torch.any(var < 0)`): the
+  program checks it (`device_checks.all_true`), and var is clamped at eps with the gradient
+  of the unclamped var, as torch's no-grad clamp leaves it."""
+  if not hasattr(var, "shape"):
+    if var < 0:
+      raise TorchOnTpuError("gaussian_nll_loss got a negative var; torch raises ValueError: var has negative entry/entries.")
+    var = jnp.full_like(input, var)
+  else:
+    device_checks.all_true(
+      var >= 0, "gaussian_nll_loss's var has a negative entry; torch raises ValueError here, so pass variances >= 0."
+    )
+  if var.shape != input.shape:
+    if input.shape[:-1] == var.shape:
+      var = var[..., None]
+    elif not (input.ndim == var.ndim and sum(y for x, y in zip(input.shape, var.shape) if x != y) == 1):
+      raise TorchOnTpuError(f"gaussian_nll_loss's var has shape {var.shape}, which does not fit input {input.shape}.")
+  var = var + jax.lax.stop_gradient(jnp.maximum(var, eps) - var)
+  loss = 0.5 * (jnp.log(var) + (input - target) ** 2 / var)
+  if full:
+    loss = loss + 0.5 * math.log(2 * math.pi)
+  return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
+
+
 def register(env) -> None:
   aten = torch.ops.aten
 
@@ -217,7 +387,7 @@ def register(env) -> None:
   jax_op(aten.ldexp.Tensor, _ldexp)
   jax_op(aten.nonzero_static, _nonzero_static)
   # composite in torch (decomposed before dispatch, into value reads): lowered as functions
-  for function, fn in ((torch.narrow, _narrow), (torch.Tensor.narrow, _narrow), (torch.combinations, _combinations), (torch.cov, _cov), (torch.Tensor.cov, _cov)):
+  for function, fn in ((torch.nn.functional.gaussian_nll_loss, _gaussian_nll_loss), (torch.narrow, _narrow), (torch.Tensor.narrow, _narrow), (torch.combinations, _combinations), (torch.cov, _cov), (torch.Tensor.cov, _cov)):
     jax_op(function, fn)
   jax_op(aten.max_unpool2d, _max_unpool)
   jax_op(aten.max_unpool3d, _max_unpool)
@@ -225,3 +395,14 @@ def register(env) -> None:
   jax_op(aten.adaptive_max_pool2d, _adaptive_max_pool)
   jax_op(aten.adaptive_max_pool3d, _adaptive_max_pool)
   jax_op(aten.segment_reduce, _segment_reduce)
+  jax_op(aten.linalg_householder_product, _householder_product)
+  jax_op(aten.ormqr, _ormqr)
+  jax_op(aten.linalg_lu, _linalg_lu)
+  jax_op(aten.lu_unpack, _lu_unpack)
+  for packet in (aten._upsample_bilinear2d_aa, aten._upsample_bilinear2d_aa.default, aten._upsample_bilinear2d_aa.vec):
+    jax_op(packet, _upsample_bilinear2d_aa_any)
+  for packet in (aten.max_pool2d_with_indices, aten.max_pool3d_with_indices):
+    original = _compat.registered_op(env, packet)
+    jax_op(packet, _dilated_max_pool(original.func))
+  packet = aten.rrelu_with_noise
+  _compat.set_op(env, packet, _compat.make_operator(packet, _rrelu_with_noise, jax_function=True, needs_env=True))

@@ -7,7 +7,8 @@ returning a different answer without an error:
   wrong for negative arguments: torch's trigamma reflection and Cephes zeta are
   written out), `i0`'s gradient (`i1`), `special_log_ndtr` (torch's formula
   differentiated through both branches of a `where` gave NaN), `elu` / `celu` /
-  `selu` (their gradient is torch's `exp`, not `expm1 + 1`);
+  `selu` (their gradient is torch's `exp`, not `expm1 + 1`), `nextafter`'s
+  gradient (torch's: 1 and 0), `det` of an empty matrix;
 - norms: `linalg_vector_norm` returns a floating count for `ord=0` and has
   torch's gradient where the norm (or an entry) is zero; `pdist` / `cdist`
   go through it, so equal rows get torch's zero gradient, not NaN;
@@ -187,6 +188,25 @@ def _elu_fn(alpha, scale, input_scale):
 
 def _celu(x, alpha=1.0):
   return _elu(x, alpha, 1.0, 1.0 / float(alpha))
+
+
+@jax.custom_jvp
+def _nextafter(x, other):
+  return jnp.nextafter(x, other)
+
+
+@_nextafter.defjvp
+def _nextafter_jvp(primals, tangents):
+  """torch's gradient: 1 with respect to `self`, 0 with respect to `other`."""
+  out = _nextafter(*primals)
+  return out, jnp.broadcast_to(tangents[0], out.shape).astype(out.dtype)
+
+
+def _linalg_det(a, original):
+  """det of an empty matrix is 1 (torchax's lowering indexes past its end)."""
+  if a.shape[-1] == 0:
+    return jnp.ones(a.shape[:-2], a.dtype)
+  return original(a)
 
 
 # ---- norms --------------------------------------------------------------------------------
@@ -457,5 +477,9 @@ def register(env) -> None:
   previous_lstsq = _compat.registered_op(env, aten.linalg_lstsq)
   jax_op(aten.linalg_lstsq, lambda *a, **k: _lstsq(*a, original=previous_lstsq.func, **k))
   jax_op(aten.as_strided_scatter, _as_strided_scatter)
+  jax_op(aten.nextafter, _nextafter)
+  det = _compat.registered_op(env, torch.linalg.det)
+  if det is not None:
+    jax_op(torch.linalg.det, lambda a: _linalg_det(a, det.func))
   layer_norm = _compat.registered_op(env, aten.native_layer_norm)
   jax_op(aten.native_layer_norm, _stats_without_gradient(layer_norm.func))
