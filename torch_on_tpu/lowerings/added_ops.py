@@ -364,7 +364,7 @@ def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean
     var = jnp.full_like(input, var)
   else:
     device_checks.all_true(
-      var >= 0, "gaussian_nll_loss's var has a negative entry; torch raises ValueError here, so pass variances >= 0."
+      var >= 0, "F.gaussian_nll_loss's var has a negative entry; torch raises ValueError here, so pass variances >= 0."
     )
   if var.shape != input.shape:
     if input.shape[:-1] == var.shape:
