@@ -56,9 +56,7 @@ def test_torchax_imports_after_torch_on_tpu_before_or_after_setup(setup_first):
     "jm = tot.ShardedModule(torch.nn.Linear(2, 2))\n"
     "print(float(y), tuple(tot.to_cpu(jm(torch.ones(1, 2))).shape))\n"
   )
-  run = _run(code)
-  assert run.returncode == 0, run.stderr[-2000:]
-  assert run.stdout.split() == ["6.0", "(1,", "2)"]
+  assert _printed(code) == ["6.0", "(1,", "2)"]
 
 
 def test_torch_compile_of_cpu_code_works_after_the_bridge_started():
@@ -72,9 +70,14 @@ def test_torch_compile_of_cpu_code_works_after_the_bridge_started():
     "y.sum().backward()\n"
     "print(torch.allclose(y, model(x)), tuple(model.weight.grad.shape))\n"
   )
+  assert _printed(code) == ["True", "(3,", "4)"]
+
+
+def _printed(code: str) -> list[str]:
+  """The words `code` prints in a fresh interpreter (which must exit cleanly)."""
   run = _run(code)
   assert run.returncode == 0, run.stderr[-2000:]
-  assert run.stdout.split() == ["True", "(3,", "4)"]
+  return run.stdout.split()
 
 
 def test_only_named_tensor_overloads_are_tolerated():

@@ -413,20 +413,12 @@ def run_forward(bridge, op, sample, timeout) -> Outcome | None:
       got = bridge.forward(op, _clone(leaves), spec)
   except Exception as e:  # noqa: BLE001
     return _error_outcome(e)
-  problem = compare(got, want, values=op.name not in UNSPECIFIED_VALUES)
-  if problem and " err " in problem:
-    try:
-      with torch.no_grad():
-        torch.manual_seed(0)
-        want64 = _call(op, _widened(leaves), spec)
-    except Exception:  # noqa: BLE001 (no float64 kernel: judged at float32)
-      want64 = None
-    if want64 is not None:
-      ok, note = rounding_only(got, want, want64)
-      if ok:
-        return Outcome("exact", note)
-      problem += f" ({note})" if note else ""
-  return Outcome("wrong", problem) if problem else Outcome("exact", "")
+  def reference64():
+    with torch.no_grad():
+      torch.manual_seed(0)
+      return _call(op, _widened(leaves), spec)
+
+  return _verdict(got, want, reference64, values=op.name not in UNSPECIFIED_VALUES)
 
 
 def run_backward(bridge, op, sample, timeout) -> Outcome | None:
@@ -458,17 +450,25 @@ def run_backward(bridge, op, sample, timeout) -> Outcome | None:
       got = bridge.gradients(op, sample, _clone(leaves), spec, trained, weights)
   except Exception as e:  # noqa: BLE001
     return _error_outcome(e)
-  got = [got[i] for i in order]
-  problem = compare(got, want)
+  def reference64():
+    params = [x.requires_grad_(i in trained) if isinstance(x, torch.Tensor) else x for i, x in enumerate(_widened(leaves))]
+    torch.manual_seed(0)
+    out = _call_for_grad(op, params, spec, sample)
+    loss = weighted_sum(out, [None if w is None else w.double() for w in weights])
+    grads = torch.autograd.grad(loss, [params[i] for i in order], allow_unused=True)
+    return [torch.zeros_like(params[i]) if g is None else g for i, g in zip(order, grads)]
+
+  return _verdict([got[i] for i in order], want, reference64)
+
+
+def _verdict(got, want, reference64, values=True) -> Outcome:
+  """exact / wrong for a result that ran: compared with eager float32 and, where it misses
+  by value alone, with `reference64()` (the same call in float64; see `rounding_only`)."""
+  problem = compare(got, want, values=values)
   if problem and " err " in problem:
     try:
-      params = [x.requires_grad_(i in trained) if isinstance(x, torch.Tensor) else x for i, x in enumerate(_widened(leaves))]
-      torch.manual_seed(0)
-      out = _call_for_grad(op, params, spec, sample)
-      loss = weighted_sum(out, [None if w is None else w.double() for w in weights])
-      grads = torch.autograd.grad(loss, [params[i] for i in order], allow_unused=True)
-      want64 = [torch.zeros_like(params[i]) if g is None else g for i, g in zip(order, grads)]
-    except Exception:  # noqa: BLE001
+      want64 = reference64()
+    except Exception:  # noqa: BLE001 (no float64 kernel: judged at float32)
       want64 = None
     if want64 is not None:
       ok, note = rounding_only(got, want, want64)
