@@ -13,9 +13,9 @@ raises one sentence naming the op, the bad value and the valid range, when a
 result is read (`.item()`, `float()`, `.cpu()`, `tot.to_cpu`) or, for a
 train step, before the next step is dispatched.
 
-Index reads inside a transform the bridge applies to model code (a scanned
-layer stack, a rematerialised layer: `unchecked`) are not checked: their
-values live in that transform's trace. Outside the bridge's traces a concrete
+Index reads inside a `StackedLayers` layer (scanned, looped or
+rematerialised) or under `remat.checkpoint` are not checked (`not_collected`,
+`unchecked`): their values live in that transform's own trace. Outside the bridge's traces a concrete
 index is checked at once, and a traced one (a user's own `jax.jit`) is not.
 (`jax.experimental.checkify` would carry checks through those transforms, but
 in jax 0.10 it breaks custom-VJP residuals when differentiated and error
@@ -99,16 +99,24 @@ def collecting(enabled: bool = True):
     _COLLECTOR.reset(token)
 
 
+@contextlib.contextmanager
+def not_collected():
+  """While active, nothing is collected (code traced by a transform of its own: a layer of a
+  stack, which may be scanned, rematerialised or traced to compare layers)."""
+  token = _COLLECTOR.set(None)
+  try:
+    yield
+  finally:
+    _COLLECTOR.reset(token)
+
+
 def unchecked(fn):
   """`fn` run without collecting (the body of a transform: its values cannot leave it)."""
 
   @functools.wraps(fn)
   def run(*args, **kwargs):
-    token = _COLLECTOR.set(None)
-    try:
+    with not_collected():
       return fn(*args, **kwargs)
-    finally:
-      _COLLECTOR.reset(token)
 
   return run
 

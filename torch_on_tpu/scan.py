@@ -145,7 +145,9 @@ class StackedLayers(torch.nn.Module):
     arrays of its other outputs))."""
     layer = self._layers[index]
     template = self._modules[LAYER]
-    with torchax.default_env().override_property(prng=key), _swapped(layer, tensors):
+    # traced by scans, remat and the layer comparison: its index reads are not collected
+    # as checks of the whole program (device_checks)
+    with torchax.default_env().override_property(prng=key), _swapped(layer, tensors), device_checks.not_collected():
       with self._family.deferred_layer_outputs(layer, template) as records:
         out = layer(torch_view(h), *args, **kwargs)
       _refuse_buffer_updates(layer, tensors)
@@ -200,8 +202,7 @@ class StackedLayers(torch.nn.Module):
         per_layer.append((h, produced))
       return h, per_layer
 
-    # the scan's body has its own trace: index checks are not collected in it (device_checks)
-    _, per_layer = jax.lax.scan(device_checks.unchecked(body), h, grouped, unroll=self.unroll)
+    _, per_layer = jax.lax.scan(body, h, grouped, unroll=self.unroll)
     for g in range(groups):
       for j in range(period):
         h_g, produced = jax.tree.map(lambda a, g=g: a[g], per_layer[j])
