@@ -117,7 +117,7 @@ class ShardedModule:
     self._state_dict_names = list(module.state_dict(keep_vars=True))
     self._hooked_modules = _outermost_hooked_modules(module)
     self._resolved = sharding_lib.resolve(
-      _sharding_map_for(module, sharding),
+      _sharding_map_for(module, sharding, self.mesh),
       [sharding_lib.TensorInfo(e.name, e.shape, e.is_param) for e in entries],
       [name for name, _ in module.named_modules() if name],
       self.mesh,
@@ -178,11 +178,13 @@ class ShardedModule:
     """How many ways the data axes split a batch."""
     return mesh_lib.batch_ways(self.mesh, self.data_axes)
 
-  def batch_sharding(self, ndim: int, batch_size: int | None = None) -> NamedSharding:
+  def batch_sharding(self, ndim: int, batch_size: int | None = None, seq_len: int | None = None) -> NamedSharding:
     """Dim 0 over the data axes (replicated where they do not divide it: the
-    forward takes any batch; the train step refuses one that does not split)."""
+    forward takes any batch; the train step refuses one that does not split);
+    dim 1, the sequence, over `cp` where the mesh has one that divides `seq_len`."""
     splits = batch_size is None or batch_size % self.batch_ways == 0
-    return NamedSharding(self.mesh, mesh_lib.batch_spec(self.data_axes if splits else (), ndim))
+    sequence = seq_len is not None and mesh_lib.splits_sequence(self.mesh, (batch_size, seq_len))
+    return NamedSharding(self.mesh, mesh_lib.batch_spec(self.data_axes if splits else (), ndim, sequence))
 
   def place(self, tensor: torch.Tensor) -> jax.Array:
     """A host tensor → a global array, batch dim sharded over the data axes."""
@@ -190,7 +192,7 @@ class ShardedModule:
       return tensor.jax()
     if tensor.ndim == 0:
       return jnp.asarray(materialize.torch_to_numpy(tensor))
-    sharding = self.batch_sharding(tensor.ndim, tensor.shape[0])
+    sharding = self.batch_sharding(tensor.ndim, *tensor.shape[:2])
     return materialize.to_global_array(tensor, sharding)
 
   # ---- the torch world ---------------------------------------------------------------
@@ -516,9 +518,11 @@ def _refuse_direct_call(module, args):
     )
 
 
-def _sharding_map_for(module, sharding):
+def _sharding_map_for(module, sharding, mesh):
+  """A preset name as resolution takes it; a family's map (`"fsdp_tp"`) with its
+  `fsdp` entries over all the parameter axes (`cp` too: CP costs no parameter memory)."""
   if isinstance(sharding, str) and sharding not in ("fsdp", "replicated", "ep"):
-    return models.sharding_map(module, sharding)
+    return sharding_lib.with_param_axes(models.sharding_map(module, sharding), mesh)
   return sharding
 
 

@@ -560,7 +560,7 @@ class TrainStep:
       if isinstance(x, np.ndarray):
         return self.model.place(torch.from_numpy(np.ascontiguousarray(x)))
       if isinstance(x, jax.Array) and not _on_mesh(x, self.model.mesh):
-        return jax.device_put(x, self.model.batch_sharding(x.ndim, x.shape[0] if x.ndim else None))
+        return jax.device_put(x, self.model.batch_sharding(x.ndim, *x.shape[:2]))
       return x
 
     return jax.tree_util.tree_map_with_path(place, batch)
@@ -589,7 +589,7 @@ class TrainStep:
       sharding = getattr(x, "sharding", None)
       if sharding is None or (isinstance(x, jax.Array) and not _on_mesh(x, self.model.mesh)):
         self._check_splits(path, shape)
-        sharding = self.model.batch_sharding(len(shape), shape[0] if shape else None)
+        sharding = self.model.batch_sharding(len(shape), *shape[:2])
       return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype), sharding=sharding)
 
     return jax.tree_util.tree_map_with_path(abstract, batch)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import SymbolicZero
 
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu.attention.padding import pad_to, round_up
@@ -56,6 +57,9 @@ def xla_attention(
   dropout_rate=0.0,
   dropout_seed=None,
   offsets=None,
+  q_offset=None,
+  kv_offset=None,
+  return_lse=False,
   block_q=_BLOCK_CPU,
   block_kv=_BLOCK_CPU,
 ):
@@ -68,7 +72,55 @@ def xla_attention(
   (float masks get a gradient when differentiated). Dropout keeps an element
   by hashing (seed, global batch, head, row, col), so any tiling or sharding
   (`offsets` = this shard's first batch and head) drops the same elements.
+
+  Blocks of a longer sequence (context parallelism): `q_offset` and `kv_offset`
+  (ints or traced scalars) are the global positions of q's and k's first rows;
+  the causal mask and dropout are evaluated on global positions (a query sees
+  keys at positions <= its own), and tiles wholly above the diagonal are
+  skipped. `return_lse=True` returns `(out, lse)`, lse (B, Hq, L) fp32 the
+  log-sum-exp of each row's scores (-inf where a row sees no key), for
+  combining blocks; its gradient flows too.
   """
+  tiles, q5, k, v, mask, q_seg, kv_seg, dropout_seed, offsets, origin = _prepare(
+    q, k, v, mask, segment_ids, causal, scale, dropout_rate, dropout_seed, offsets,
+    q_offset, kv_offset, block_q, block_kv,
+  )
+  out, lse = _flash(q5, k, v, mask, q_seg, kv_seg, dropout_seed, offsets, origin, tiles)
+  out = out.reshape(*q.shape[:3], v.shape[-1])
+  if not return_lse:
+    return out
+  return out, lse[..., : q.shape[2]].reshape(q.shape[:3])
+
+
+def xla_attention_backward(q, k, v, out, lse, dout, **kwargs):
+  """(dq, dk, dv) of one block of a longer attention, from the whole attention's
+  output `out` and log-sum-exp `lse` (B, Hq, L) and the output's cotangent `dout`.
+
+  The softmax over all blocks is exp(s - lse) with the whole row's lse, and
+  the backward's row term is rowsum(dout · out) of the whole output: given
+  both, each block's gradients are exact without recomputing its forward
+  (ring attention's backward). `kwargs` as `xla_attention`'s (no float masks).
+  """
+  tiles, q5, k, v, mask, q_seg, kv_seg, seed, offsets, origin = _prepare(
+    q, k, v, kwargs.get("mask"), kwargs.get("segment_ids"), kwargs.get("causal", False),
+    kwargs["scale"], kwargs.get("dropout_rate", 0.0), kwargs.get("dropout_seed"), kwargs.get("offsets"),
+    kwargs.get("q_offset"), kwargs.get("kv_offset"), kwargs.get("block_q", _BLOCK_CPU),
+    kwargs.get("block_kv", _BLOCK_CPU),
+  )
+  shape5 = q5.shape[:4]
+  lp = tiles.padded[0]
+  lse5 = pad_to(lse.reshape(shape5), 3, lp, -jnp.inf)
+  dq, dk, dv, _ = _flash_backward(
+    tiles, q5, k, v, mask, q_seg, kv_seg, seed, offsets, origin,
+    out.reshape(*shape5, -1), lse5, dout.reshape(*shape5, -1), None, False,
+  )
+  return dq.reshape(q.shape), dk, dv
+
+
+def _prepare(q, k, v, mask, segment_ids, causal, scale, dropout_rate, dropout_seed, offsets,
+             q_offset, kv_offset, block_q, block_kv):
+  """The tiling and the kernel's inputs: q as (B, K, G, L, D), masks per kv head group,
+  the global origin (q_offset, kv_offset) as an int32 pair or None (both 0)."""
   batch, hq, length, dim = q.shape
   hkv, kv_length = k.shape[1], k.shape[2]
   groups = hq // hkv
@@ -91,8 +143,12 @@ def xla_attention(
     offsets = jnp.asarray((0, 0) if offsets is None else offsets, jnp.uint32)
   else:
     dropout_seed = offsets = None
-  out = _flash(q5, k, v, mask, q_seg, kv_seg, dropout_seed, offsets, tiles)
-  return out.reshape(batch, hq, length, v.shape[-1])
+  q_offset = 0 if q_offset is None else q_offset
+  kv_offset = 0 if kv_offset is None else kv_offset
+  origin = None
+  if not all(isinstance(o, int) and o == 0 for o in (q_offset, kv_offset)):
+    origin = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+  return tiles, q5, k, v, mask, q_seg, kv_seg, dropout_seed, offsets, origin
 
 
 
@@ -156,18 +212,25 @@ def dropout_keep_scale(seed, batch_ids, head_ids, rows, cols, rate: float):
   return jnp.where(keep, jnp.float32(kept), jnp.float32(0.0))
 
 
-def _scores(t: _Tiles, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, *, keys_first=False):
+def _global_start(origin, axis: int):
+  """The global position of the block's first query (axis 0) or key (axis 1) row."""
+  return 0 if origin is None else origin[axis]
+
+
+def _scores(t: _Tiles, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, origin=None, *, keys_first=False):
   """Scaled, masked fp32 scores of query tile i against key tile j: (B, K, G, bq, bk),
   or with `keys_first` (B, K, bk, G, bq), the layout in which the backward's
-  key-side matmuls (dK, dV) contract the tile without transposing it."""
+  key-side matmuls (dK, dV) contract the tile without transposing it. Masks
+  compare global row/col positions (`origin`: the block's first query and key)."""
   if keys_first:
     s = _einsum32("bksd,bkgqd->bksgq", kj, qi) * t.scale
     grid, q_axis, kv_axis = (t.block_kv, 1, t.block_q), 2, 0
   else:
     s = _einsum32("bkgqd,bksd->bkgqs", qi, kj) * t.scale
     grid, q_axis, kv_axis = (t.block_q, t.block_kv), 0, 1
-  rows = i * t.block_q + lax.broadcasted_iota(jnp.int32, grid, q_axis)
-  cols = j * t.block_kv + lax.broadcasted_iota(jnp.int32, grid, kv_axis)
+  q0, kv0 = _global_start(origin, 0), _global_start(origin, 1)
+  rows = q0 + i * t.block_q + lax.broadcasted_iota(jnp.int32, grid, q_axis)
+  cols = kv0 + j * t.block_kv + lax.broadcasted_iota(jnp.int32, grid, kv_axis)
   allowed = None
 
   def both(a, b):
@@ -176,7 +239,7 @@ def _scores(t: _Tiles, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, *, keys_first=F
   if t.causal:
     allowed = both(allowed, cols <= rows)
   if t.kv_length % t.block_kv:
-    allowed = both(allowed, cols < t.kv_length)
+    allowed = both(allowed, cols < kv0 + t.kv_length)
   if q_seg_i is not None:
     if keys_first:
       same = kv_seg_j[:, None, :, None, None] == q_seg_i[:, None, None, None, :]
@@ -195,7 +258,7 @@ def _scores(t: _Tiles, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, *, keys_first=F
   return s
 
 
-def _drop(t: _Tiles, seed, offsets, shape, i, j, *, keys_first=False):
+def _drop(t: _Tiles, seed, offsets, shape, i, j, origin=None, *, keys_first=False):
   """Dropout keep-scale for a scores tile of `shape` (laid out as `_scores` makes it)."""
   batch, hkv = shape[:2]
   groups = shape[3] if keys_first else shape[2]
@@ -206,21 +269,35 @@ def _drop(t: _Tiles, seed, offsets, shape, i, j, *, keys_first=False):
     lax.broadcasted_iota(jnp.uint32, head_shape, 1) * groups
     + lax.broadcasted_iota(jnp.uint32, head_shape, group_axis)
   )
+  q0, kv0 = _global_start(origin, 0), _global_start(origin, 1)
   if keys_first:
-    rows = i * t.block_q + lax.broadcasted_iota(jnp.int32, (1, 1, t.block_q), 2)
-    cols = j * t.block_kv + lax.broadcasted_iota(jnp.int32, (t.block_kv, 1, 1), 0)
+    rows = q0 + i * t.block_q + lax.broadcasted_iota(jnp.int32, (1, 1, t.block_q), 2)
+    cols = kv0 + j * t.block_kv + lax.broadcasted_iota(jnp.int32, (t.block_kv, 1, 1), 0)
   else:
-    rows = i * t.block_q + lax.broadcasted_iota(jnp.int32, (t.block_q, 1), 0)
-    cols = j * t.block_kv + lax.broadcasted_iota(jnp.int32, (1, t.block_kv), 1)
+    rows = q0 + i * t.block_q + lax.broadcasted_iota(jnp.int32, (t.block_q, 1), 0)
+    cols = kv0 + j * t.block_kv + lax.broadcasted_iota(jnp.int32, (1, t.block_kv), 1)
   return dropout_keep_scale(seed, b, h, rows, cols, t.rate)
 
 
-def _kv_tiles_seen(t: _Tiles, i, n_kv: int):
+def _kv_tiles_seen(t: _Tiles, i, n_kv: int, origin=None):
   """Key tiles query tile i attends to: all, or (causal) up to its last row."""
   if not t.causal:
     return n_kv
+  if origin is not None:  # the tile's last global row, as a key index of this block
+    last_col = origin[0] - origin[1] + (i + 1) * t.block_q - 1
+    return jnp.clip(jnp.floor_divide(last_col, t.block_kv) + 1, 0, n_kv)
   last = ((i + 1) * t.block_q - 1) // t.block_kv + 1
   return min(n_kv, last) if isinstance(i, int) else jnp.minimum(n_kv, last)
+
+
+def _first_q_tile(t: _Tiles, j, n_q: int, origin=None):
+  """The first query tile that sees key tile j: 0, or (causal) the one holding its first column."""
+  if not t.causal:
+    return 0
+  if origin is not None:
+    first_row = origin[1] - origin[0] + j * t.block_kv
+    return jnp.clip(jnp.floor_divide(first_row, t.block_q), 0, n_q)
+  return (j * t.block_kv) // t.block_q
 
 
 # Loops that run inline when they have a single, static step: short sequences
@@ -258,7 +335,7 @@ def _padded_inputs(t: _Tiles, q, k, v, mask, q_seg, kv_seg):
   )
 
 
-def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets):
+def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets, origin):
   """(out (B, K, G, L, Dv), log-sum-exp (B, K, G, Lp) fp32)."""
   batch, hkv, groups, length, _ = q.shape
   dv = v.shape[-1]
@@ -276,14 +353,14 @@ def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets):
       m, l, acc = carry
       kj, vj = _tile(kp, 2, j, t.block_kv), _tile(vp, 2, j, t.block_kv)
       mask_ij, kv_seg_j = _tile(mask_i, 4, j, t.block_kv), _tile(kv_segp, 1, j, t.block_kv)
-      s = _scores(t, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j)
+      s = _scores(t, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, origin)
       m_new = jnp.maximum(m, _reduce_last(jnp.maximum, jnp.max, s))
       m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
       p = jnp.exp(s - m_safe[..., None])
       correction = jnp.exp(m - m_safe)
       l = l * correction + _reduce_last(jnp.add, jnp.sum, p)
       if t.rate > 0:
-        p = p * _drop(t, seed, offsets, s.shape, i, j)
+        p = p * _drop(t, seed, offsets, s.shape, i, j, origin)
       pv = _einsum32("bkgqs,bksd->bkgqd", p.astype(vj.dtype), vj)
       return m_new, l, acc * correction[..., None] + pv
 
@@ -292,7 +369,7 @@ def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets):
       jnp.zeros(stat_shape, jnp.float32),
       jnp.zeros((*stat_shape, dv), jnp.float32),
     )
-    m, l, acc = _for(0, _kv_tiles_seen(t, i, n_kv), step, init)
+    m, l, acc = _for(0, _kv_tiles_seen(t, i, n_kv, origin), step, init)
     seen = l > 0
     out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
@@ -305,7 +382,7 @@ def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets):
 
 
 def _flash_backward(
-  t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets, out, lse, dout, mask_grad
+  t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets, origin, out, lse, dout, dlse, mask_grad
 ):
   batch, hkv, groups, length, dim = q.shape
   kv_length = k.shape[2]
@@ -315,6 +392,8 @@ def _flash_backward(
   doutp = pad_to(dout, 3, lp)
   out_dot_dout = doutp.astype(jnp.float32) * pad_to(out, 3, lp).astype(jnp.float32)
   delta = _reduce_last(jnp.add, jnp.sum, out_dot_dout)
+  if dlse is not None:  # d lse / d s = the softmax itself: it joins dP's row term
+    delta = delta - dlse
   lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
   # dQ accumulates with the query axis last, (B, K, D, G, Lp): the tile matmul that
   # produces it then reads the keys-first score gradient without transposing it.
@@ -326,18 +405,18 @@ def _flash_backward(
     kj, vj = _tile(kp, 2, j, t.block_kv), _tile(vp, 2, j, t.block_kv)
     kv_seg_j = _tile(kv_segp, 1, j, t.block_kv)
     mask_j = _tile(maskp, 4, j, t.block_kv)
-    first = (j * t.block_kv) // t.block_q if t.causal else 0
+    first = _first_q_tile(t, j, n_q, origin)
 
     def step(i, c):
       dq, dmask, dk, dv = c
       qi, doi = _tile(qp, 3, i, t.block_q), _tile(doutp, 3, i, t.block_q)
       mask_ij, q_seg_i = _tile(mask_j, 3, i, t.block_q), _tile(q_segp, 1, i, t.block_q)
       # Tiles are keys-first, (B, K, bk, G, bq): dK and dV contract their trailing axes.
-      s = _scores(t, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, keys_first=True)
+      s = _scores(t, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, origin, keys_first=True)
       p = jnp.exp(s - _tile(lse_safe, 3, i, t.block_q)[:, :, None])
       dp = _einsum32("bksd,bkgqd->bksgq", vj, doi)
       if t.rate > 0:
-        keep = _drop(t, seed, offsets, s.shape, i, j, keys_first=True)
+        keep = _drop(t, seed, offsets, s.shape, i, j, origin, keys_first=True)
         pd, dp = p * keep, dp * keep
       else:
         pd = p
@@ -380,27 +459,31 @@ def _accumulate_mask_grad(t: _Tiles, dmask, ds, i, j):
   return lax.dynamic_update_slice(dmask, current + update, starts)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _flash(q, k, v, mask, q_seg, kv_seg, seed, offsets, t):
-  return _flash_forward(t, q, k, v, mask, q_seg, kv_seg, seed, offsets)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _flash(q, k, v, mask, q_seg, kv_seg, seed, offsets, origin, t):
+  """(out (B, K, G, L, Dv), lse (B, K, G, Lp))."""
+  return _flash_forward(t, q, k, v, mask, q_seg, kv_seg, seed, offsets, origin)
 
 
-def _flash_fwd(q, k, v, mask, q_seg, kv_seg, seed, offsets, t):
+def _flash_fwd(q, k, v, mask, q_seg, kv_seg, seed, offsets, origin, t):
   # symbolic_zeros: primals arrive wrapped, saying whether each is differentiated.
   def value(x):
     return None if x is None else x.value
 
   mask_grad = mask is not None and mask.perturbed and value(mask).dtype != jnp.bool_
-  args = [value(x) for x in (q, k, v, mask, q_seg, kv_seg, seed, offsets)]
+  args = [value(x) for x in (q, k, v, mask, q_seg, kv_seg, seed, offsets, origin)]
   out, lse = _flash_forward(t, *args)
   out, lse = (checkpoint_name(x, remat_lib.ATTENTION_NAME) for x in (out, lse))
-  return out, (*args, out, lse, jnp.zeros(()) if mask_grad else None)
+  return (out, lse), (*args, out, lse, jnp.zeros(()) if mask_grad else None)
 
 
-def _flash_bwd(t, res, dout):
+def _flash_bwd(t, res, cotangents):
   *args, out, lse, mask_grad = res
-  dq, dk, dv, dmask = _flash_backward(t, *args, out, lse, dout, mask_grad is not None)
-  return dq, dk, dv, dmask, None, None, None, None
+  dout, dlse = (None if isinstance(c, SymbolicZero) else c for c in cotangents)
+  if dout is None:
+    dout = jnp.zeros_like(out)
+  dq, dk, dv, dmask = _flash_backward(t, *args, out, lse, dout, dlse, mask_grad is not None)
+  return dq, dk, dv, dmask, None, None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)

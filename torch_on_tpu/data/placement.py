@@ -1,4 +1,5 @@
-"""Onto the mesh: each process's host rows → global `jax.Array`s, the batch dim over the data axes."""
+"""Onto the mesh: each process's host rows → global `jax.Array`s, the batch dim over the
+data axes and the sequence (dim 1) over `cp` where the mesh has one."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def to_global(
         f"The global batch of {rows} rows ('{name}') does not divide over the {ways}-way data axes {axes}; "
         f"use a global batch size that is a multiple of {ways}."
       )
-    sharding = NamedSharding(mesh, mesh_lib.batch_spec(axes, local.ndim))
+    sequence = mesh_lib.splits_sequence(mesh, local.shape)  # dim 1 over `cp`: each device its piece
+    sharding = NamedSharding(mesh, mesh_lib.batch_spec(axes, local.ndim, sequence))
     out[name] = jax.make_array_from_process_local_data(sharding, local, (rows, *local.shape[1:]))
   return out
