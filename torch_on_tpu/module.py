@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from torch_on_tpu import _compat, lowerings, materialize, models, module_state, ops, runtime, xla_flags
 from torch_on_tpu import attention as attention_lib
@@ -61,6 +61,9 @@ class ShardedModule:
       torchtitan's flex attention): `"auto"` (by platform), `"splash"`,
       `"cudnn"`, `"xla"`, or `None` (torchax's default lowering).
     attention_block_sizes: splash kernel block sizes (see `attention`).
+    context_parallel: how attention's K/V cross a `cp` mesh axis (the sequence
+      split, `torch_on_tpu.attention.context`): `"auto"` (all-gather under GQA,
+      the ring otherwise), `"all_gather"` or `"ring"`.
     scan: run the model's stack of identical blocks as one `lax.scan`
       (compile time flat in depth); names stay the original per-layer ones.
     remat: per-layer rematerialisation policy (`torch_on_tpu.remat.NAMES`).
@@ -82,6 +85,7 @@ class ShardedModule:
     data_axes: tuple[str, ...] | None = None,
     attention: str | None = "auto",
     attention_block_sizes: Mapping | None = None,
+    context_parallel: str = "auto",
     scan: bool = False,
     remat: str | None = None,
     unroll: int = 1,
@@ -102,12 +106,19 @@ class ShardedModule:
         raise TorchOnTpuError(
           f"data_axes names '{axis}', which the mesh {dict(self.mesh.shape)} lacks."
         )
+    if attention is None and mesh_lib.sequence_ways(self.mesh) > 1:
+      raise TorchOnTpuError(
+        f"attention=None leaves SDPA to torchax's own lowering, which cannot split the sequence over "
+        f"the mesh's {mesh_lib.SEQUENCE_AXIS}={mesh_lib.sequence_ways(self.mesh)}; pick an attention kernel "
+        f"('auto') or use a mesh without {mesh_lib.SEQUENCE_AXIS} (cp=1)."
+      )
     self.attention = attention
     self._attention = (
       None
       if attention is None
       else attention_lib.Attention(
-        attention, mesh=self.mesh, data_axes=self.data_axes, block_sizes=attention_block_sizes
+        attention, mesh=self.mesh, data_axes=self.data_axes, block_sizes=attention_block_sizes,
+        context_parallel=context_parallel,
       )
     )
 
@@ -223,7 +234,8 @@ class ShardedModule:
     # `env.override_property(prng=key)` around the call for per-step randomness).
     kwargs = {**self.family.call_defaults(self.module, layer_stack=bool(self._layout)), **kwargs}
     with env, env.override_property(prng=env.param.prng):
-      with self._activation_constraints(), self._attention_kernels(), lowerings.cpu_linear(self.mesh):
+      with self._activation_constraints(), self._sequence_split(args, kwargs), self._attention_kernels(), \
+          lowerings.cpu_linear(self.mesh):
         with _compat.reparametrized(self.module, tensors), _running_wrapped():
           out = self.module(*args, **kwargs)
           after = {n: jax_view(self.module.get_buffer(n)) for n in before}
@@ -308,6 +320,40 @@ class ShardedModule:
     finally:
       for h in handles:
         h.remove()
+
+  @contextlib.contextmanager
+  def _sequence_split(self, args, kwargs):
+    """With a `cp` axis: every module output shaped like the batch (B, L, ...) keeps its
+    batch over the data axes and its sequence over `cp`, other dims left to GSPMD.
+
+    Unpinned, GSPMD follows the parameters' FSDP sharding (over `cp` too) onto the
+    matmuls' feature dims and gathers the whole sequence on every device."""
+    lead = next(
+      (tuple(x.shape[:2]) for x in _compat.torch_pytree.tree_leaves((args, kwargs))
+       if isinstance(x, torch.Tensor) and mesh_lib.splits_sequence(self.mesh, x.shape)),
+      None,
+    )
+    if lead is None:
+      yield
+      return
+    batch_axes = self.data_axes if lead[0] % self.batch_ways == 0 else ()
+
+    def pin(module, inputs, output):
+      first = output[0] if isinstance(output, tuple) and output else output
+      if not isinstance(first, torch.Tensor) or tuple(first.shape[:2]) != lead:
+        return output
+      spec = mesh_lib.batch_spec(batch_axes, 2, sequence=True)
+      spec = PartitionSpec(*spec, *([PartitionSpec.UNCONSTRAINED] * (first.ndim - 2)))
+      pinned = torch_view(jax.lax.with_sharding_constraint(jax_view(first), NamedSharding(self.mesh, spec)))
+      return (pinned, *output[1:]) if isinstance(output, tuple) else pinned
+
+    name_of = self._layout.original_module_name if self._layout else (lambda name: name)
+    handle = torch.nn.modules.module.register_module_forward_hook(pin)
+    try:
+      with attention_lib.unsplit.refused(self.module, lead[1], name_of):
+        yield
+    finally:
+      handle.remove()
 
   # ---- inspection and export ---------------------------------------------------------
 

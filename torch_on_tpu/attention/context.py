@@ -87,6 +87,7 @@ def attend(kernel, backward, split: Split, q, k, v, mask, q_seg, kv_seg):
     offsets = tuple(c * (piece // 2) for c in _zigzag_chunks(me, ways))
   else:
     q_parts, mask_parts, seg_parts, offsets = (q,), (mask,), (q_seg,), (me * piece,)
+  q_parts, seg_parts, offsets = tuple(q_parts), tuple(seg_parts), tuple(offsets)
   if split.strategy == "all_gather":
     k_all, v_all = (lax.all_gather(x, name, axis=2, tiled=True) for x in (k, v))
     kv_seg_all = None if kv_seg is None else lax.all_gather(kv_seg, name, axis=1, tiled=True)
@@ -95,7 +96,7 @@ def attend(kernel, backward, split: Split, q, k, v, mask, q_seg, kv_seg):
       for qp, mp, sp, off in zip(q_parts, mask_parts, seg_parts, offsets)
     )
   else:
-    outs = _ring(kernel, backward, name, ways, q_parts, k, v, seg_parts, kv_seg, offsets)
+    outs = _ring_attention(kernel, backward, name, ways, q_parts, k, v, seg_parts, kv_seg, offsets)
   if split.balanced:
     return _from_zigzag(outs, 2, split)
   return outs[0]
@@ -136,11 +137,6 @@ def _from_zigzag(parts, axis: int, split: Split):
 # ---- the ring -----------------------------------------------------------------------------
 
 
-def _ring(kernel, backward, name, ways, q_parts, k, v, seg_parts, kv_seg, offsets):
-  """Each query part against every device's K/V block as the blocks travel the ring."""
-  return _ring_attention(kernel, backward, name, ways, tuple(q_parts), k, v, tuple(seg_parts), kv_seg, tuple(offsets))
-
-
 def _next(x, name, ways):
   """Every device's block to the next device of the ring."""
   return None if x is None else lax.ppermute(x, name, [(d, (d + 1) % ways) for d in range(ways)])
@@ -153,6 +149,9 @@ def _block_source(me, step, ways):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _ring_attention(kernel, backward, name, ways, q_parts, k, v, seg_parts, kv_seg, offsets):
+  """Each query part (tuples: q, its ids, its global offset) against every device's K/V
+  block as the blocks travel the ring; the backward sends them round again with their
+  gradients."""
   return _ring_forward(kernel, name, ways, q_parts, k, v, seg_parts, kv_seg, offsets)[0]
 
 
