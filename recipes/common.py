@@ -63,6 +63,7 @@ class Flags:
   max_skips: int = flag(5, "skip a step whose loss, gradient or update is NaN/Inf (state kept); stop after this many in a row (0: stop at the first)")
   fsdp: int = flag(-1, "devices on the fsdp mesh axis (-1: all that --tp leaves)")
   tp: int = flag(1, "devices on the tensor-parallel mesh axis")
+  cp: int = flag(1, "devices on the context-parallel mesh axis: each sequence split into cp pieces (long context; params shard over fsdp and cp)")
   scan: bool = flag(True, "run the layer stack as one lax.scan (compile time flat in depth)")
   unroll: int = flag(1, "layers per scan iteration")
   remat: str = flag("auto", "per-layer remat: auto (scanned: dots_and_attention; loop: none), none, full, dots_saveable, dots_with_no_batch_dims_saveable, dots_and_attention, offload_dots")
@@ -362,7 +363,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   from torch_on_tpu import remat as remat_lib
   from torch_on_tpu.trainer import default_split
 
-  mesh = tot.make_mesh(fsdp=flags.fsdp, tp=flags.tp)
+  mesh = tot.make_mesh(**mesh_axes(flags))
   if main:
     devices = mesh.devices.flat[0]
     print(f"Mesh {dict(mesh.shape)} over {mesh.size} {devices.platform} devices ({devices.device_kind})", flush=True)
@@ -601,11 +602,24 @@ def _check_flags(flags: Flags, error) -> None:
     raise error(f"--max_skips={flags.max_skips} is negative; give 0 (stop at the first NaN/Inf step) or more.")
   if flags.resume_step is not None and not flags.resume:
     raise error("--resume_step needs --resume=True; drop one of the two.")
+  if flags.cp < 1:
+    raise error(f"--cp={flags.cp} must be a positive number of devices (1: no context parallelism).")
+  if flags.seqlen % (2 * flags.cp):
+    raise error(
+      f"--seqlen={flags.seqlen} does not split into 2*cp={2 * flags.cp} equal chunks (causal load balance); "
+      f"make --seqlen a multiple of {2 * flags.cp} or pick another --cp."
+    )
   if flags.global_batch_size % flags.grad_accum:
     raise error(
       f"--global_batch_size={flags.global_batch_size} does not divide into --grad_accum={flags.grad_accum} "
       f"microbatches; make the batch a multiple of grad_accum."
     )
+
+
+def mesh_axes(flags: Flags) -> dict:
+  """The recipe's mesh: fsdp, then cp (only when asked for: a cp-free run keeps its mesh), tp innermost."""
+  cp = {"cp": flags.cp} if flags.cp > 1 else {}
+  return {"fsdp": flags.fsdp, **cp, "tp": flags.tp}
 
 
 def _remat(flags: Flags) -> str | None:

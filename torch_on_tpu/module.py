@@ -113,6 +113,7 @@ class ShardedModule:
         f"('auto') or use a mesh without {mesh_lib.SEQUENCE_AXIS} (cp=1)."
       )
     self.attention = attention
+    self.context_parallel = context_parallel
     self._attention = (
       None
       if attention is None
@@ -197,6 +198,16 @@ class ShardedModule:
     sequence = seq_len is not None and mesh_lib.splits_sequence(self.mesh, (batch_size, seq_len))
     return NamedSharding(self.mesh, mesh_lib.batch_spec(self.data_axes if splits else (), ndim, sequence))
 
+  def token_sharding(self, rows: int) -> NamedSharding | None:
+    """(rows, ...) of flattened batch × sequence positions over the data axes and `cp`
+    (each device its tokens: their order is the batch's, batch-major); over the data axes
+    alone where those do not divide `rows`; None where neither does."""
+    axes = self.data_axes + ((mesh_lib.SEQUENCE_AXIS,) if mesh_lib.sequence_ways(self.mesh) > 1 else ())
+    for candidate in (axes, self.data_axes):
+      if candidate and rows % mesh_lib.batch_ways(self.mesh, candidate) == 0:
+        return NamedSharding(self.mesh, mesh_lib.batch_spec(candidate, 2))
+    return None
+
   def place(self, tensor: torch.Tensor) -> jax.Array:
     """A host tensor → a global array, batch dim sharded over the data axes."""
     if isinstance(tensor, TorchaxTensor):
@@ -253,7 +264,14 @@ class ShardedModule:
     return jax.lax.with_sharding_constraint(new.astype(old.dtype), sharding)
 
   def _attention_kernels(self):
-    return attention_lib.installed(self._attention) if self._attention else contextlib.nullcontext()
+    if not self._attention:
+      return contextlib.nullcontext()
+    self._attention.splits.clear()  # what this trace's calls do across `cp`
+    return attention_lib.installed(self._attention)
+
+  def attention_splits(self) -> tuple[str, ...]:
+    """How the last trace's attention calls crossed the `cp` axis (strategy, layout)."""
+    return tuple(sorted(self._attention.splits)) if self._attention else ()
 
   def __call__(self, *args, **kwargs):
     """Jitted forward. Tensors are traced (CPU ones placed on the mesh); every

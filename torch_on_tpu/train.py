@@ -121,6 +121,7 @@ class CompileReport:
   temp_bytes: int | None = None
   generated_code_bytes: int | None = None
   host_offloaded_bytes: int | None = None  # host temporaries + host arguments/outputs
+  attention_splits: tuple[str, ...] = ()  # how attention crossed a `cp` axis (context parallelism)
   flops: float | None = None
   bytes_accessed: float | None = None
 
@@ -143,6 +144,8 @@ class CompileReport:
       )
     if self.flops is not None:
       parts.append(f"{self.flops / 1e9:.2f} GFLOP, {_human_bytes(self.bytes_accessed or 0)} accessed")
+    if self.attention_splits:
+      parts.append("attention across " + "; ".join(self.attention_splits))
     return "; ".join(parts)
 
 
@@ -543,6 +546,7 @@ class TrainStep:
         jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated),
       ).compile(compiler_options=self.model.compile_options)
     self.last_compile = _report(compiled, time.perf_counter() - start)
+    self.last_compile.attention_splits = model.attention_splits()
     self.compile_seconds += self.last_compile.seconds
     logger.info("Train step %s", self.last_compile)
     return compiled

@@ -84,7 +84,7 @@ def attend(kernel, backward, split: Split, q, k, v, mask, q_seg, kv_seg):
     q_parts = _to_zigzag(q, 2, split)
     mask_parts = _to_zigzag(mask, 2, split) if mask is not None and mask.shape[2] > 1 else (mask, mask)
     seg_parts = _to_zigzag(q_seg, 1, split) if q_seg is not None else (None, None)
-    offsets = tuple(c * (piece // 2) for c in _zigzag_chunks(me, ways))
+    offsets = tuple(c * (piece // 2) for c in zigzag_chunks(me, ways))
   else:
     q_parts, mask_parts, seg_parts, offsets = (q,), (mask,), (q_seg,), (me * piece,)
   q_parts, seg_parts, offsets = tuple(q_parts), tuple(seg_parts), tuple(offsets)
@@ -110,11 +110,14 @@ def _owner(chunk: int, ways: int) -> int:
   return chunk if chunk < ways else 2 * ways - 1 - chunk
 
 
-def _zigzag_chunks(me, ways: int):
-  """(the even chunk, the odd chunk) device `me` computes, as traced ints."""
-  even = me % 2 == 0
-  other = 2 * ways - 1 - me
-  return jnp.where(even, me, other), jnp.where(even, other, me)
+def zigzag_chunks(device, ways: int):
+  """(the even, the odd) of the chunks of 2·ways that `device` computes: `device` and
+  2·ways-1-`device`, in parity order (ints, or traced for a traced device index)."""
+  other = 2 * ways - 1 - device
+  if isinstance(device, int):
+    return (device, other) if device % 2 == 0 else (other, device)
+  even = device % 2 == 0
+  return jnp.where(even, device, other), jnp.where(even, other, device)
 
 
 def _to_zigzag(x, axis: int, split: Split):
