@@ -79,6 +79,7 @@ import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
 from torch_on_tpu import _compat, losses, ops
+from torch_on_tpu.collectives import CollectiveBytes, collective_bytes
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu import sharding as sharding_lib
 from torch_on_tpu.errors import TorchOnTpuError
@@ -122,6 +123,7 @@ class CompileReport:
   generated_code_bytes: int | None = None
   host_offloaded_bytes: int | None = None  # host temporaries + host arguments/outputs
   attention_splits: tuple[str, ...] = ()  # how attention crossed a `cp` axis (context parallelism)
+  collective_bytes: CollectiveBytes | None = None  # received per device per step, loops counted
   flops: float | None = None
   bytes_accessed: float | None = None
 
@@ -144,6 +146,8 @@ class CompileReport:
       )
     if self.flops is not None:
       parts.append(f"{self.flops / 1e9:.2f} GFLOP, {_human_bytes(self.bytes_accessed or 0)} accessed")
+    if self.collective_bytes is not None:
+      parts.append(f"collectives {self.collective_bytes}")
     if self.attention_splits:
       parts.append("attention across " + "; ".join(self.attention_splits))
     return "; ".join(parts)
@@ -839,6 +843,10 @@ def _report(compiled, seconds) -> CompileReport:
     report.host_offloaded_bytes = sum(
       getattr(mem, f"host_{k}_size_in_bytes", 0) or 0 for k in ("argument", "output", "temp")
     )
+  try:
+    report.collective_bytes = collective_bytes(compiled.as_text())
+  except Exception:  # noqa: BLE001 (a backend without HLO text: the report goes without)
+    report.collective_bytes = None
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):  # jax < 0.4.30 returns one dict per program
     cost = cost[0] if cost else None
