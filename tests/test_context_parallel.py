@@ -261,3 +261,23 @@ def test_plan_splits_tokens_over_cp_and_suggests_a_cp_size():
     step_on(fsdp=8), shape, global_batch_size=8, seqlen=4096, remat="full", device_bytes=whole.total // 3
   )
   assert "cp=" in tight.suggestion and "grad_accum=" in tight.suggestion, tight.suggestion
+
+
+def test_collective_bytes_count_loops_by_their_trip_count():
+  """The compile report's collectives: an all-gather inside a 3-step loop counts 3 times."""
+  from jax.sharding import PartitionSpec as P
+
+  from torch_on_tpu.collectives import collective_bytes
+
+  mesh = tot.make_mesh(cp=8)
+
+  def body(x):
+    def step(i, acc):
+      return acc + jax.lax.all_gather(x * i, "cp", tiled=True)[: x.shape[0]]
+
+    return jax.lax.fori_loop(0, 3, step, jnp.zeros_like(x))
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("cp"), out_specs=P("cp")))
+  text = fn.lower(jnp.zeros((8 * 1024,), jnp.float32)).compile().as_text()
+  gathered = 8 * 1024 * 4  # bytes of each all-gather's output
+  assert collective_bytes(text).by_kind == {"all-gather": 3 * gathered * 7 // 8}

@@ -6,7 +6,8 @@
 Models (tiny, CPU): torchtitan's Llama 3 debugmodel cut to 2 layers with flex
 attention over packed documents (`flex_masks(positions)`); HF Llama and Qwen3
 (SDPA) with left padding (an `attention_mask` with zeros at the start of some
-rows). Meshes on 8 simulated devices: cp=8, fsdp=2 x cp=4, fsdp=2 x tp=2 x cp=2,
+rows: HF passes an explicit mask), and Qwen3 without padding (`qwen3_causal`:
+HF passes `is_causal`, so attention runs the zig-zag). Meshes on 8 simulated devices: cp=8, fsdp=2 x cp=4, fsdp=2 x tp=2 x cp=2,
 each against fsdp=8 (cp=1) from the same initial weights. Measured: the
 forward's logits, the losses of 5 AdamW steps and the trained weights, as
 ‖Δ‖/‖ref‖ (targets: forward 1e-5, losses and weights 1e-4); then the state
@@ -22,7 +23,7 @@ import sys
 import time
 
 MESHES = {"cp8": dict(cp=8), "fsdp2xcp4": dict(fsdp=2, cp=4), "fsdp2xtp2xcp2": dict(fsdp=2, tp=2, cp=2)}
-MODELS = ("titan", "llama", "qwen3")
+MODELS = ("titan", "llama", "qwen3", "qwen3_causal")
 REFERENCE = dict(fsdp=8)
 BATCH, SEQ, STEPS = 8, 64, 5
 FORWARD_TOL, TRAIN_TOL = 1e-5, 1e-4
@@ -59,6 +60,8 @@ def build(name: str):
   config = transformers.LlamaConfig(**common) if name == "llama" else transformers.Qwen3Config(head_dim=16, **common)
   config._attn_implementation = "sdpa"
   model = build_causal_lm(config, device="cpu")
+  if name.endswith("_causal"):
+    return model, {"input_ids": tokens, "use_cache": False}, tokens
   mask = torch.ones(BATCH, SEQ, dtype=torch.long)
   mask[1, :7] = 0  # left padding
   mask[3, :20] = 0

@@ -244,7 +244,8 @@ def _resolve_preset(name: str, tensors: Sequence[TensorInfo], mesh: Mesh) -> Res
   elif name == "fsdp":
     if not mesh_lib.param_axes(mesh):
       raise TorchOnTpuError(
-        f"The 'fsdp' sharding preset needs an 'fsdp' (or 'cp') mesh axis but the mesh is {_fmt_mesh(mesh)}; "
+        f"The 'fsdp' sharding preset needs an 'fsdp' mesh axis (or 'cp', whose devices shard parameters too) but "
+        f"the mesh is {_fmt_mesh(mesh)}; "
         f"build it with make_mesh(fsdp=-1) or pass a sharding map."
       )
     specs = {
