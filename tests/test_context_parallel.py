@@ -281,3 +281,14 @@ def test_collective_bytes_count_loops_by_their_trip_count():
   text = fn.lower(jnp.zeros((8 * 1024,), jnp.float32)).compile().as_text()
   gathered = 8 * 1024 * 4  # bytes of each all-gather's output
   assert collective_bytes(text).by_kind == {"all-gather": 3 * gathered * 7 // 8}
+
+
+def test_recipe_flag_builds_the_mesh_prints_cp_and_checks_the_sequence(tmp_path):
+  from recipes import common, llama3
+
+  flags = llama3.Llama3Flags(cp=4, seqlen=64, log_dir=str(tmp_path))
+  assert common.mesh_axes(flags) == {"fsdp": -1, "cp": 4, "tp": 1}
+  assert common.mesh_axes(llama3.Llama3Flags()) == {"fsdp": -1, "tp": 1}  # a cp-free run keeps its mesh
+  assert common.resolve(flags, llama3.recipe(flags))["cp"] == 4
+  with pytest.raises(tot.TorchOnTpuError, match=r"--seqlen=60 does not split into 2\*cp=8 equal chunks"):
+    llama3.run(llama3.Llama3Flags(cp=4, seqlen=60, log_dir=str(tmp_path)))
