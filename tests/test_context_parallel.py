@@ -109,31 +109,29 @@ def routed(att, q, k, v, dout, **kwargs):
 
 
 CALLS = {
-  # name: (strategies, call kwargs builder)
-  "causal-gqa": (("all_gather", "ring"), lambda seg, mask: dict(causal=True, enable_gqa=True)),
-  "documents": (("ring",), lambda seg, mask: dict(causal=True, segment_ids=(seg, seg), enable_gqa=True)),
-  "padding-mask": (("all_gather",), lambda seg, mask: dict(mask=mask, enable_gqa=True)),
-  "dropout": (("all_gather",), lambda seg, mask: dict(causal=True, dropout_rate=0.3, dropout_key=jax.random.key(7), enable_gqa=True)),
+  # name: (strategies, call kwargs builder); explicit masks at cp: the HF model test
+  "causal-gqa": (("all_gather",), lambda seg: dict(causal=True, enable_gqa=True)),
+  "documents": (("ring",), lambda seg: dict(causal=True, segment_ids=(seg, seg), enable_gqa=True)),
+  "dropout": (("all_gather",), lambda seg: dict(causal=True, dropout_rate=0.3, dropout_key=jax.random.key(7), enable_gqa=True)),
 }
 
 
 def inputs(b=4, hq=4, hkv=2, length=64, d=8):
   q, k, v = normal(b, hq, length, d, seed=0), normal(b, hkv, length, d, seed=1), normal(b, hkv, length, d, seed=2)
   seg = jnp.cumsum(jax.random.bernoulli(jax.random.key(4), 0.1, (b, length)).astype(jnp.int32), axis=1)
-  pad = jnp.arange(length)[None] >= jnp.array([0, 7, 0, 20])[:, None]  # left padding
-  mask = pad[:, None, None, :] & (jnp.arange(length)[:, None] >= jnp.arange(length)[None])
-  return q, k, v, normal(b, hq, length, d, seed=3), seg, mask
+  return q, k, v, normal(b, hq, length, d, seed=3), seg
 
 
 def test_attention_across_cp_equals_the_unsplit_call():
-  """Every call kind and strategy on one mesh; the other meshes run in the model tests
-  and tools/parity_cp.py."""
+  """Causal (K/V gathered, zig-zag), documents (the ring), dropout (global positions) on one
+  mesh; the ring on plain causal calls, the other meshes and explicit masks run in the
+  model tests and tools/parity_cp.py."""
   mesh = tot.make_mesh(**MESHES["fsdp2xcp4"])
-  q, k, v, dout, seg, mask = inputs()
+  q, k, v, dout, seg = inputs()
   whole = Attention("xla", block_sizes=dict(block_q=8, block_kv=8))
   for name in CALLS:
     strategies, make = CALLS[name]
-    kwargs = make(seg, mask)
+    kwargs = make(seg)
     ref_out, ref_grads = routed(whole, q, k, v, dout, **kwargs)
     for strategy in strategies:
       att = Attention(
