@@ -145,11 +145,31 @@ def test_attention_across_cp_equals_the_unsplit_call():
         assert h.rel(g, r) < TOL, (name, strategy)
 
 
+def test_splash_across_cp_runs_one_kernel_per_device_offset(caplog):
+  """Splash (Pallas interpret mode here) on the gathered K/V, its static causal mask at each
+  device's zig-zag offsets (lax.switch on the device index): documents, MQA, fsdp=4 x cp=2."""
+  mesh = tot.make_mesh(fsdp=4, cp=2)
+  q, k, v = normal(4, 2, 512, 8, seed=0), normal(4, 1, 512, 8, seed=1), normal(4, 1, 512, 8, seed=2)
+  dout = normal(4, 2, 512, 8, seed=3)
+  seg = jnp.cumsum(jax.random.bernoulli(jax.random.key(4), 0.01, (4, 512)).astype(jnp.int32), axis=1)
+  kwargs = dict(causal=True, segment_ids=(seg, seg), enable_gqa=True)
+  ref_out, ref_grads = routed(Attention("xla"), q, k, v, dout, **kwargs)
+  att = Attention("splash", mesh=mesh, data_axes=("fsdp",))
+  with caplog.at_level("WARNING", logger="torch_on_tpu.attention.routing"):
+    out, grads = routed(att, q, k, v, dout, **kwargs)
+  assert "cannot express" not in caplog.text  # splash ran, not the XLA fallback
+  assert att.splits == {"cp=2: K/V all-gathered, zig-zag causal balance"}
+  assert h.rel(out, ref_out) < TOL
+  for g, r in zip(grads, ref_grads):
+    assert h.rel(g, r) < TOL
+
+
 def test_auto_strategy_names_its_reason_and_the_ring_takes_only_plain_calls():
   assert context.choose("auto", heads=32, kv_heads=8, ways=4, plain=True)[0] == "all_gather"
   assert context.choose("auto", heads=16, kv_heads=16, ways=4, plain=True)[0] == "ring"
   assert context.choose("auto", heads=16, kv_heads=16, ways=2, plain=True)[0] == "all_gather"
   assert context.choose("ring", heads=16, kv_heads=16, ways=4, plain=False)[0] == "all_gather"
+  assert context.choose("auto", heads=16, kv_heads=16, ways=4, plain=True, kernel="splash")[0] == "all_gather"
   with pytest.raises(tot.TorchOnTpuError, match="context_parallel='bad' is not a strategy"):
     Attention("xla", context_parallel="bad")
 

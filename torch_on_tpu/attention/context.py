@@ -51,16 +51,19 @@ class Split:
     return f"{self.axis}={self.ways}: {kv}, {layout}"
 
 
-def choose(setting: str, *, heads: int, kv_heads: int, ways: int, plain: bool) -> tuple[str, str]:
+def choose(setting: str, *, heads: int, kv_heads: int, ways: int, plain: bool, kernel: str = "xla") -> tuple[str, str]:
   """(strategy, why) for a call: `setting` unless "auto". Auto gathers K/V when they are
-  small next to q (GQA/MQA: fewer K/V heads than query heads) or the ring would be two
-  steps; otherwise the ring. The ring takes only `plain` calls (no explicit mask, no dropout)."""
+  small next to q (GQA/MQA: fewer K/V heads than query heads), when the ring would be two
+  steps, or for splash (whose blocks give no log-sum-exp gradient to combine); otherwise
+  the ring. The ring takes only `plain` calls (no explicit mask, no dropout)."""
   if setting == "all_gather":
     return "all_gather", "asked for"
   if not plain:
     return "all_gather", "the ring takes no explicit mask or dropout"
   if setting == "ring":
     return "ring", "asked for"
+  if kernel == "splash":
+    return "all_gather", "splash runs on the gathered K/V (its blocks give no log-sum-exp gradient for the ring)"
   if kv_heads < heads:
     return "all_gather", f"GQA: K/V have {kv_heads} heads for {heads} query heads"
   if ways == 2:
@@ -68,14 +71,17 @@ def choose(setting: str, *, heads: int, kv_heads: int, ways: int, plain: bool) -
   return "ring", f"K/V as many heads as q ({heads}): gathering them would hold the whole sequence's"
 
 
-def attend(kernel, backward, split: Split, q, k, v, mask, q_seg, kv_seg):
+def attend(kernel, backward, split: Split, q, k, v, mask, q_seg, kv_seg, *, fixed=None):
   """Attention of this device's piece of the sequence, inside `shard_map`.
 
   q, k, v (B, H, Lc, D) and the ids (B, Lc) are this device's contiguous piece;
   `mask` (B|1, H|1, Lc|1, S|1) holds its rows against all columns.
   `kernel(q, k, v, mask, q_seg, kv_seg, q_offset, kv_offset)` → (out, lse) is one
   block's attention on global positions; `backward(..., out, lse, dout)` → (dq, dk, dv)
-  one block's gradients from the whole output (the ring's).
+  one block's gradients from the whole output (the ring's). `fixed(q, k, v, q_seg,
+  kv_seg, q_offset=int)` → out, when given, is a kernel that takes its query offset
+  only as a Python int (splash's masks are static): with the K/V gathered, each device
+  runs the one for its own offset (`lax.switch` on the device index).
   """
   name, ways = split.axis, split.ways
   me = lax.axis_index(name)
@@ -91,6 +97,12 @@ def attend(kernel, backward, split: Split, q, k, v, mask, q_seg, kv_seg):
   if split.strategy == "all_gather":
     k_all, v_all = (lax.all_gather(x, name, axis=2, tiled=True) for x in (k, v))
     kv_seg_all = None if kv_seg is None else lax.all_gather(kv_seg, name, axis=1, tiled=True)
+    if fixed is not None:
+      outs = tuple(
+        _per_device(fixed, me, _offsets_by_device(split, part, piece), qp, k_all, v_all, sp, kv_seg_all)
+        for part, (qp, sp) in enumerate(zip(q_parts, seg_parts))
+      )
+      return _from_zigzag(outs, 2, split) if split.balanced else outs[0]
     outs = tuple(
       kernel(qp, k_all, v_all, mp, sp, kv_seg_all, off, 0)[0]
       for qp, mp, sp, off in zip(q_parts, mask_parts, seg_parts, offsets)
@@ -100,6 +112,27 @@ def attend(kernel, backward, split: Split, q, k, v, mask, q_seg, kv_seg):
   if split.balanced:
     return _from_zigzag(outs, 2, split)
   return outs[0]
+
+
+def _offsets_by_device(split: Split, part: int, piece: int) -> list[int]:
+  """The global offset of query part `part` on each device (ints, for static masks)."""
+  if not split.balanced:
+    return [0] * split.ways  # a call without a causal mask: the offset changes nothing
+  return [zigzag_chunks(d, split.ways)[part] * (piece // 2) for d in range(split.ways)]
+
+
+def _per_device(fixed, me, offsets: list[int], *operands):
+  """`fixed` at this device's offset: one branch per distinct offset, picked by device index."""
+  distinct = sorted(set(offsets))
+  if len(distinct) == 1:
+    return fixed(*operands, q_offset=distinct[0])
+  branches = [functools.partial(_call_fixed, fixed, offset) for offset in distinct]
+  index = jnp.asarray([distinct.index(o) for o in offsets], jnp.int32)[me]
+  return lax.switch(index, branches, *operands)
+
+
+def _call_fixed(fixed, offset, *operands):
+  return fixed(*operands, q_offset=offset)
 
 
 # ---- the zig-zag layout -------------------------------------------------------------------

@@ -212,7 +212,7 @@ class Attention:
       return None
     strategy, why = context.choose(
       self.context_parallel, heads=q.shape[1], kv_heads=k.shape[1], ways=ways,
-      plain=mask is None and dropout_rate == 0,
+      plain=mask is None and dropout_rate == 0, kernel=self.kind,
     )
     split = context.Split(mesh_lib.SEQUENCE_AXIS, ways, strategy, balanced=bool(causal))
     self.splits.add(split.describe())
@@ -225,14 +225,16 @@ class Attention:
       return "xla"
     reason = None
     length, kv_len = q.shape[2], k.shape[2]
-    if split is not None:
-      reason = "context parallelism (masks at each device's offset in the sequence)"
+    if split is not None and (self.kind != "splash" or split.strategy == "ring"):
+      reason = f"context parallelism's {'ring' if split.strategy == 'ring' else 'offset masks'}"
     elif dropout_rate > 0:
       reason = "dropout"
     elif mask is not None:
       reason = "an explicit attn_mask"
     elif self.kind == "splash" and length != kv_len:
       reason = f"query length {length} != key length {kv_len}"
+    elif split is not None and not splash.tiles_whole(_query_block(length, split), self.block_sizes):
+      reason = f"context-parallel query blocks of {_query_block(length, split)} rows (not whole splash tiles)"
     elif self.kind == "cudnn":
       if segment_ids is not None:
         reason = "document (segment id) masks"
@@ -288,6 +290,13 @@ class Attention:
     return xla_flash.xla_attention_backward(
       q, k, v, out, lse, dout, mask=mask, segment_ids=None if q_seg is None else (q_seg, kv_seg),
       causal=causal, scale=scale, q_offset=q_offset, kv_offset=kv_offset, **self._xla_blocks(),
+    )
+
+  def _splash_block(self, q, k, v, q_seg, kv_seg, *, q_offset: int, causal, scale):
+    """Splash for one block of a sequence split over `cp`, at a static query offset."""
+    return splash.splash_attention(
+      q, k, v, None if q_seg is None else (q_seg, kv_seg), causal=causal, scale=scale,
+      block_sizes=self.block_sizes, interpret=not self.accelerated, q_offset=q_offset,
     )
 
   def _xla_blocks(self) -> dict:
@@ -351,12 +360,18 @@ class Attention:
         offsets=(b_off, h_off) if s is not None else None,
       )
       backward = functools.partial(self._block_backward, causal=causal, scale=scale)
+      fixed = functools.partial(self._splash_block, causal=causal, scale=scale) if settings["kind"] == "splash" else None
       q_seg, kv_seg = seg if seg is not None else (None, None)
-      return context.attend(kernel, backward, split, q, k, v, m, q_seg, kv_seg)
+      return context.attend(kernel, backward, split, q, k, v, m, q_seg, kv_seg, fixed=fixed)
 
     return jax.shard_map(
       body, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec, check_vma=False
     )(*args)
+
+
+def _query_block(length: int, split) -> int:
+  """The query rows one kernel call takes under `split`: a zig-zag chunk or a device's piece."""
+  return length // split.ways // (2 if split.balanced else 1)
 
 
 def _resolve(mode: str, platform: str) -> tuple[str, bool, str]:
