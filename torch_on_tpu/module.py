@@ -62,8 +62,8 @@ class ShardedModule:
       `"cudnn"`, `"xla"`, or `None` (torchax's default lowering).
     attention_block_sizes: splash kernel block sizes (see `attention`).
     context_parallel: how attention's K/V cross a `cp` mesh axis (the sequence
-      split, `torch_on_tpu.attention.context`): `"auto"` (all-gather under GQA,
-      the ring otherwise), `"all_gather"` or `"ring"`.
+      split, `torch_on_tpu.attention.context`): `"auto"` (K/V gathered under
+      GQA, at cp=2 and for splash; the ring otherwise), `"all_gather"` or `"ring"`.
     scan: run the model's stack of identical blocks as one `lax.scan`
       (compile time flat in depth); names stay the original per-layer ones.
     remat: per-layer rematerialisation policy (`torch_on_tpu.remat.NAMES`).
@@ -209,7 +209,8 @@ class ShardedModule:
     return None
 
   def place(self, tensor: torch.Tensor) -> jax.Array:
-    """A host tensor → a global array, batch dim sharded over the data axes."""
+    """A host tensor → a global array, batch dim sharded over the data axes (and its
+    sequence, dim 1, over `cp`)."""
     if isinstance(tensor, TorchaxTensor):
       return tensor.jax()
     if tensor.ndim == 0:
