@@ -278,7 +278,7 @@ def test_plan_splits_tokens_over_cp_and_suggests_a_cp_size():
   tight = plan.plan_memory(
     step_on(fsdp=8), shape, global_batch_size=8, seqlen=4096, remat="full", device_bytes=whole.total // 3
   )
-  assert "cp=" in tight.suggestion and "grad_accum=" in tight.suggestion, tight.suggestion
+  assert "cp=" in tight.suggestion and "grad_accum=" in tight.suggestion, tight.suggestion  # split each sequence
 
 
 def test_collective_bytes_count_loops_by_their_trip_count():

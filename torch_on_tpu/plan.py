@@ -64,7 +64,7 @@ from torch_on_tpu import mesh as mesh_lib
 from torch_on_tpu import scan as scan_lib
 from torch_on_tpu import models
 from torch_on_tpu.attention import context
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, arg, named
 from torch_on_tpu.models import DecoderShape
 from torch_on_tpu.module import _human_bytes
 
@@ -291,7 +291,7 @@ def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
   if policy not in ("full", "offload_dots"):
     alternative = _estimate(step, shape, global_batch_size, seqlen, "full", step.grad_accum)
     if alternative.total <= limit:
-      return f"use remat='full' (recompute each layer in the backward pass: about {_human_bytes(alternative.total)})"
+      return f"use {arg('remat', 'full')} (recompute each layer in the backward pass: about {_human_bytes(alternative.total)})"
   mesh = step.model.mesh
   data_ways = math.prod(mesh.shape[a] for a in step.model.data_axes)
   best = "full" if policy == "none" else policy
@@ -300,9 +300,9 @@ def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
     accum *= 2
     alternative = _estimate(step, shape, global_batch_size, seqlen, best, accum)
     if alternative.total <= limit:
-      extra = "" if best == policy else f" with remat='{best}'"
+      extra = "" if best == policy else f" with {arg('remat', best)}"
       return (
-        f"use grad_accum={accum}{extra} (or a global batch {accum // step.grad_accum}x smaller: "
+        f"use {arg('grad_accum', accum)}{extra} (or a global batch {accum // step.grad_accum}x smaller: "
         f"about {_human_bytes(alternative.total)})"
       )
   split = _sequence_split(step, shape, global_batch_size, seqlen, best, policy, limit)
@@ -314,12 +314,12 @@ def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
     factor = math.ceil(state / (limit - floor))
     fsdp = mesh.shape.get("fsdp", 1)
     return (
-      f"shard the params over about {factor}x more devices on fsdp (fsdp={fsdp * factor} or more), "
+      f"shard the params over about {factor}x more devices on fsdp ({arg('fsdp', fsdp * factor)} or more), "
       f"since params, gradients and optimizer state alone take {_human_bytes(state)}"
     )
   return (
-    f"even one sequence per device with remat='{best}' needs {_human_bytes(floor)} of activations; "
-    f"use a shorter seqlen or shard activations with tp"
+    f"even one sequence per device with {arg('remat', best)} needs {_human_bytes(floor)} of activations; "
+    f"use a shorter {named('seqlen')} or shard activations with {named('tp')}"
   )
 
 
@@ -341,10 +341,10 @@ def _sequence_split(step, shape, global_batch_size, seqlen, remat, policy, limit
         if global_batch_size % accum == 0 and rows % data == 0:
           alternative = _estimate(step, shape, global_batch_size, seqlen, candidate, accum, split=(data, cp))
           if alternative.total <= limit:
-            extra = f", grad_accum={accum}" if accum != step.grad_accum else ""
-            where = f"remat='{candidate}', " if candidate != policy else ""
+            extra = f" and {arg('grad_accum', accum)}" if accum != step.grad_accum else ""
+            where = f"{arg('remat', candidate)}, " if candidate != policy else ""
             return (
-              f"split each sequence over more devices: cp={cp} with {data} data devices{extra} "
+              f"split each sequence over more devices: {arg('cp', cp)} with {data} data devices{extra} "
               f"({where}about {_human_bytes(alternative.total)})"
             )
         accum *= 2
