@@ -17,6 +17,8 @@ tensors: the forward with a fresh context object, the tensors it saves (with
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -91,6 +93,16 @@ class _Context:
     )
 
 
+@contextlib.contextmanager
+def _computing(env):
+  """Context for a Function's forward or backward: inside torchax's modes, and quiet
+  about float64 (torchao computes its scales in float64 from float32 amaxes; jax
+  without x64 divides in float32, which for float32 operands rounds the same)."""
+  with _compat.torchax_modes(env), warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Explicitly requested dtype float64")
+    yield
+
+
 def _as_array(x):
   return (x.torch() if isinstance(x, View) else x).jax()
 
@@ -112,7 +124,7 @@ def _custom_vjp_call(cls, args: tuple):
 
   def forward(*xs):
     ctx = _Context(differentiable)
-    with _compat.torchax_modes(env):
+    with _computing(env):
       out = cls.forward(ctx, *call_args(xs))
     saved = list(ctx.to_save)
     attrs = {k: v for k, v in vars(ctx).items() if k != "to_save" and isinstance(v, torch.Tensor)}
@@ -130,7 +142,7 @@ def _custom_vjp_call(cls, args: tuple):
       setattr(ctx, k, t)
     grads_out = jax.tree_util.tree_map(torch_view, cotangent)
     grads_out = grads_out if isinstance(grads_out, tuple) else (grads_out,)
-    with _compat.torchax_modes(env):
+    with _computing(env):
       grads = cls.backward(ctx, *grads_out)
     grads = grads if isinstance(grads, tuple) else (grads,)
     out = []

@@ -157,3 +157,59 @@ def register(env) -> None:
     _compat.set_op(env, packet, _compat.make_operator(packet, fn, jax_function=True))
   autograd_functions.run_with_own_backward(_TORCHAO_LINEAR, _prepare_torchao)
   autograd_functions.register()
+
+
+# ---- the recipe side: which linears compute in float8 -------------------------------------
+
+
+def check_recipe(recipe: str) -> None:
+  if recipe not in RECIPES:
+    raise TorchOnTpuError(
+      f"float8 recipe {recipe!r} is not one the bridge runs; choose one of {', '.join(RECIPES)} "
+      f"(torchao's Float8LinearRecipeName; MX formats are not lowered)."
+    )
+
+
+def converts(fqn: str, in_features: int, out_features: int, skip=DEFAULT_SKIP) -> bool:
+  """torchtitan's float8 module filter: both dims multiples of 16 and no skipped name in the path."""
+  aligned = in_features % ALIGNMENT == 0 and out_features % ALIGNMENT == 0
+  return aligned and not any(name in fqn for name in skip)
+
+
+def torchao_config(recipe: str, *, emulate: bool = False):
+  """torchao's `Float8LinearConfig` for a recipe name."""
+  check_recipe(recipe)
+  config = extras.require("torchao.float8", "float8 training").Float8LinearConfig.from_recipe_name(recipe)
+  return dataclasses.replace(config, emulate=emulate) if emulate else config
+
+
+def convert(target, recipe: str, skip=DEFAULT_SKIP, *, emulate: bool = False):
+  """`target` with its linears computing in float8 (`recipe`), the way torchtitan converts.
+
+  `target` is a torchtitan model config (converted with torchtitan's own
+  `Float8LinearConverter`, before the model is built) or any built
+  `nn.Module` (torchao's `convert_to_float8_training`, in place). Linears with
+  a dim not a multiple of 16 or a `skip` name in their path stay as they are.
+  """
+  config = torchao_config(recipe, emulate=emulate)
+  if hasattr(target, "traverse"):  # a torchtitan config tree
+    quantization = extras.require("torchtitan.components.quantization", "float8 training of torchtitan models")
+    # emulate=True only gets past the converter's GPU check; the recipe's config replaces its own.
+    converter = quantization.Float8LinearConverter(
+      quantization.Float8LinearConverter.Config(emulate=True, filter_fqns=list(skip))
+    )
+    converter.torchao_config = config
+    return converter.convert(target)
+  if not isinstance(target, torch.nn.Module):
+    raise TorchOnTpuError(
+      f"float8.convert takes a torchtitan model config or a torch.nn.Module, got {type(target).__name__}."
+    )
+  if type(target).__module__.startswith("torchtitan."):
+    raise TorchOnTpuError(
+      "A built torchtitan model converts to float8 at its config, before it is built (its Linears carry "
+      "torchtitan's init): pass the model config to float8.convert, or use --float8 in recipes.llama3."
+    )
+  float8 = extras.require("torchao.float8", "float8 training")
+  return float8.convert_to_float8_training(
+    target, config=config, module_filter_fn=lambda m, fqn: converts(fqn, m.in_features, m.out_features, skip)
+  )

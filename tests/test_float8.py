@@ -1,0 +1,159 @@
+"""float8 training: torchao's Float8Linear through ShardedModule + make_train_step, against
+torchao itself (its emulated path, and its hardware path on torch's CPU `_scaled_mm`)."""
+
+import copy
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+import transformers
+from torchao.float8 import Float8LinearConfig
+from torchao.float8.float8_linear import Float8Linear
+
+import torch_on_tpu as tot
+from torch_on_tpu import float8
+from torch_on_tpu.models.hf import build_causal_lm
+from torch_on_tpu.models.torchtitan import llama3_config
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def ce_loss(out, labels):
+  logits = out.logits if hasattr(out, "logits") else out
+  return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def mse(out, target):
+  return ((out - target) ** 2).mean()
+
+
+def torch_steps(model, loss_fn, batches, lr):
+  """Losses and final state of `model` trained eagerly with SGD (torchao's own float8 path)."""
+  opt = torch.optim.SGD(model.parameters(), lr=lr)
+  losses = []
+  for x, y in batches:
+    opt.zero_grad()
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+  return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+# ---- the scaled matmuls ----------------------------------------------------------------------
+
+
+def _fp8(shape, dtype, seed):
+  g = torch.Generator().manual_seed(seed)
+  return (torch.randn(shape, generator=g) * 4).to(dtype)
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_scaled_mm_is_torchs_scaled_mm(rowwise, out_dtype):
+  a = _fp8((32, 64), torch.float8_e5m2, 0)  # a gradient (e5m2) times a weight (e4m3), as in dgrad
+  b = _fp8((48, 64), torch.float8_e4m3fn, 1).t()
+  g = torch.Generator().manual_seed(2)
+  scale_a = torch.rand((32, 1) if rowwise else (), generator=g) + 0.5
+  scale_b = torch.rand((1, 48) if rowwise else (), generator=g) + 0.5
+  bias = torch.randn(48, generator=g).to(out_dtype) if out_dtype == torch.bfloat16 else None
+  expected = torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+  ours = float8._scaled_mm(
+    *(jnp.asarray(t.float().numpy()).astype(jnp.dtype(str(t.dtype).split(".")[1])) for t in (a, b)),
+    jnp.asarray(scale_a.numpy()), jnp.asarray(scale_b.numpy()),
+    None if bias is None else jnp.asarray(bias.float().numpy()).astype(jnp.bfloat16), out_dtype=out_dtype,
+  )
+  assert ours.dtype == jnp.dtype(str(out_dtype).split(".")[1])
+  # one bf16 ulp where the accumulation orders differ (oneDNN's and XLA's)
+  assert rel(np.asarray(ours, np.float32), expected.float().numpy()) < (4e-3 if out_dtype == torch.bfloat16 else 1e-6)
+
+
+def test_scaled_grouped_mm_is_a_scaled_mm_per_group():
+  tokens, k, n, sizes = 40, 32, 16, [8, 0, 24, 8]
+  a, b = _fp8((tokens, k), torch.float8_e4m3fn, 3), _fp8((4, k, n), torch.float8_e4m3fn, 4)
+  g = torch.Generator().manual_seed(5)
+  scale_a, scale_b = torch.rand(tokens, generator=g) + 0.5, torch.rand(4, n, generator=g) + 0.5
+  offs = torch.tensor(np.cumsum(sizes), dtype=torch.int32)
+  j = lambda t: jnp.asarray(t.float().numpy()).astype(jnp.float8_e4m3fn)  # noqa: E731
+  ours = float8._scaled_grouped_mm(j(a), j(b), jnp.asarray(scale_a.numpy()), jnp.asarray(scale_b.numpy()), jnp.asarray(offs.numpy()), out_dtype=torch.float32)
+  start = 0
+  for group, size in enumerate(sizes):
+    rows = slice(start, start + size)
+    expected = (a[rows].float() @ b[group].float()) * scale_a[rows, None] * scale_b[group]
+    np.testing.assert_allclose(np.asarray(ours[rows]), expected.numpy(), rtol=1e-5, atol=1e-4)
+    start += size
+  # the weight-gradient form: 2-D × 2-D, groups along the shared token dim
+  x, dy = _fp8((k, tokens), torch.float8_e4m3fn, 6), _fp8((tokens, n), torch.float8_e4m3fn, 7)
+  sx, sdy = torch.rand(4 * k, generator=g) + 0.5, torch.rand(4 * n, generator=g) + 0.5
+  ours = float8._scaled_grouped_mm(j(x), j(dy), jnp.asarray(sx.numpy()), jnp.asarray(sdy.numpy()), jnp.asarray(offs.numpy()), out_dtype=torch.float32)
+  start = 0
+  for group, size in enumerate(sizes):
+    cols = slice(start, start + size)
+    expected = (x[:, cols].float() @ dy[cols].float()) * sx.reshape(4, k, 1)[group] * sdy.reshape(4, 1, n)[group]
+    np.testing.assert_allclose(np.asarray(ours[group]), expected.numpy(), rtol=1e-5, atol=1e-4)
+    start += size
+
+
+def test_unsupported_scaled_matmuls_are_refused_in_one_sentence():
+  a = jnp.zeros((16, 32), jnp.float8_e4m3fn)
+  b = jnp.zeros((32, 16), jnp.float8_e4m3fn)
+  one = jnp.ones(())
+  with pytest.raises(tot.TorchOnTpuError, match="blockwise and MX scales are not"):
+    float8._scaled_mm(a, b, jnp.ones((16, 2)), one, out_dtype=torch.bfloat16)
+  with pytest.raises(tot.TorchOnTpuError, match="float8 output is not lowered"):
+    float8._scaled_mm(a, b, one, one)
+  with pytest.raises(tot.TorchOnTpuError, match="only float8_e4m3fn / float8_e5m2 operands"):
+    float8._scaled_mm(a.astype(jnp.bfloat16), b, one, one, out_dtype=torch.bfloat16)
+  with pytest.raises(tot.TorchOnTpuError, match="float8 recipe 'mxfp8' is not one the bridge runs"):
+    float8.convert(torch.nn.Linear(16, 16), "mxfp8")
+
+
+# ---- torchao's float8 linear, trained ----------------------------------------------------
+
+
+def _mlp():
+  torch.manual_seed(0)
+  return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 48, bias=False))
+
+
+@pytest.mark.parametrize("recipe", float8.RECIPES)
+def test_float8_linear_trains_as_torchao_does(recipe):
+  """5 SGD steps of torchao-converted linears: losses and weights as torchao's hardware
+  path computes them (torch's CPU `_scaled_mm`), and within 1e-3 of its emulation."""
+  base = _mlp()
+  g = torch.Generator().manual_seed(1)
+  data = [(torch.randn(8, 8, 32, generator=g), torch.randn(8, 8, 48, generator=g)) for _ in range(5)]
+  hardware = torch_steps(float8.convert(copy.deepcopy(base), recipe), mse, data, lr=0.5)
+  emulated = torch_steps(float8.convert(copy.deepcopy(base), recipe, emulate=True), mse, data, lr=0.5)
+  jm = tot.ShardedModule(float8.convert(copy.deepcopy(base), recipe), mesh=tot.make_mesh(fsdp=-1))
+  step = tot.make_train_step(jm, mse, optax.sgd(0.5))
+  ours = [float(step(x, y)) for x, y in data]
+  state = jm.state_dict()
+  for (losses, weights), tol in ((hardware, 1e-5), (emulated, 1e-3)):
+    assert max(abs(a - b) / b for a, b in zip(ours, losses)) < tol
+    for name, expected in weights.items():
+      assert rel(state[name], expected) < tol, name
+
+
+def test_the_optimized_step_runs_every_converted_matmul_on_float8_operands():
+  """Forward, input gradient and weight gradient of each converted linear: one dot each,
+  on float8 operands in the program XLA gets, all three kept by XLA (on CPU it widens
+  them to f32 inside the dot's fusion: the CPU has no fp8 matmul)."""
+  jm = tot.ShardedModule(float8.convert(_mlp(), "tensorwise"), mesh=tot.make_mesh(fsdp=-1))
+  step = tot.make_train_step(jm, mse, optax.sgd(0.1), compute_dtype=jnp.bfloat16)
+  # the first linear's input needs no gradient: 2 forward + 2 weight-gradient + 1 input-gradient dots
+  lowered = jax.jit(step.pure).lower(jm.params, jm.buffers, step.opt_state, jnp.zeros((8, 8, 32)), jnp.zeros((8, 8, 48)))
+  dots = re.findall(r"stablehlo.dot_general .*?: \((tensor<[^)]*)\)", lowered.as_text())
+  operands = sorted(tuple(re.findall(r"x(f8E\w+|[bf]\w*\d+)>", d)) for d in dots)
+  assert operands == sorted(
+    [("f8E4M3FN", "f8E4M3FN")] * 2 + [("f8E5M2", "f8E4M3FN")] * 3
+  ), operands
+  compiled = lowered.compile().as_text()
+  assert len(re.findall(r"= f32\[[\d,]+\]\{[\d,]+\} dot\(.*aten::_scaled_mm", compiled)) == 5
