@@ -68,6 +68,8 @@ class Flags:
   remat: str = flag("auto", "per-layer remat: auto (scanned: dots_and_attention; loop: none), none, full, dots_saveable, dots_with_no_batch_dims_saveable, dots_and_attention, offload_dots")
   attention: str = flag("auto", "attention kernel: auto (splash on TPU, cuDNN on GPU, blocked XLA on CPU), xla, splash, cudnn, none (torchax's own SDPA lowering)")
   dtype: str = flag("float32", "float32; bfloat16 (bf16 compute, fp32 master weights and Adam); bfloat16-all")
+  float8: str | None = flag(None, "float8 matmuls (torchao's Float8Linear, torchtitan's filter): rowwise, tensorwise or rowwise_with_gw_hp; weights and checkpoints stay in --dtype (default: off)")
+  float8_skip: str = flag("lm_head", "with --float8: comma-separated names of linears kept in high precision (linears with a dim not a multiple of 16 always are)")
   grad_accum: int = flag(1, "microbatches per step (activations shrink by this factor)")
   data: str | None = flag(None, "text/JSONL/Parquet files, a glob, a directory or a datasets dir (default: built-in corpus)")
   data_field: str = flag("text", "the JSONL/Parquet/datasets field holding the text")
@@ -601,11 +603,24 @@ def _check_flags(flags: Flags, error) -> None:
     raise error(f"--max_skips={flags.max_skips} is negative; give 0 (stop at the first NaN/Inf step) or more.")
   if flags.resume_step is not None and not flags.resume:
     raise error("--resume_step needs --resume=True; drop one of the two.")
+  if flags.float8 is not None:
+    from torch_on_tpu import float8
+
+    float8.check_recipe(flags.float8)
   if flags.global_batch_size % flags.grad_accum:
     raise error(
       f"--global_batch_size={flags.global_batch_size} does not divide into --grad_accum={flags.grad_accum} "
       f"microbatches; make the batch a multiple of grad_accum."
     )
+
+
+def float8_converted(target, flags: Flags):
+  """`target` (a torchtitan model config or a built model) with `--float8` applied; as is without it."""
+  if flags.float8 is None:
+    return target
+  from torch_on_tpu import float8
+
+  return float8.convert(target, flags.float8, skip=tuple(n for n in flags.float8_skip.split(",") if n))
 
 
 def _remat(flags: Flags) -> str | None:

@@ -66,7 +66,9 @@ def recipe(flags: Llama3Flags) -> common.Recipe:
   if flags.model not in MODELS:
     raise TorchOnTpuError(f"--model={flags.model!r} is not a Llama 3 flavor; choose one of {', '.join(MODELS)}.")
   if flags.model_impl == "titan":
-    from torch_on_tpu.models.torchtitan import build_llama3
+    import torch
+
+    from torch_on_tpu.models.torchtitan import llama3_config
 
     if flags.titan_attention not in ("flex", "sdpa"):
       raise TorchOnTpuError(f"--titan_attention={flags.titan_attention!r} is not flex or sdpa; pick one of those.")
@@ -75,7 +77,11 @@ def recipe(flags: Llama3Flags) -> common.Recipe:
         "--attention=none leaves attention to torchax's own SDPA lowering, which cannot run torchtitan's "
         "flex attention; add --titan_attention=sdpa (plain causal attention) or pick an --attention kernel."
       )
-    build = lambda: build_llama3(flags.model, attention=flags.titan_attention, max_seq_len=flags.seqlen)  # noqa: E731
+    def build():
+      config = llama3_config(flags.model, attention=flags.titan_attention, max_seq_len=flags.seqlen)
+      with torch.device("meta"):
+        return common.float8_converted(config, flags).build()  # torchtitan converts its config
+
     return common.Recipe(
       name=f"llama3-{flags.model}", build=build, family="titan", convert_model=f"--model=llama3:{flags.model}"
     )
@@ -88,7 +94,9 @@ def recipe(flags: Llama3Flags) -> common.Recipe:
         f"--seqlen={flags.seqlen} exceeds Llama 3 {flags.model}'s maximum of "
         f"{config.max_position_embeddings} positions; use a shorter --seqlen."
       )
-    return common.Recipe(name=f"llama3-{flags.model}-hf", build=lambda: build_causal_lm(config), family="hf")
+    return common.Recipe(
+      name=f"llama3-{flags.model}-hf", build=lambda: common.float8_converted(build_causal_lm(config), flags), family="hf"
+    )
   raise TorchOnTpuError(f"--model_impl={flags.model_impl!r} is not titan or hf; pick one of those.")
 
 

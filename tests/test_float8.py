@@ -205,3 +205,34 @@ def test_hf_llama_trains_as_torchao_emulates():
   jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=-1))
   reference = float8.convert(build_causal_lm(config, device="cpu"), "tensorwise", emulate=True)
   _check_against_emulation(jm, reference, lambda x: {"input_ids": x}, _tokens(5, 256), lr=0.03)
+
+
+# ---- the recipes ---------------------------------------------------------------------------
+
+
+def test_recipes_convert_as_torchtitan_does_and_keep_every_name(tmp_path):
+  from recipes import common, hf, llama3
+
+  for impl in ("titan", "hf"):
+    flags = llama3.Llama3Flags(model_impl=impl, float8="rowwise")
+    model, plain = llama3.recipe(flags).build(), llama3.recipe(llama3.Llama3Flags(model_impl=impl)).build()
+    assert list(model.state_dict()) == list(plain.state_dict())  # checkpoints and exports: same names, same dtypes
+    assert {v.dtype for v in model.state_dict().values()} == {torch.float32}
+    converted = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    linears = {n for n, m in plain.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert converted == linears - {"lm_head"} and converted, impl
+    assert common.resolve(flags, llama3.recipe(flags))["float8"] == "rowwise"  # printed with the run config
+  # torchtitan's filter: a dim that is not a multiple of 16 stays in high precision
+  config = transformers.LlamaConfig(
+    vocab_size=256, hidden_size=64, intermediate_size=72, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
+  )
+  model = float8.convert(build_causal_lm(config), "tensorwise", skip=())
+  assert isinstance(model.lm_head, Float8Linear) and isinstance(model.model.layers[0].self_attn.o_proj, Float8Linear)
+  assert not isinstance(model.model.layers[0].mlp.up_proj, Float8Linear)
+  with pytest.raises(tot.TorchOnTpuError, match="float8 recipe 'e4m3' is not one the bridge runs"):
+    llama3.run(llama3.Llama3Flags(float8="e4m3", steps=1))
+  config.save_pretrained(tmp_path)
+  with pytest.raises(tot.TorchOnTpuError, match="--float8 with --lora_rank is not supported"):
+    hf.recipe(hf.HFFlags(config=str(tmp_path), float8="rowwise", lora_rank=4))
+  with pytest.raises(tot.TorchOnTpuError, match="converts to float8 at its config"):
+    float8.convert(llama3.recipe(llama3.Llama3Flags()).build(), "rowwise")
