@@ -143,11 +143,9 @@ INTERNAL_APIS = {
   "jax._src.interpreters.partial_eval.dce_jaxpr": "pruning a traced init to the outputs of one chunk",
   "jax._src.xla_bridge.backends_are_initialized": "whether XLA_FLAGS and a distributed join still apply",
   "jax._src.clusters.ClusterEnv": "the clusters jax.distributed would detect by itself",
-  "torchax.tensor.Environment._function_mode/_dispatch_mode": "torchax's two torch modes, re-entered where torch popped them",
-  "torch.overrides._get_current_function_mode_stack": "whether torchax's function mode is active",
-  "torch.utils._python_dispatch._get_current_dispatch_mode_stack": "whether torchax's dispatch mode is active",
+  "torchax.tensor.Environment._function_mode/_dispatch_mode, torch's mode stacks": "torchax's modes, re-entered where torch popped them",
   "torch.autograd.Function.apply": "routed so registered Functions run their own backward (autograd_functions)",
-  "__torch_dispatch__ of a wrapper subclass (torchao's Float8TrainingTensor)": "run inside torchax's modes when it wraps jax-backed tensors",
+  "torchao.float8.float8_training_tensor.Float8TrainingTensor.__torch_dispatch__": "runs inside torchax's modes when it wraps jax-backed tensors",
 }
 
 def torchax_env():
