@@ -142,21 +142,44 @@ def test_float8_linear_trains_as_torchao_does(recipe):
       assert rel(state[name], expected) < tol, name
 
 
-def test_the_optimized_step_runs_every_converted_matmul_on_float8_operands():
-  """Forward, input gradient and weight gradient of each converted linear: one dot each,
-  on float8 operands in the program XLA gets, all three kept by XLA (on CPU it widens
-  them to f32 inside the dot's fusion: the CPU has no fp8 matmul)."""
-  jm = tot.ShardedModule(float8.convert(_mlp(), "tensorwise"), mesh=tot.make_mesh(fsdp=-1))
-  step = tot.make_train_step(jm, mse, optax.sgd(0.1), compute_dtype=jnp.bfloat16)
-  # the first linear's input needs no gradient: 2 forward + 2 weight-gradient + 1 input-gradient dots
-  lowered = jax.jit(step.pure).lower(jm.params, jm.buffers, step.opt_state, jnp.zeros((8, 8, 32)), jnp.zeros((8, 8, 48)))
-  dots = re.findall(r"stablehlo.dot_general .*?: \((tensor<[^)]*)\)", lowered.as_text())
-  operands = sorted(tuple(re.findall(r"x(f8E\w+|[bf]\w*\d+)>", d)) for d in dots)
-  assert operands == sorted(
-    [("f8E4M3FN", "f8E4M3FN")] * 2 + [("f8E5M2", "f8E4M3FN")] * 3
-  ), operands
-  compiled = lowered.compile().as_text()
-  assert len(re.findall(r"= f32\[[\d,]+\]\{[\d,]+\} dot\(.*aten::_scaled_mm", compiled)) == 5
+# Operand dtypes of the step's dot_generals: 2 forward, 2 weight-gradient and 1 input-gradient
+# (the first linear's input needs none); rowwise_with_gw_hp keeps weight gradients in bf16.
+_E4, _E5, _BF = "f8E4M3FN", "f8E5M2", "bf16"
+_STEP_DOTS = {
+  "tensorwise": [(_E4, _E4)] * 2 + [(_E5, _E4)] * 3,
+  "rowwise": [(_E4, _E4)] * 5,
+  "rowwise_with_gw_hp": [(_E4, _E4)] * 3 + [(_BF, _BF)] * 2,
+}
+
+
+def test_the_step_runs_every_converted_matmul_on_float8_operands_and_copies_no_weight_to_fp32():
+  """Forward, input gradient and weight gradient of each converted linear: one dot each, on
+  float8 operands in the program XLA gets, all kept by XLA (on CPU it widens them inside the
+  dot's fusion: the CPU has no fp8 matmul). Temporaries: no more than the bf16 step's plus an
+  fp8 copy of the weights (an fp32 copy would be 4 bytes per weight)."""
+  dim, hidden = 256, 512
+
+  def step_for(recipe):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, dim, bias=False))
+    jm = tot.ShardedModule(float8.convert(model, recipe) if recipe else model, mesh=tot.make_mesh(fsdp=-1))
+    step = tot.make_train_step(jm, mse, optax.adamw(1e-3), compute_dtype=jnp.bfloat16)
+    x = jnp.zeros((8, 8, dim), jnp.bfloat16)
+    return jax.jit(step.pure).lower(jm.params, jm.buffers, step.opt_state, x, x)
+
+  def temporaries(lowered):
+    return lowered.compile().memory_analysis().temp_size_in_bytes
+
+  bf16 = temporaries(step_for(None))
+  for recipe in ("tensorwise", "rowwise_with_gw_hp"):
+    lowered = step_for(recipe)
+    dots = re.findall(r"stablehlo.dot_general .*?: \((tensor<[^)]*)\)", lowered.as_text())
+    operands = sorted(tuple(re.findall(r"x(f8E\w+|bf16|f32)>", d)) for d in dots)
+    assert operands == sorted(_STEP_DOTS[recipe]), (recipe, operands)
+    compiled = lowered.compile()
+    assert len(re.findall(r"dot\(.*aten::_scaled_mm", compiled.as_text())) == _STEP_DOTS[recipe].count((_E4, _E4)) + _STEP_DOTS[recipe].count((_E5, _E4))
+    assert compiled.memory_analysis().temp_size_in_bytes <= bf16 + 2 * dim * hidden  # + 1 byte per weight
+
 
 
 def _tokens(n, vocab, batch=8, seqlen=32):
