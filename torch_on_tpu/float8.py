@@ -29,15 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import torch
 
-from torch_on_tpu import _compat, autograd_functions, extras, ragged
+from torch_on_tpu import _compat, extras, ragged
 from torch_on_tpu.errors import TorchOnTpuError
-
-torchax = _compat.import_torchax()
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from torchax.ops import mappings  # noqa: E402
 
 # torchao's float8 recipes (Float8LinearRecipeName) the bridge runs exactly.
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -48,6 +45,11 @@ DEFAULT_SKIP = ("lm_head",)
 ALIGNMENT = 16
 
 _FP8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+# Output dtypes a scaled matmul may ask for (its `out_dtype` arrives as a torch dtype).
+_OUT_DTYPES = {
+  torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16,
+  torch.float8_e4m3fn: jnp.float8_e4m3fn, torch.float8_e5m2: jnp.float8_e5m2,
+}
 _TORCHAO_LINEAR = "torchao.float8.float8_linear.matmul_with_hp_or_float8_args"
 
 
@@ -60,7 +62,7 @@ def _refuse_operands(op: str, a, b):
 
 
 def _out_dtype(op: str, out_dtype, a):
-  dtype = mappings.t2j_dtype(out_dtype) if out_dtype is not None else a.dtype
+  dtype = _OUT_DTYPES.get(out_dtype, out_dtype) if out_dtype is not None else a.dtype
   if dtype in _FP8:
     raise TorchOnTpuError(
       f"torch.{op} with a float8 output is not lowered; pass out_dtype=torch.bfloat16 or torch.float32 "
@@ -153,6 +155,8 @@ def _prepare_torchao() -> None:
 
 def register(env) -> None:
   """Lowers the scaled matmuls into `env`; torchao's float8 linear runs its own backward."""
+  from torch_on_tpu import autograd_functions  # torchax: not needed by `convert`
+
   for packet, fn in ((torch.ops.aten._scaled_mm, _scaled_mm), (torch.ops.aten._scaled_grouped_mm, _scaled_grouped_mm)):
     _compat.set_op(env, packet, _compat.make_operator(packet, fn, jax_function=True))
   autograd_functions.run_with_own_backward(_TORCHAO_LINEAR, _prepare_torchao)
