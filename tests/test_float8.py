@@ -259,3 +259,18 @@ def test_recipes_convert_as_torchtitan_does_and_keep_every_name(tmp_path):
     hf.recipe(hf.HFFlags(config=str(tmp_path), float8="rowwise", lora_rank=4))
   with pytest.raises(tot.TorchOnTpuError, match="converts to float8 at its config"):
     float8.convert(llama3.recipe(llama3.Llama3Flags()).build(), "rowwise")
+
+
+def test_float8_grouped_experts_and_mx_formats_are_refused_in_one_sentence():
+  from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+  from torchao.quantization.quant_api import quantize_
+
+  class Experts(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.w1 = torch.nn.Parameter(torch.randn(4, 32, 16))
+
+  model = torch.nn.Sequential(Experts())
+  quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda module, fqn: isinstance(module, Experts))
+  with pytest.raises(tot.TorchOnTpuError, match=r"'0.w1' is Float8TrainingWeightWrapperTensor: .*Triton kernels"):
+    tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=-1))

@@ -163,6 +163,34 @@ def register(env) -> None:
   autograd_functions.register()
 
 
+# ---- what the bridge cannot run: refused before anything is built -------------------------
+
+# torchao / torchtitan low-precision training the bridge does not lower, by class name (no import).
+_UNSUPPORTED = {
+  "TrainingWeightWrapperBaseTensor": (
+    "torchao's float8/MX grouped-experts training (torchtitan's Float8GroupedExperts) quantizes with "
+    "Triton kernels that only run on CUDA, from a weight subclass the bridge's arrays do not keep"
+  ),
+  "MXTensor": "torchao's MX (MXFP8/MXFP4) formats are not lowered (block scales of 32 in e8m0)",
+  "NVFP4Tensor": "torchao's NVFP4 format is not lowered",
+  "MXLinear": "torchao's MX (MXFP8/MXFP4) formats are not lowered (block scales of 32 in e8m0)",
+  "MXFP8Linear": "torchao's MX (MXFP8/MXFP4) formats are not lowered (block scales of 32 in e8m0)",
+  "NVFP4Linear": "torchao's NVFP4 format is not lowered",
+}
+
+
+def refuse_unsupported(module: torch.nn.Module) -> None:
+  """One sentence for low-precision training the bridge would not compute as torch does."""
+  named = [*module.named_modules(), *module.named_parameters()]
+  for name, obj in named:
+    for cls in type(obj).__mro__:
+      if cls.__name__ in _UNSUPPORTED and cls.__module__.split(".")[0] in ("torchao", "torchtitan"):
+        raise TorchOnTpuError(
+          f"'{name or type(module).__name__}' is {type(obj).__name__}: {_UNSUPPORTED[cls.__name__]}; train these "
+          f"in high precision, or convert linears with a torchao float8 recipe ({', '.join(RECIPES)})."
+        )
+
+
 # ---- the recipe side: which linears compute in float8 -------------------------------------
 
 
