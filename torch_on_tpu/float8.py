@@ -27,7 +27,9 @@ own names: float8 is a compute format, checkpoints and exports do not change.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -208,10 +210,21 @@ def converts(fqn: str, in_features: int, out_features: int, skip=DEFAULT_SKIP) -
   return aligned and not any(name in fqn for name in skip)
 
 
+def _torchao_float8():
+  """`torchao.float8`, imported without torchao's warnings about its CUDA kernels where torch
+  has no CUDA (they cannot load there, and float8 training does not use them)."""
+  quiet = [] if torch.cuda.is_available() else [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+  with contextlib.ExitStack() as stack:
+    for logger in quiet:
+      stack.callback(logger.setLevel, logger.level)
+      logger.setLevel(logging.ERROR)
+    return extras.require("torchao.float8", "float8 training")
+
+
 def torchao_config(recipe: str, *, emulate: bool = False):
   """torchao's `Float8LinearConfig` for a recipe name."""
   check_recipe(recipe)
-  config = extras.require("torchao.float8", "float8 training").Float8LinearConfig.from_recipe_name(recipe)
+  config = _torchao_float8().Float8LinearConfig.from_recipe_name(recipe)
   return dataclasses.replace(config, emulate=emulate) if emulate else config
 
 
@@ -241,7 +254,6 @@ def convert(target, recipe: str, skip=DEFAULT_SKIP, *, emulate: bool = False):
       "A built torchtitan model converts to float8 at its config, before it is built (its Linears carry "
       "torchtitan's init): pass the model config to float8.convert, or use --float8 in recipes.llama3."
     )
-  float8 = extras.require("torchao.float8", "float8 training")
-  return float8.convert_to_float8_training(
+  return _torchao_float8().convert_to_float8_training(
     target, config=config, module_filter_fn=lambda m, fqn: converts(fqn, m.in_features, m.out_features, skip)
   )
