@@ -55,8 +55,13 @@ def _is_jax_backed(x) -> bool:
 def _apply(cls, original_apply, *args, **kwargs):
   """`cls.apply`: a custom_vjp for a registered Function on jax-backed tensors, else torch's."""
   name = qualified_name(cls)
-  if name not in OWN_BACKWARD or kwargs or not any(_is_jax_backed(a) for a in args):
+  if name not in OWN_BACKWARD or not any(_is_jax_backed(a) for a in (*args, *kwargs.values())):
     return original_apply(*args, **kwargs)
+  if kwargs:
+    raise TorchOnTpuError(
+      f"{name}.apply got keyword arguments ({', '.join(kwargs)}); the bridge runs it with its own backward "
+      f"only from positional arguments, so pass them positionally."
+    )
   if name not in _prepared:
     hook = OWN_BACKWARD[name]
     if hook is not None:

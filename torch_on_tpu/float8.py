@@ -112,7 +112,9 @@ def _scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, bias=None, scale_resul
     counts per group; `scale_a` one value per token row, `scale_b` (groups, N);
   - 2-D `a` (M, tokens) × 2-D `b` (tokens, N), `offs` cutting the shared token
     dim into groups (a weight gradient); result (groups, M, N), `scale_a`
-    (groups·M) and `scale_b` (groups·N).
+    (groups·M) and `scale_b` (groups·N), group-major (torch's meta checks give
+    the sizes; torch has no CPU kernel to compare with, so the tests compare
+    each group with a `_scaled_mm` of its own).
   """
   op = "_scaled_grouped_mm"
   _refuse_operands(op, a, b)
