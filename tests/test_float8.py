@@ -11,7 +11,7 @@ import optax
 import pytest
 import torch
 import transformers
-from torchao.float8 import Float8LinearConfig
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 from torchao.float8.float8_linear import Float8Linear
 
 import torch_on_tpu as tot
@@ -261,7 +261,7 @@ def test_recipes_convert_as_torchtitan_does_and_keep_every_name(tmp_path):
     float8.convert(llama3.recipe(llama3.Llama3Flags()).build(), "rowwise")
 
 
-def test_float8_grouped_experts_and_mx_formats_are_refused_in_one_sentence():
+def test_float8_grouped_experts_and_the_fsdp2_float8_all_gather_are_refused_in_one_sentence():
   from torchao.prototype.moe_training.config import Float8TrainingOpConfig
   from torchao.quantization.quant_api import quantize_
 
@@ -274,3 +274,6 @@ def test_float8_grouped_experts_and_mx_formats_are_refused_in_one_sentence():
   quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda module, fqn: isinstance(module, Experts))
   with pytest.raises(tot.TorchOnTpuError, match=r"'0.w1' is Float8TrainingWeightWrapperTensor: .*Triton kernels"):
     tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=-1))
+  gathered = convert_to_float8_training(_mlp(), config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+  with pytest.raises(tot.TorchOnTpuError, match=r"'0.weight' is WeightWithDynamicFloat8CastTensor: .*enable_fsdp_float8_all_gather=False"):
+    tot.ShardedModule(gathered, mesh=tot.make_mesh(fsdp=-1))

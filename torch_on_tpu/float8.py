@@ -169,30 +169,29 @@ def register(env) -> None:
 
 # ---- what the bridge cannot run: refused before anything is built -------------------------
 
-# torchao / torchtitan low-precision training the bridge does not lower, by class name (no import).
+# torchao / torchtitan low-precision training the bridge does not lower, by class name (no
+# import): why, and what to do instead.
+_MX = "torchao's MX formats (MXFP8/MXFP4: block scales of 32 in e8m0) are not lowered; train these linears in bf16 or with a float8 recipe"
+_NVFP4 = "the NVFP4 format is not lowered; train these linears in bf16 or with a float8 recipe"
 _UNSUPPORTED = {
   "TrainingWeightWrapperBaseTensor": (
-    "torchao's float8/MX grouped-experts training (torchtitan's Float8GroupedExperts) quantizes with "
-    "Triton kernels that only run on CUDA, from a weight subclass the bridge's arrays do not keep"
+    "torchao's float8/MX grouped-experts training (torchtitan's Float8GroupedExperts) quantizes with Triton "
+    "kernels that only run on CUDA, from a weight subclass the bridge's arrays do not keep; train the experts in bf16"
   ),
-  "MXTensor": "torchao's MX (MXFP8/MXFP4) formats are not lowered (block scales of 32 in e8m0)",
-  "NVFP4Tensor": "torchao's NVFP4 format is not lowered",
-  "MXLinear": "torchao's MX (MXFP8/MXFP4) formats are not lowered (block scales of 32 in e8m0)",
-  "MXFP8Linear": "torchao's MX (MXFP8/MXFP4) formats are not lowered (block scales of 32 in e8m0)",
-  "NVFP4Linear": "torchao's NVFP4 format is not lowered",
+  "WeightWithDynamicFloat8CastTensor": (
+    "torchao's float8 all-gather is a torch FSDP2 feature and the bridge's FSDP is XLA's; convert with "
+    "enable_fsdp_float8_all_gather=False (the same numerics)"
+  ),
+  "MXTensor": _MX, "MXLinear": _MX, "MXFP8Linear": _MX, "NVFP4Tensor": _NVFP4, "NVFP4Linear": _NVFP4,
 }
 
 
 def refuse_unsupported(module: torch.nn.Module) -> None:
   """One sentence for low-precision training the bridge would not compute as torch does."""
-  named = [*module.named_modules(), *module.named_parameters()]
-  for name, obj in named:
+  for name, obj in [*module.named_modules(), *module.named_parameters()]:
     for cls in type(obj).__mro__:
       if cls.__name__ in _UNSUPPORTED and cls.__module__.split(".")[0] in ("torchao", "torchtitan"):
-        raise TorchOnTpuError(
-          f"'{name or type(module).__name__}' is {type(obj).__name__}: {_UNSUPPORTED[cls.__name__]}; train these "
-          f"in high precision, or convert linears with a torchao float8 recipe ({', '.join(RECIPES)})."
-        )
+        raise TorchOnTpuError(f"'{name or type(module).__name__}' is {type(obj).__name__}: {_UNSUPPORTED[cls.__name__]}.")
 
 
 # ---- the recipe side: which linears compute in float8 -------------------------------------
