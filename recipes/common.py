@@ -606,7 +606,8 @@ def _check_flags(flags: Flags, error) -> None:
   if flags.float8 is not None:
     from torch_on_tpu import float8
 
-    float8.check_recipe(flags.float8)
+    if flags.float8 not in float8.RECIPES:
+      raise error(f"--float8={flags.float8!r} is not a float8 recipe; choose one of {', '.join(float8.RECIPES)}.")
   if flags.global_batch_size % flags.grad_accum:
     raise error(
       f"--global_batch_size={flags.global_batch_size} does not divide into --grad_accum={flags.grad_accum} "

@@ -252,7 +252,7 @@ def test_recipes_convert_as_torchtitan_does_and_keep_every_name(tmp_path):
   model = float8.convert(build_causal_lm(config), "tensorwise", skip=())
   assert isinstance(model.lm_head, Float8Linear) and isinstance(model.model.layers[0].self_attn.o_proj, Float8Linear)
   assert not isinstance(model.model.layers[0].mlp.up_proj, Float8Linear)
-  with pytest.raises(tot.TorchOnTpuError, match="float8 recipe 'e4m3' is not one the bridge runs"):
+  with pytest.raises(tot.TorchOnTpuError, match="--float8='e4m3' is not a float8 recipe; choose one of tensorwise, rowwise, rowwise_with_gw_hp"):
     llama3.run(llama3.Llama3Flags(float8="e4m3", steps=1))
   config.save_pretrained(tmp_path)
   with pytest.raises(tot.TorchOnTpuError, match="--float8 with --lora_rank is not supported"):
