@@ -144,7 +144,7 @@ INTERNAL_APIS = {
   "jax._src.xla_bridge.backends_are_initialized": "whether XLA_FLAGS and a distributed join still apply",
   "jax._src.clusters.ClusterEnv": "the clusters jax.distributed would detect by itself",
   "torchax.tensor.Environment._function_mode/_dispatch_mode, torch's mode stacks": "torchax's modes, re-entered where torch popped them",
-  "torch.autograd.Function.apply": "routed so registered Functions run their own backward (autograd_functions)",
+  "torch.autograd.Function.apply of a library's Function (torchao's float8 linear)": "routed so it runs its own backward (autograd_functions)",
   "torchao.float8.float8_training_tensor.Float8TrainingTensor.__torch_dispatch__": "runs inside torchax's modes when it wraps jax-backed tensors",
 }
 
@@ -299,15 +299,16 @@ def torchax_modes(env):
     yield
 
 
-def route_function_apply(router) -> None:
-  """`torch.autograd.Function.apply` becomes `router(cls, torch_apply, *args, **kwargs)` (idempotent)."""
-  function_cls = torch.autograd.Function
-  original = function_cls.__dict__["apply"].__func__
-  if getattr(original, "routed_by_torch_on_tpu", False):
+def route_apply(function_cls, router) -> None:
+  """`function_cls.apply` (a `torch.autograd.Function`) becomes
+  `router(cls, torch_apply, *args, **kwargs)`; idempotent, other classes untouched."""
+  current = function_cls.__dict__.get("apply")
+  if getattr(getattr(current, "__func__", None), "routed_by_torch_on_tpu", False):
     return
+  inherited = next(base.__dict__["apply"].__func__ for base in function_cls.__mro__ if "apply" in base.__dict__)
 
   def apply(cls, *args, **kwargs):
-    return router(cls, lambda *a, **k: original(cls, *a, **k), *args, **kwargs)
+    return router(cls, lambda *a, **k: inherited(cls, *a, **k), *args, **kwargs)
 
   apply.routed_by_torch_on_tpu = True
   function_cls.apply = classmethod(apply)

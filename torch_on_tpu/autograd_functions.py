@@ -8,19 +8,17 @@ runs the two backward matmuls in float8; differentiating its forward instead
 would push the gradient through the fp8 rounding of the inputs (a silently
 different, lossy gradient).
 
-A Function registered here (by qualified class name, so nothing is imported
-until it is used) runs as a `jax.custom_vjp` when it is applied to jax-backed
-tensors: the forward with a fresh context object, the tensors it saves (with
-`save_for_backward` or as attributes) carried as residuals, and its own
-`backward` for the cotangents. Everywhere else `Function.apply` is torch's own.
+A Function class passed to `run_with_own_backward` runs as a `jax.custom_vjp`
+when it is applied to jax-backed tensors: the forward with a fresh context
+object, the tensors it saves (with `save_for_backward` or as attributes)
+carried as residuals, and its own `backward` for the cotangents. On torch
+tensors its `apply` is torch's own, and no other class is touched.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
-
 import torch
 
 from torch_on_tpu import _compat
@@ -33,40 +31,24 @@ from torchax.interop import torch_view  # noqa: E402
 from torchax.tensor import Tensor as TorchaxTensor  # noqa: E402
 from torchax.view import View  # noqa: E402
 
-# Qualified class name → a hook run once before the Function first runs here
-# (it may prepare the library's tensor subclasses); None when nothing is needed.
-OWN_BACKWARD: dict[str, Callable[[], None] | None] = {}
-_prepared: set[str] = set()
-
-
-def qualified_name(cls) -> str:
-  return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def run_with_own_backward(name: str, prepare: Callable[[], None] | None = None) -> None:
-  """Registers the Function class called `name` (module.qualname)."""
-  OWN_BACKWARD[name] = prepare
+def run_with_own_backward(cls) -> None:
+  """From now on `cls.apply` on jax-backed tensors runs `cls.backward` for the gradient (idempotent)."""
+  _compat.route_apply(cls, _apply)
 
 
 def _is_jax_backed(x) -> bool:
   return isinstance(x, (TorchaxTensor, View))
 
 
-def _apply(cls, original_apply, *args, **kwargs):
-  """`cls.apply`: a custom_vjp for a registered Function on jax-backed tensors, else torch's."""
-  name = qualified_name(cls)
-  if name not in OWN_BACKWARD or not any(_is_jax_backed(a) for a in (*args, *kwargs.values())):
-    return original_apply(*args, **kwargs)
+def _apply(cls, torch_apply, *args, **kwargs):
+  """`cls.apply`: a custom_vjp on jax-backed tensors, torch's own `apply` on anything else."""
+  if not any(_is_jax_backed(a) for a in (*args, *kwargs.values())):
+    return torch_apply(*args, **kwargs)
   if kwargs:
     raise TorchOnTpuError(
-      f"{name}.apply got keyword arguments ({', '.join(kwargs)}); the bridge runs it with its own backward "
-      f"only from positional arguments, so pass them positionally."
+      f"{cls.__qualname__}.apply got keyword arguments ({', '.join(kwargs)}); the bridge runs it with its own "
+      f"backward only from positional arguments, so pass them positionally."
     )
-  if name not in _prepared:
-    hook = OWN_BACKWARD[name]
-    if hook is not None:
-      hook()
-    _prepared.add(name)
   return _custom_vjp_call(cls, args)
 
 
@@ -168,7 +150,3 @@ def _custom_vjp_call(cls, args: tuple):
   function.defvjp(forward, backward)
   return jax.tree_util.tree_map(torch_view, function(*arrays))
 
-
-def register() -> None:
-  """Routes `torch.autograd.Function.apply` through `_apply` (once per process)."""
-  _compat.route_function_apply(_apply)

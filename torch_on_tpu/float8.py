@@ -13,7 +13,8 @@ scales and the float8 casts; what reaches the bridge is
   group offsets, or 2-D × 2-D for a weight gradient), lowered the same way per
   group;
 - torchao's float8 linear `autograd.Function`, run with its own backward
-  (`autograd_functions`): the gradient is cast to float8 with torchao's scales
+  (`autograd_functions`, set up by `prepare` when a wrapped model uses
+  `Float8Linear`): the gradient is cast to float8 with torchao's scales
   and both backward matmuls are `_scaled_mm`s too (jax differentiating the
   forward would not do that);
 - torchao's `Float8TrainingTensor` (the float8 data and its scale, a tensor
@@ -52,7 +53,6 @@ _OUT_DTYPES = {
   torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16,
   torch.float8_e4m3fn: jnp.float8_e4m3fn, torch.float8_e5m2: jnp.float8_e5m2,
 }
-_TORCHAO_LINEAR = "torchao.float8.float8_linear.matmul_with_hp_or_float8_args"
 
 
 def _refuse_operands(op: str, a, b):
@@ -150,21 +150,10 @@ def _scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, bias=None, scale_resul
   )
 
 
-def _prepare_torchao() -> None:
-  """torchao's float8 tensor subclass computes inside torchax (see `_compat`)."""
-  from torchao.float8.float8_training_tensor import Float8TrainingTensor
-
-  _compat.dispatch_inside_torchax(Float8TrainingTensor)
-
-
 def register(env) -> None:
-  """Lowers the scaled matmuls into `env`; torchao's float8 linear runs its own backward."""
-  from torch_on_tpu import autograd_functions  # torchax: not needed by `convert`
-
+  """Lowers the scaled matmuls into torchax's environment `env`."""
   for packet, fn in ((torch.ops.aten._scaled_mm, _scaled_mm), (torch.ops.aten._scaled_grouped_mm, _scaled_grouped_mm)):
     _compat.set_op(env, packet, _compat.make_operator(packet, fn, jax_function=True))
-  autograd_functions.run_with_own_backward(_TORCHAO_LINEAR, _prepare_torchao)
-  autograd_functions.register()
 
 
 # ---- what the bridge cannot run: refused before anything is built -------------------------
@@ -186,12 +175,25 @@ _UNSUPPORTED = {
 }
 
 
-def refuse_unsupported(module: torch.nn.Module) -> None:
-  """One sentence for low-precision training the bridge would not compute as torch does."""
+def prepare(module: torch.nn.Module) -> None:
+  """Before a model is wrapped: one sentence for low-precision training the bridge would not
+  compute as torch does; where torchao's `Float8Linear` is used, its float8 matmul runs its
+  own backward and its float8 tensors compute inside torchax."""
+  uses_float8_linear = False
   for name, obj in [*module.named_modules(), *module.named_parameters()]:
     for cls in type(obj).__mro__:
-      if cls.__name__ in _UNSUPPORTED and cls.__module__.split(".")[0] in ("torchao", "torchtitan"):
+      library = cls.__module__.split(".")[0]
+      if cls.__name__ in _UNSUPPORTED and library in ("torchao", "torchtitan"):
         raise TorchOnTpuError(f"'{name or type(module).__name__}' is {type(obj).__name__}: {_UNSUPPORTED[cls.__name__]}.")
+      uses_float8_linear |= cls.__module__ == "torchao.float8.float8_linear" and cls.__name__ == "Float8Linear"
+  if uses_float8_linear:
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    from torch_on_tpu import autograd_functions  # torchax: not needed by `convert`
+
+    autograd_functions.run_with_own_backward(matmul_with_hp_or_float8_args)
+    _compat.dispatch_inside_torchax(Float8TrainingTensor)
 
 
 # ---- the recipe side: which linears compute in float8 -------------------------------------

@@ -92,7 +92,7 @@ class ShardedModule:
         f"ShardedModule wraps a torch.nn.Module, got {type(module).__name__}."
       )
     runtime.setup()
-    float8.refuse_unsupported(module)  # low-precision formats the bridge does not lower
+    float8.prepare(module)  # torchao's float8 linears; low-precision formats the bridge does not lower
     self.module = module
     self.family = models.family_of(module)
     self.family.prepare(module)
