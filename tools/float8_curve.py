@@ -56,10 +56,11 @@ def main(argv=None) -> int:
     for recipe in (None, *[r for r in args.recipes.split(",") if r]):
       curves[recipe or "bf16"] = train(recipe, args, directory)
   means = {name: running_means(c) for name, c in curves.items()}
-  print(f"\n{'run':<12} {'first loss':>10} {'end loss':>10} {'vs bf16':>8} {'widest gap':>10}")
+  print(f"\n| run | first loss | loss at the end (last {TAIL}) | vs bf16 | widest gap of the {TAIL}-step means |")
+  print("|---|---|---|---|---|")
   for name, curve in curves.items():
     gap = max(abs(a / b - 1) for a, b in zip(means[name], means["bf16"]))
-    print(f"{name:<12} {curve[0]:>10.4f} {means[name][-1]:>10.4f} {means[name][-1] / means['bf16'][-1] - 1:>+8.2%} {gap:>10.2%}")
+    print(f"| {name} | {curve[0]:.4f} | {means[name][-1]:.4f} | {means[name][-1] / means['bf16'][-1] - 1:+.2%} | {gap:.2%} |")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(curves, f)
