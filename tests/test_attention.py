@@ -581,13 +581,13 @@ def test_flex_rejects_what_it_cannot_route():
   from torchtitan.models.common.attention import FlexAttention
 
   q = torch.zeros(1, 2, 8, 4)
-  call = FlexAttention._compiled_flex_attn
+  call = FlexAttention.forward
   with titan.flex_routed_to(lambda *a, **k: q):
-    with pytest.raises(tot.TorchOnTpuError, match="flex_masks"):
-      FlexAttention._compiled_flex_attn(q, q, q, block_mask=BlockMask.__new__(BlockMask))
+    with pytest.raises(tot.TorchOnTpuError, match=r"attention_masks\(model, positions\)"):
+      FlexAttention.forward(None, q, q, q, attention_masks=BlockMask.__new__(BlockMask))
     with pytest.raises(tot.TorchOnTpuError, match="score_mod"):
-      FlexAttention._compiled_flex_attn(q, q, q, score_mod=lambda s, *i: s, block_mask=titan.flex_masks())
-  assert FlexAttention._compiled_flex_attn is call  # restored
+      FlexAttention.forward(None, q, q, q, score_mod=lambda s, *i: s, attention_masks=titan.flex_masks())
+  assert FlexAttention.forward is call  # restored
 
 
 class _Attend(torch.nn.Module):
