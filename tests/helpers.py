@@ -140,11 +140,14 @@ def dense_flex_attention(q, k, v, *, score_mod=None, block_mask, scale=None, ena
                          kernel_options=None):
   """torch's `flex_attention` by its definition, in plain differentiable torch (torch's own
   eager flex has no backward on CPU): the mask is the BlockMask's `mask_mod` evaluated
-  on every (query, key) pair by torch's `create_mask`; rows that see nothing give 0."""
+  on every (batch, query, key) at once, by broadcasting (torch's `create_mask` vmaps it,
+  slowly); rows that see nothing give 0."""
   from torch.nn.attention import flex_attention as flex
 
   batch, heads, length, dim = q.shape
-  mask = flex.create_mask(block_mask.mask_mod, batch, 1, length, k.shape[2], device=q.device)
+  index = lambda n, axis: torch.arange(n).view([n if a == axis else 1 for a in range(4)])  # noqa: E731
+  mask = block_mask.mask_mod(index(batch, 0), torch.zeros(1, 1, 1, 1, dtype=torch.long), index(length, 2), index(k.shape[2], 3))
+  mask = mask.expand(batch, 1, length, k.shape[2])
   if enable_gqa:
     k, v = (t.repeat_interleave(heads // t.shape[1], 1) for t in (k, v))
   scores = (q @ k.transpose(-1, -2)) * (dim**-0.5 if scale is None else scale)

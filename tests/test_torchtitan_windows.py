@@ -1,16 +1,19 @@
 """torchtitan's models whose attention masks carry more than causality, unmodified, at parity.
 
 Muse Glimmer's text path (sliding-window layers beside global ones, masks picked per
-layer from torchtitan's own `get_attention_masks` dict) and Flux (double blocks that take
-their two states by keyword; scanned) against torchtitan eager on CPU (fp32, ‖Δ‖/‖ref‖):
-forward ≤ 1e-5, scanned ≤ 1e-5, 5 AdamW steps: losses and trained weights ≤ 1e-4, on
-fsdp=8, at sequence lengths past the windows. Tiny configs built from torchtitan's own
-registries (muse_glimmer debugmodel cut to 4 layers; Flux's block configs at width 64).
+layer from torchtitan's own `get_attention_masks` dict), gpt-oss's attention (sinks over
+the log-sum-exp, sliding window) and Flux (double blocks that take their two states by
+keyword; scanned) against torchtitan eager on CPU (fp32, ‖Δ‖/‖ref‖): forward ≤ 1e-5,
+scanned ≤ 1e-5, 5 AdamW steps: losses and trained weights ≤ 1e-4 (Muse Glimmer: see its
+test), on fsdp=8, at sequence lengths past the windows. Tiny configs from torchtitan's own
+config builders (debugmodel structures at width 32-64, window 16).
 """
 
 import copy
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -19,7 +22,11 @@ import torch.nn.functional as F
 
 import torch_on_tpu as tot
 from tests import helpers as h
+from torch_on_tpu import _compat
 from torch_on_tpu.models import torchtitan as titan
+
+torchax = _compat.import_torchax()
+from torchax.interop import jax_view, torch_view  # noqa: E402
 
 HP = dict(lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
 WINDOW = 16  # the tiny muse_glimmer's sliding window (debugmodel's: 128)
@@ -167,8 +174,8 @@ def test_muse_glimmer_sliding_windows_forward_scan_and_training_match_eager(capl
 # ---- Flux: two states carried by keyword -------------------------------------------------------
 
 
-def tiny_flux(depth=2, single=2, hidden=64, heads=4):
-  """torchtitan's flux-debug with every width at 64 (its own block-config builders)."""
+def tiny_flux(depth=2, single=2, hidden=32, heads=2):
+  """torchtitan's flux-debug with every width at 32 (its own block-config builders)."""
   from torchtitan.models import flux
   from torchtitan.models.common.linear import Linear
   from torchtitan.models.flux.model.layers import EmbedND, LastLayer, MLPEmbedder
@@ -200,7 +207,7 @@ def tiny_flux(depth=2, single=2, hidden=64, heads=4):
   return perturbed(model, scale=0.02)
 
 
-def flux_batch(seed, batch=8, image=24, text=8):
+def flux_batch(seed, batch=8, image=16, text=8):
   g = torch.Generator().manual_seed(seed)
   inputs = dict(
     img=torch.randn(batch, image, 64, generator=g), img_ids=torch.randint(0, 8, (batch, image, 3), generator=g).float(),
@@ -218,13 +225,88 @@ def test_flux_scans_its_double_blocks_carrying_img_and_txt_and_trains_like_eager
   ref = tiny_flux()
   batch, _ = flux_batch(0)
   want = ref(**batch).detach()
-  mesh = tot.make_mesh(fsdp=8)
-  jm = tot.ShardedModule(copy.deepcopy(ref), mesh=mesh, sharding="fsdp", attention="xla")
-  assert h.rel(tot.to_cpu(jm(**batch)), want) < 1e-5
-
-  scanned = tot.ShardedModule(copy.deepcopy(ref), mesh=mesh, sharding="fsdp", attention="xla", scan=True)
+  scanned = tot.ShardedModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=8), sharding="fsdp", attention="xla", scan=True)
   assert scanned._layout.stack.path == "double_blocks"
   assert h.rel(tot.to_cpu(scanned(**batch)), want) < 1e-5
   assert scanned.module.double_blocks._modules["scan"]._state_names == ("img", "txt")
 
   print(train_parity(scanned, ref, [flux_batch(seed) for seed in range(1, 6)], mse, lambda batch, ours: batch))
+
+
+# ---- gpt-oss: sinks (its out_transform over the log-sum-exp) with a sliding window -------------
+
+
+class _Attend(torch.nn.Module):
+  """gpt-oss's attention layer alone, called as its block calls it."""
+
+  def __init__(self, attention):
+    super().__init__()
+    self.attention = attention
+
+  def forward(self, x, attention_masks, positions):
+    return self.attention(x, attention_masks, positions)
+
+
+def test_gpt_oss_sinks_and_sliding_window_reach_the_kernel():
+  """gpt-oss's own Attention (flex backend, window 16, learned sinks, GQA, YaRN-free RoPE)
+  at sequence 40: forward and every gradient, the sinks' included, against eager."""
+  from torchtitan.models import gpt_oss
+  from torchtitan.models.common.rope import CosSinRoPE
+
+  from torch.nn.attention.flex_attention import and_masks
+  from torchtitan.models.common import attention
+
+  rope = CosSinRoPE.Config(dim=16, max_seq_len=64, theta=150000.0)
+  config = gpt_oss._make_gptoss_attn_config(
+    dim=64, layer_id=0, attn_backend="flex", n_heads=4, n_kv_heads=2, head_dim=16, sliding_window_size=WINDOW,
+    rope=rope,
+  )
+  torch.manual_seed(0)
+  with torch.device("cpu"):
+    ref = _Attend(config.build())
+  ref.attention.init_states(buffer_device=torch.device("cpu"))
+  g = torch.Generator().manual_seed(0)
+  with torch.no_grad():
+    ref.attention.sinks.copy_(torch.randn(4, generator=g))
+  x = torch.randn(8, LENGTH, 64, generator=g)
+  positions = torch.arange(LENGTH).repeat(8, 1)
+  mods = and_masks(attention.get_causal_mask_mod(), attention.get_sliding_window_mask_mod(WINDOW))
+  mask = attention.create_attention_mask(mods, 8, None, LENGTH, LENGTH, device="cpu")  # eager here
+  cotangent = torch.randn(8, LENGTH, 64, generator=g)
+  out = ref(x, mask, positions)
+  (out * cotangent).sum().backward()
+
+  jm = tot.ShardedModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=4, tp=2), attention="xla")
+  ours_mask = titan.FlexMasks(window=WINDOW)
+
+  def loss(params):
+    y = jax_view(jm.functional_call(params, jm.buffers, torch_view(jm.place(x)), ours_mask, torch_view(jm.place(positions))))
+    return jnp.sum(y * jnp.asarray(cotangent.numpy())), y
+
+  (_, y), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(jm.params)
+  assert h.rel(np.asarray(y), out.detach().numpy()) < 1e-5
+  for name, p in ref.named_parameters():
+    assert h.rel(np.asarray(grads[name]), p.grad.numpy()) < 1e-4, name
+  assert "attention.sinks" in grads
+
+
+def test_masks_are_read_from_torchtitans_own_mask_functions():
+  """gpt-oss (flex) keys its masks by layer kind; what torchtitan combines reaches FlexMasks,
+  and a mask function the kernels cannot express is refused in one sentence."""
+  from torchtitan.models.common import attention
+  from torchtitan.models.gpt_oss import model_registry
+
+  with torch.device("meta"):
+    model = model_registry("debugmodel", attn_backend="flex").model.build()
+  positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+  masks = titan.attention_masks(model, positions)
+  assert set(masks) == {"basic_mask", "sliding_window_mask"}
+  assert masks["sliding_window_mask"].window == 128 and masks["basic_mask"].window is None
+  assert masks["basic_mask"].causal and masks["basic_mask"].segment_ids.tolist() == [[0, 0, 0, 1, 1, 1, 1, 1]]
+
+  class Blocked(torch.nn.Module):
+    def get_attention_masks(self, positions):
+      return attention.create_attention_mask(attention.get_fixed_block_mask_mod(4), 1, None, 8, 8)
+
+  with pytest.raises(tot.TorchOnTpuError, match="blocked_mask_mod_fixed_block_size_4"):
+    titan.attention_masks(Blocked(), positions)
