@@ -174,9 +174,13 @@ def attention_masks(model: torch.nn.Module, positions: torch.Tensor):
   torchtitan's own code runs and chooses the masks; only the block-mask builder (a
   `torch.compile`d function, which cannot run beside jax) is swapped for one that
   reads the mask functions torchtitan combined (causal, sliding window, documents).
-  A mask function outside those is refused in one sentence.
+  A mask function outside those is refused in one sentence. A model on varlen
+  attention gets the documents of `positions` (its layers hold their windows).
   """
   from torchtitan.models.common import attention
+
+  if _uses(model, attention.VarlenAttention):
+    return flex_masks(positions)
 
   original = attention.__dict__["_compiled_create_block_mask"]
   attention._compiled_create_block_mask = _describe_block_mask
@@ -263,6 +267,45 @@ def _sinks_of(out_transform):
 
 
 @contextlib.contextmanager
+def varlen_routed_to(attend):
+  """While active, torchtitan's VarlenAttention runs `attend` on a `FlexMasks` (documents):
+  its own `window_size` (left, right) as causal/window, its bf16 inputs as it casts them,
+  an out_transform as `_sinks_of` reads it."""
+  from torchtitan.models.common.attention import VarlenAttention
+
+  original = VarlenAttention.__dict__["forward"]
+
+  def routed(self, q, k, v, *, attention_masks, scale=None, out_transform=None, **kwargs):
+    if not isinstance(attention_masks, FlexMasks):
+      raise TorchOnTpuError(
+        f"torchtitan VarlenAttention got attention_masks of type {type(attention_masks).__name__}; pass "
+        f"attention_masks=torch_on_tpu.models.torchtitan.attention_masks(model, positions) instead."
+      )
+    left, right = self.window_size
+    if right not in (0, -1) or (right == -1 and left != -1):
+      raise TorchOnTpuError(
+        f"torchtitan VarlenAttention has window_size {self.window_size}; the bridge's kernels take "
+        f"(-1, 0) causal, (W - 1, 0) a causal sliding window, or (-1, -1) full attention."
+      )
+    window = attention_masks.window if left < 0 else left + 1
+    if attention_masks.window is not None and left >= 0:
+      window = min(window, attention_masks.window)
+    # varlen_attn takes bf16 only: torchtitan casts q, k, v, and the output back.
+    q16, k16, v16 = (t.to(torch.bfloat16).transpose(1, 2) for t in (q, k, v))
+    out = attend(
+      q16, k16, v16, segment_ids=attention_masks.segment_ids, causal=right == 0 and attention_masks.causal,
+      window=window, sinks=_sinks_of(out_transform), scale=scale, enable_gqa=kwargs.get("enable_gqa", False),
+    )
+    return out.transpose(1, 2).to(q.dtype)
+
+  VarlenAttention.forward = routed
+  try:
+    yield
+  finally:
+    VarlenAttention.forward = original
+
+
+@contextlib.contextmanager
 def flex_routed_to(attend):
   """While active, torchtitan's FlexAttention runs `attend(q, k, v, segment_ids=, causal=,
   window=, sinks=, scale=, enable_gqa=)` (q, k, v as (B, N, L, H)) instead of its
@@ -338,7 +381,7 @@ class TorchtitanFamily(Family):
     ids, positions, segments = batch["input_ids"], batch.get("positions"), batch.get("segment_ids")
     if positions is None:
       return ids
-    if segments is not None and _uses_flex_attention(module):
+    if segments is not None and _uses_masked_attention(module):
       # Documents where positions restart at 0, as torchtitan's trainer passes get_attention_masks(positions).
       return ids, positions, attention_masks(module, torch.as_tensor(positions))
     return ids, positions
@@ -359,7 +402,7 @@ class TorchtitanFamily(Family):
     # Any model built from torchtitan's attention modules (not only its top-level classes).
     if "torchtitan.models.common.attention" not in sys.modules:
       return []
-    return [flex_routed_to(attend)]
+    return [flex_routed_to(attend), varlen_routed_to(attend)]
 
 
 # Models whose forward checks that it got its masks by key (weakly held: a model can go).
@@ -368,7 +411,9 @@ _checked_masks: weakref.WeakSet = weakref.WeakSet()
 
 def _takes_keyed_masks(module: torch.nn.Module) -> bool:
   """Whether the model's layers pick their flex masks from a dict (by window: muse_glimmer, gpt-oss)."""
-  if not (callable(getattr(module, "get_attention_masks", None)) and _uses_flex_attention(module)):
+  from torchtitan.models.common.attention import FlexAttention
+
+  if not (callable(getattr(module, "get_attention_masks", None)) and _uses(module, FlexAttention)):
     return False
   return isinstance(attention_masks(module, torch.zeros(1, 1, dtype=torch.long)), dict)
 
@@ -384,10 +429,15 @@ def _require_keyed_masks(module, args, kwargs):
     )
 
 
-def _uses_flex_attention(module: torch.nn.Module) -> bool:
-  from torchtitan.models.common.attention import FlexAttention
+def _uses(module: torch.nn.Module, kind: type) -> bool:
+  return any(isinstance(m, kind) for m in module.modules())
 
-  return any(isinstance(m, FlexAttention) for m in module.modules())
+
+def _uses_masked_attention(module: torch.nn.Module) -> bool:
+  """FlexAttention or VarlenAttention: the backends that take `attention_masks`."""
+  from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+
+  return _uses(module, FlexAttention) or _uses(module, VarlenAttention)
 
 
 # ---- as HF's Llama (export) ---------------------------------------------------------------
