@@ -22,8 +22,8 @@ one bf16 unit, and that is the spread any valid bf16 run has. (Running each expe
 `torch.mm` instead of `torch._grouped_mm` gives bit-identical results on CPU.) The bridge
 runs with XLA's excess precision off (its default) and on.
 
-Prints one row per op: the share of bit-identical elements and ‖Δ‖/‖ref‖, forward
-and backward (the gradient of every input for a random cotangent).
+Prints a Markdown table, one row per op: the share of bit-identical elements and
+‖Δ‖/‖ref‖, forward and backward (the gradient of every input for a random cotangent).
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ seconds): reference B, and the bridge with excess precision off and on."""
   return rows
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--ops", default=",".join(OPS), help="comma-separated op names")
   parser.add_argument("--n", type=int, default=16384, help="elements per input")
@@ -264,10 +264,11 @@ def main(argv=None) -> None:
   parser.add_argument("--moe", action="store_true", help="qwen3 debugmodel_moe against two eager references")
   args = parser.parse_args(argv)
   if args.moe:
-    print(f"{'qwen3 debugmodel_moe, vs reference A':<40} {'logits':>8} {'grads':>8} {'step s':>7}")
+    print("| qwen3 debugmodel_moe, ‖Δ‖/‖A‖ | logits | gradients | forward + backward s |")
+    print("|---|---|---|---|")
     for name, (logits, grads, seconds) in moe_spread().items():
-      print(f"{name:<40} {logits:>8.2e} {grads:>8.2e} {'' if seconds is None else f'{seconds:.3f}':>7}")
-    return
+      print(f"| {name} | {logits:.2e} | {grads:.2e} | {'' if seconds is None else f'{seconds:.2f}'} |")
+    return 0
   if args.excess_precision != "default":
     from torch_on_tpu import xla_flags
 
@@ -276,10 +277,12 @@ def main(argv=None) -> None:
   unknown = [o for o in names if o not in OPS]
   if unknown:
     parser.error(f"unknown op {unknown[0]!r}; choose from {', '.join(OPS)}")
-  print(f"{'op':<12} {'fwd exact':>9} {'fwd rel':>8} {'bwd exact':>9} {'bwd rel':>8}")
+  print("| op | forward bit-identical | forward ‖Δ‖/‖ref‖ | backward bit-identical | backward ‖Δ‖/‖ref‖ |")
+  print("|---|---|---|---|---|")
   for r in sweep(names, args.n, args.seed):
-    print(f"{r['op']:<12} {r['forward']:>9.1%} {r['forward_rel']:>8.1e} {r['backward']:>9.1%} {r['backward_rel']:>8.1e}")
+    print(f"| {r['op']} | {r['forward']:.1%} | {r['forward_rel']:.1e} | {r['backward']:.1%} | {r['backward_rel']:.1e} |")
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())
