@@ -414,8 +414,8 @@ def register_low_precision(env) -> None:
   for packet, rounded in _low_precision_lowerings().items():
     for target in (packet, *(getattr(packet, name) for name in packet.overloads())):
       prior = _compat.registered_op(env, target)
-      if prior is None or not prior.is_jax_function:
-        continue
+      if prior is None or not prior.is_jax_function or prior.is_user_defined:
+        continue  # nothing to keep for other dtypes, or a user's override_op
       _register_jax_lowering(env, target, _rounded_like_torch(prior.func, rounded))
 
 
