@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import torch_on_tpu as tot
 from tests import helpers as h
-from torch_on_tpu import _compat
+from torch_on_tpu import _compat, models
 from torch_on_tpu.models import torchtitan as titan
 
 torchax = _compat.import_torchax()
@@ -303,6 +303,12 @@ def test_masks_are_read_from_torchtitans_own_mask_functions():
   assert set(masks) == {"basic_mask", "sliding_window_mask"}
   assert masks["sliding_window_mask"].window == 128 and masks["basic_mask"].window is None
   assert masks["basic_mask"].causal and masks["basic_mask"].segment_ids.tolist() == [[0, 0, 0, 1, 1, 1, 1, 1]]
+  # The Trainer's batches (jax arrays, maybe traced or spanning hosts) get the same masks, the
+  # loader's document ids in them.
+  segments = jnp.asarray([[0, 0, 0, 1, 1, 1, 1, 1]], jnp.int32)
+  _, _, batch_masks = models.family_of(model).model_inputs(model, {"input_ids": segments, "positions": segments, "segment_ids": segments})
+  assert {k: (m.causal, m.window) for k, m in batch_masks.items()} == {k: (m.causal, m.window) for k, m in masks.items()}
+  assert batch_masks["sliding_window_mask"].segment_ids is segments
 
   class Blocked(torch.nn.Module):
     def get_attention_masks(self, positions):

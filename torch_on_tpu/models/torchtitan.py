@@ -382,8 +382,12 @@ class TorchtitanFamily(Family):
     if positions is None:
       return ids
     if segments is not None and _uses_masked_attention(module):
-      # Documents where positions restart at 0, as torchtitan's trainer passes get_attention_masks(positions).
-      return ids, positions, attention_masks(module, torch.as_tensor(positions))
+      # What torchtitan's trainer passes, get_attention_masks(positions), with the loader's document ids
+      # (the batch's arrays may be traced or span hosts: torchtitan's mask code runs on a stand-in).
+      layout = attention_masks(module, torch.zeros(1, 1, dtype=torch.long))
+      with_documents = lambda m: FlexMasks(segments, causal=m.causal, window=m.window)  # noqa: E731
+      masks = {k: with_documents(m) for k, m in layout.items()} if isinstance(layout, dict) else with_documents(layout)
+      return ids, positions, masks
     return ids, positions
 
   def decode_cache(self, module, max_len):
