@@ -119,7 +119,7 @@ class Attention:
     )
 
   def flex(self, q, k, v, *, segment_ids, scale, enable_gqa, causal=True, window=None, sinks=None):
-    """A families' masked attention on torch tensors (B, N, L, H): causal or not,
+    """A family's masked attention (torchtitan's flex, varlen) on torch tensors (B, N, L, H): causal or not,
     within documents (`segment_ids` (B, L)), a sliding `window`, per-head `sinks`."""
     seg = None if segment_ids is None else jax_view(segment_ids)
     out = self(
