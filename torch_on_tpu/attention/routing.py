@@ -118,14 +118,17 @@ class Attention:
       enable_gqa=enable_gqa,
     )
 
-  def flex(self, q, k, v, *, segment_ids, scale, enable_gqa):
-    """Causal (document-causal with `segment_ids`) attention on torch tensors (B, N, L, H)."""
+  def flex(self, q, k, v, *, segment_ids, scale, enable_gqa, causal=True, window=None, sinks=None):
+    """A family's masked attention (torchtitan's flex, varlen) on torch tensors (B, N, L, H): causal or not,
+    within documents (`segment_ids` (B, L)), a sliding `window`, per-head `sinks`."""
     seg = None if segment_ids is None else jax_view(segment_ids)
     out = self(
       jax_view(q),
       jax_view(k),
       jax_view(v),
-      causal=True,
+      causal=causal,
+      window=window,
+      sinks=None if sinks is None else jax_view(sinks),
       segment_ids=None if seg is None else (seg, seg),
       scale=scale,
       enable_gqa=enable_gqa,
@@ -142,6 +145,8 @@ class Attention:
     *,
     mask=None,
     causal=False,
+    window=None,
+    sinks=None,
     segment_ids=None,
     scale=None,
     dropout_rate=0.0,
@@ -151,7 +156,10 @@ class Attention:
     """Attention on jax arrays laid out like torch's: q (..., Hq, L, D), k/v (..., Hkv, S, D).
 
     `mask` is bool (True = attend) or additive, broadcastable to (..., Hq, L, S);
-    `segment_ids` is a (q_ids (B, L), kv_ids (B, S)) pair: only equal ids attend.
+    `segment_ids` is a (q_ids (B, L), kv_ids (B, S)) pair: only equal ids attend;
+    `window` W: a query at row r sees keys at r - W < col (torchtitan's sliding
+    window; with `causal`, col <= r too); `sinks` (Hq,): per-head logits that join
+    each row's softmax with no value (gpt-oss).
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     out_ndim = max(q.ndim, k.ndim, v.ndim)
@@ -174,15 +182,26 @@ class Attention:
         raise TorchOnTpuError("attention dropout_rate > 0 needs a dropout_key (a jax PRNG key).")
       seed = jax.random.bits(dropout_key, (2,), jnp.uint32)
 
-    kind = self._kind_for(q, k, v, mask, causal, segment_ids, dropout_rate)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+      raise TorchOnTpuError(f"attention window must be a positive int (keys a query sees), got {window!r}.")
+    if sinks is not None:
+      sinks = jnp.asarray(sinks)
+      if sinks.shape != (hq,):
+        raise TorchOnTpuError(
+          f"attention sinks must hold one logit per query head, shape ({hq},); got {sinks.shape}."
+        )
+
+    kind = self._kind_for(q, k, v, mask, causal, window, segment_ids, dropout_rate, sinks)
     call = functools.partial(
-      self._local, kind=kind, causal=causal, scale=scale, dropout_rate=float(dropout_rate)
+      self._local, kind=kind, causal=causal, window=window, scale=scale, dropout_rate=float(dropout_rate)
     )
-    out = checkpoint_name(self._sharded(call, q, k, v, mask, segment_ids, seed), remat_lib.ATTENTION_NAME)
+    out = checkpoint_name(
+      self._sharded(call, q, k, v, mask, segment_ids, sinks, seed), remat_lib.ATTENTION_NAME
+    )
     out = out.reshape(*lead, hq, length, v.shape[-1])
     return out.reshape(out.shape[len(out.shape) - out_ndim :]) if out_ndim < out.ndim else out
 
-  def _kind_for(self, q, k, v, mask, causal, segment_ids, dropout_rate) -> str:
+  def _kind_for(self, q, k, v, mask, causal, window, segment_ids, dropout_rate, sinks) -> str:
     """The configured kernel, or "xla" (said once) where it cannot express the call."""
     if self.kind == "xla":
       return "xla"
@@ -195,7 +214,11 @@ class Attention:
     elif self.kind == "splash" and length != kv_len:
       reason = f"query length {length} != key length {kv_len}"
     elif self.kind == "cudnn":
-      if segment_ids is not None:
+      if sinks is not None:
+        reason = "attention sinks"
+      elif window is not None and not causal:
+        reason = "a sliding window without a causal mask"
+      elif segment_ids is not None:
         reason = "document (segment id) masks"
       elif causal and length != kv_len:
         reason = f"a causal mask with query length {length} != key length {kv_len}"
@@ -213,11 +236,13 @@ class Attention:
     )
     return "xla"
 
-  def _local(self, q, k, v, mask, segment_ids, seed, offsets, *, kind, causal, scale, dropout_rate):
+  def _local(
+    self, q, k, v, mask, segment_ids, sinks, seed, offsets, *, kind, causal, window, scale, dropout_rate
+  ):
     """One shard's attention, (B, H, L, D) in and out."""
     if kind == "splash":
       return splash.splash_attention(
-        q, k, v, segment_ids, causal=causal, scale=scale,
+        q, k, v, segment_ids, sinks, causal=causal, window=window, scale=scale,
         block_sizes=self.block_sizes, interpret=not self.accelerated,
       )
     if kind == "cudnn":
@@ -227,29 +252,30 @@ class Attention:
         v.transpose(0, 2, 1, 3),
         scale=scale,
         is_causal=causal,
+        local_window_size=None if window is None else (window - 1, 0),
         implementation="cudnn" if self.accelerated else "xla",
       )
       return out.transpose(0, 2, 1, 3)
     return xla_flash.xla_attention(
-      q, k, v, mask=mask, segment_ids=segment_ids, causal=causal, scale=scale,
+      q, k, v, mask=mask, segment_ids=segment_ids, causal=causal, window=window, sinks=sinks, scale=scale,
       dropout_rate=dropout_rate, dropout_seed=seed, offsets=offsets,
       block_q=self.block_sizes.get("block_q", self.xla_block),
       block_kv=self.block_sizes.get("block_kv", self.xla_block),
     )
 
-  def _sharded(self, call, q, k, v, mask, segment_ids, seed):
+  def _sharded(self, call, q, k, v, mask, segment_ids, sinks, seed):
     """Runs `call` per shard: batch over the data axes, heads over `tp`, where they divide."""
     batch, hq = q.shape[:2]
     hkv = k.shape[1]
     mesh = self.mesh
     data = self.data_axes
     if mesh is None or mesh.size == 1:
-      return call(q, k, v, mask, segment_ids, seed, None)
+      return call(q, k, v, mask, segment_ids, sinks, seed, None)
     b_axes = mesh_lib.batch_spec(data, 1)[0] if batch % mesh_lib.batch_ways(mesh, data) == 0 else None
     tp = mesh.shape.get("tp", 1)
     h_axis = "tp" if tp > 1 and hq % tp == 0 and hkv % tp == 0 else None
     if b_axes is None and h_axis is None:
-      return call(q, k, v, mask, segment_ids, seed, None)
+      return call(q, k, v, mask, segment_ids, sinks, seed, None)
     qkv_spec = P(b_axes, h_axis, None, None)
     args, specs = [q, k, v], [qkv_spec] * 3
     if mask is not None:
@@ -260,6 +286,9 @@ class Attention:
     if segment_ids is not None:
       args.extend(segment_ids)
       specs.extend([P(b_axes, None)] * 2)
+    if sinks is not None:
+      args.append(sinks)
+      specs.append(P(h_axis))
     if seed is not None:
       args.append(seed)
       specs.append(P(None))
@@ -268,10 +297,11 @@ class Attention:
       rest = iter(rest)
       m = next(rest) if mask is not None else None
       seg = (next(rest), next(rest)) if segment_ids is not None else None
+      sk = next(rest) if sinks is not None else None
       s = next(rest) if seed is not None else None
       b_off = lax.axis_index(b_axes) * q.shape[0] if b_axes is not None else 0
       h_off = lax.axis_index(h_axis) * q.shape[1] if h_axis is not None else 0
-      return call(q, k, v, m, seg, s, (b_off, h_off))
+      return call(q, k, v, m, seg, sk, s, (b_off, h_off))
 
     return jax.shard_map(
       body, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec, check_vma=False

@@ -73,12 +73,15 @@ def splash_block_sizes(length: int, overrides: dict):
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(heads: int, padded: int, causal: bool, block_sizes, interpret: bool):
+def _splash_kernel(heads: int, padded: int, causal: bool, window: int | None, block_sizes, interpret: bool):
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
   shape = (padded, padded)
-  head_mask = sm.CausalMask(shape) if causal else sm.FullMask(shape)
+  if window is not None:  # keys at r - window < col (<= r when causal)
+    head_mask = sm.LocalMask(shape, window_size=(window - 1, 0 if causal else None), offset=0)
+  else:
+    head_mask = sm.CausalMask(shape) if causal else sm.FullMask(shape)
   # Concrete mask tables even when first built inside a trace: the kernel is cached.
   with jax.ensure_compile_time_eval():
     return sk.make_splash_mha(
@@ -90,8 +93,9 @@ def _splash_kernel(heads: int, padded: int, causal: bool, block_sizes, interpret
     )
 
 
-def splash_attention(q, k, v, segment_ids, *, causal, scale, block_sizes, interpret):
-  """Splash on one shard: (B, Hq, L, D) with L == S; q pre-scaled as splash expects.
+def splash_attention(q, k, v, segment_ids, sinks=None, *, causal, window=None, scale, block_sizes, interpret):
+  """Splash on one shard: (B, Hq, L, D) with L == S; q pre-scaled as splash expects;
+  `sinks` (Hq,) per-head logits joining each row's softmax.
 
   Padding to the tile multiple gets its own segment id, so real rows never see
   padded keys and padded rows (dropped afterwards) always see their own key.
@@ -108,6 +112,6 @@ def splash_attention(q, k, v, segment_ids, *, causal, scale, block_sizes, interp
     seg = sk.SegmentIds(*(pad_to(s, 1, padded, pad_id) for s in segment_ids))
   qp = pad_to(q * jnp.asarray(scale, q.dtype), 2, padded)
   kp, vp = pad_to(k, 2, padded), pad_to(v, 2, padded)
-  kernel = _splash_kernel(heads, padded, causal, sizes, interpret)
-  out = jax.vmap(kernel)(qp, kp, vp, seg)
+  kernel = _splash_kernel(heads, padded, causal, window, sizes, interpret)
+  out = jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(qp, kp, vp, seg, sinks)
   return out[:, :, :length]

@@ -32,6 +32,7 @@ def default_block(platform: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class _Tiles:
   causal: bool
+  window: int | None  # a query sees keys less than `window` positions back (itself included)
   scale: float
   rate: float
   block_q: int
@@ -52,6 +53,8 @@ def xla_attention(
   mask=None,
   segment_ids=None,
   causal=False,
+  window=None,
+  sinks=None,
   scale,
   dropout_rate=0.0,
   dropout_seed=None,
@@ -62,7 +65,9 @@ def xla_attention(
   """Blocked attention: q (B, Hq, L, D), k/v (B, Hkv, S, D) → (B, Hq, L, Dv).
 
   Loops over query tiles and, inside, over the key tiles a tile can see (causal
-  skips the rest), keeping a running max and sum (online softmax). Backward
+  skips the rest, and so does a sliding `window`), keeping a running max and sum
+  (online softmax). `sinks` (Hq,) are per-head logits with no value (gpt-oss's
+  attention sinks): each joins every row's softmax denominator. Backward
   recomputes each tile's scores from q, k and the saved log-sum-exp, so memory
   stays O(L·D) plus a few tiles. `mask` is (1|B, 1|Hq, 1|L, 1|S), bool or additive
   (float masks get a gradient when differentiated). Dropout keeps an element
@@ -74,6 +79,7 @@ def xla_attention(
   groups = hq // hkv
   tiles = _Tiles(
     causal=bool(causal),
+    window=None if window is None else int(window),
     scale=float(scale),
     rate=float(dropout_rate),
     block_q=min(block_q, length),
@@ -87,11 +93,13 @@ def xla_attention(
     heads = (hkv, groups) if mh > 1 else (1, 1)
     mask = mask.reshape(mask.shape[0], *heads, *mask.shape[2:])
   q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
+  if sinks is not None:
+    sinks = sinks.reshape(hkv, groups)
   if tiles.rate > 0:
     offsets = jnp.asarray((0, 0) if offsets is None else offsets, jnp.uint32)
   else:
     dropout_seed = offsets = None
-  out = _flash(q5, k, v, mask, q_seg, kv_seg, dropout_seed, offsets, tiles)
+  out = _flash(q5, k, v, mask, q_seg, kv_seg, sinks, dropout_seed, offsets, tiles)
   return out.reshape(batch, hq, length, v.shape[-1])
 
 
@@ -175,6 +183,8 @@ def _scores(t: _Tiles, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, *, keys_first=F
 
   if t.causal:
     allowed = both(allowed, cols <= rows)
+  if t.window is not None:
+    allowed = both(allowed, rows - cols < t.window)
   if t.kv_length % t.block_kv:
     allowed = both(allowed, cols < t.kv_length)
   if q_seg_i is not None:
@@ -216,11 +226,29 @@ def _drop(t: _Tiles, seed, offsets, shape, i, j, *, keys_first=False):
 
 
 def _kv_tiles_seen(t: _Tiles, i, n_kv: int):
-  """Key tiles query tile i attends to: all, or (causal) up to its last row."""
-  if not t.causal:
-    return n_kv
-  last = ((i + 1) * t.block_q - 1) // t.block_kv + 1
-  return min(n_kv, last) if isinstance(i, int) else jnp.minimum(n_kv, last)
+  """Key tiles [first, last) query tile i attends to: all, or (causal) up to its
+  last row, and (window) from its first row's window on."""
+  static = isinstance(i, int)
+  last = n_kv
+  if t.causal:
+    last = ((i + 1) * t.block_q - 1) // t.block_kv + 1
+    last = min(n_kv, last) if static else jnp.minimum(n_kv, last)
+  first = 0
+  if t.window is not None:
+    first = (i * t.block_q - t.window + 1) // t.block_kv
+    first = max(0, first) if static else jnp.maximum(0, first)
+  return first, last
+
+
+def _q_tiles_seeing(t: _Tiles, j, n_q: int):
+  """Query tiles [first, last) that attend to key tile j (the transpose of `_kv_tiles_seen`)."""
+  static = isinstance(j, int)
+  first = (j * t.block_kv) // t.block_q if t.causal else 0
+  last = n_q
+  if t.window is not None:
+    last = ((j + 1) * t.block_kv + t.window - 2) // t.block_q + 1
+    last = min(n_q, last) if static else jnp.minimum(n_q, last)
+  return first, last
 
 
 # Loops that run inline when they have a single, static step: short sequences
@@ -258,8 +286,8 @@ def _padded_inputs(t: _Tiles, q, k, v, mask, q_seg, kv_seg):
   )
 
 
-def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets):
-  """(out (B, K, G, L, Dv), log-sum-exp (B, K, G, Lp) fp32)."""
+def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets):
+  """(out (B, K, G, L, Dv), log-sum-exp (B, K, G, Lp) fp32, sinks included)."""
   batch, hkv, groups, length, _ = q.shape
   dv = v.shape[-1]
   qp, kp, vp, maskp, q_segp, kv_segp = _padded_inputs(t, q, k, v, mask, q_seg, kv_seg)
@@ -287,12 +315,13 @@ def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets):
       pv = _einsum32("bkgqs,bksd->bkgqd", p.astype(vj.dtype), vj)
       return m_new, l, acc * correction[..., None] + pv
 
-    init = (
-      jnp.full(stat_shape, -jnp.inf, jnp.float32),
-      jnp.zeros(stat_shape, jnp.float32),
-      jnp.zeros((*stat_shape, dv), jnp.float32),
-    )
-    m, l, acc = _for(0, _kv_tiles_seen(t, i, n_kv), step, init)
+    if sinks is None:
+      m0, l0 = jnp.full(stat_shape, -jnp.inf, jnp.float32), jnp.zeros(stat_shape, jnp.float32)
+    else:  # a sink is a column of its own from the start: max = sink, sum = exp(0)
+      m0 = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, :, None], stat_shape)
+      l0 = jnp.ones(stat_shape, jnp.float32)
+    init = (m0, l0, jnp.zeros((*stat_shape, dv), jnp.float32))
+    m, l, acc = _for(*_kv_tiles_seen(t, i, n_kv), step, init)
     seen = l > 0
     out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
@@ -305,7 +334,7 @@ def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets):
 
 
 def _flash_backward(
-  t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets, out, lse, dout, mask_grad
+  t: _Tiles, q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets, out, lse, dout, mask_grad
 ):
   batch, hkv, groups, length, dim = q.shape
   kv_length = k.shape[2]
@@ -316,6 +345,10 @@ def _flash_backward(
   out_dot_dout = doutp.astype(jnp.float32) * pad_to(out, 3, lp).astype(jnp.float32)
   delta = _reduce_last(jnp.add, jnp.sum, out_dot_dout)
   lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
+  dsinks = None
+  if sinks is not None:  # d/d sink of a row is -p(sink) · Σ dout·out
+    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, :, None] - lse_safe)
+    dsinks = -(p_sink * delta).sum(axis=(0, 3)).astype(sinks.dtype)
   # dQ accumulates with the query axis last, (B, K, D, G, Lp): the tile matmul that
   # produces it then reads the keys-first score gradient without transposing it.
   dq0 = jnp.zeros((batch, hkv, dim, groups, lp), jnp.float32)
@@ -326,7 +359,6 @@ def _flash_backward(
     kj, vj = _tile(kp, 2, j, t.block_kv), _tile(vp, 2, j, t.block_kv)
     kv_seg_j = _tile(kv_segp, 1, j, t.block_kv)
     mask_j = _tile(maskp, 4, j, t.block_kv)
-    first = (j * t.block_kv) // t.block_q if t.causal else 0
 
     def step(i, c):
       dq, dmask, dk, dv = c
@@ -354,7 +386,7 @@ def _flash_backward(
 
     zeros_kv = jnp.zeros((batch, hkv, t.block_kv, dim), jnp.float32)
     zeros_v = jnp.zeros((batch, hkv, t.block_kv, vp.shape[-1]), jnp.float32)
-    dq, dmask, dk, dv = _for(first, n_q, step, (dq, dmask, zeros_kv, zeros_v))
+    dq, dmask, dk, dv = _for(*_q_tiles_seeing(t, j, n_q), step, (dq, dmask, zeros_kv, zeros_v))
     return (dq, dmask), (dk * t.scale, dv)
 
   (dq, dmask), (dks, dvs) = _scan(key_tile, (dq0, dmask0), n_kv)
@@ -363,7 +395,7 @@ def _flash_backward(
   dv = jnp.moveaxis(dvs, 0, 2).reshape(batch, hkv, sp, -1)[:, :, :kv_length].astype(v.dtype)
   if dmask is not None:
     dmask = dmask[:, :, :, : mask.shape[3], : mask.shape[4]].astype(mask.dtype)
-  return dq, dk, dv, dmask
+  return dq, dk, dv, dmask, dsinks
 
 
 def _accumulate_mask_grad(t: _Tiles, dmask, ds, i, j):
@@ -380,18 +412,18 @@ def _accumulate_mask_grad(t: _Tiles, dmask, ds, i, j):
   return lax.dynamic_update_slice(dmask, current + update, starts)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _flash(q, k, v, mask, q_seg, kv_seg, seed, offsets, t):
-  return _flash_forward(t, q, k, v, mask, q_seg, kv_seg, seed, offsets)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _flash(q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets, t):
+  return _flash_forward(t, q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets)[0]
 
 
-def _flash_fwd(q, k, v, mask, q_seg, kv_seg, seed, offsets, t):
+def _flash_fwd(q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets, t):
   # symbolic_zeros: primals arrive wrapped, saying whether each is differentiated.
   def value(x):
     return None if x is None else x.value
 
   mask_grad = mask is not None and mask.perturbed and value(mask).dtype != jnp.bool_
-  args = [value(x) for x in (q, k, v, mask, q_seg, kv_seg, seed, offsets)]
+  args = [value(x) for x in (q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets)]
   out, lse = _flash_forward(t, *args)
   out, lse = (checkpoint_name(x, remat_lib.ATTENTION_NAME) for x in (out, lse))
   return out, (*args, out, lse, jnp.zeros(()) if mask_grad else None)
@@ -399,8 +431,8 @@ def _flash_fwd(q, k, v, mask, q_seg, kv_seg, seed, offsets, t):
 
 def _flash_bwd(t, res, dout):
   *args, out, lse, mask_grad = res
-  dq, dk, dv, dmask = _flash_backward(t, *args, out, lse, dout, mask_grad is not None)
-  return dq, dk, dv, dmask, None, None, None, None
+  dq, dk, dv, dmask, dsinks = _flash_backward(t, *args, out, lse, dout, mask_grad is not None)
+  return dq, dk, dv, dmask, None, None, dsinks, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
