@@ -110,9 +110,14 @@ def routed(att, q, k, v, dout, **kwargs):
 
 CALLS = {
   # name: (strategies, call kwargs builder); explicit masks at cp: the HF model test
-  "causal-gqa": (("all_gather",), lambda seg: dict(causal=True, enable_gqa=True)),
+  "causal-window": (("all_gather",), lambda seg: dict(causal=True, window=20, enable_gqa=True)),
   "documents": (("ring",), lambda seg: dict(causal=True, segment_ids=(seg, seg), enable_gqa=True)),
-  "dropout": (("all_gather",), lambda seg: dict(causal=True, dropout_rate=0.3, dropout_key=jax.random.key(7), enable_gqa=True)),
+  "dropout-sinks": (
+    ("all_gather",),
+    lambda seg: dict(
+      causal=True, dropout_rate=0.3, dropout_key=jax.random.key(7), sinks=jnp.linspace(-1.0, 1.0, 4), enable_gqa=True
+    ),
+  ),
 }
 
 
@@ -123,9 +128,9 @@ def inputs(b=4, hq=4, hkv=2, length=64, d=8):
 
 
 def test_attention_across_cp_equals_the_unsplit_call():
-  """Causal (K/V gathered, zig-zag), documents (the ring), dropout (global positions) on one
-  mesh; the ring on plain causal calls, the other meshes and explicit masks run in the
-  model tests and tools/parity_cp.py."""
+  """A sliding window (K/V gathered, zig-zag), documents (the ring), dropout and sinks
+  (global positions; a sink joins each row once) on one mesh; the other meshes and explicit
+  masks run in the model tests and tools/parity_cp.py."""
   mesh = tot.make_mesh(**MESHES["fsdp2xcp4"])
   q, k, v, dout, seg = inputs()
   whole = Attention("xla", block_sizes=dict(block_q=8, block_kv=8))

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from torch_on_tpu import _compat, lowerings, materialize, models, module_state, ops, runtime, xla_flags
+from torch_on_tpu import _compat, float8, lowerings, materialize, models, module_state, ops, runtime, xla_flags
 from torch_on_tpu import attention as attention_lib
 from torch_on_tpu import scan as scan_lib
 from torch_on_tpu import mesh as mesh_lib
@@ -96,6 +96,7 @@ class ShardedModule:
         f"ShardedModule wraps a torch.nn.Module, got {type(module).__name__}."
       )
     runtime.setup()
+    float8.prepare(module)  # torchao's float8 linears; low-precision formats the bridge does not lower
     self.module = module
     self.family = models.family_of(module)
     self.family.prepare(module)

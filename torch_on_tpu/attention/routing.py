@@ -131,14 +131,17 @@ class Attention:
       enable_gqa=enable_gqa,
     )
 
-  def flex(self, q, k, v, *, segment_ids, scale, enable_gqa):
-    """Causal (document-causal with `segment_ids`) attention on torch tensors (B, N, L, H)."""
+  def flex(self, q, k, v, *, segment_ids, scale, enable_gqa, causal=True, window=None, sinks=None):
+    """A family's masked attention (torchtitan's flex, varlen) on torch tensors (B, N, L, H): causal or not,
+    within documents (`segment_ids` (B, L)), a sliding `window`, per-head `sinks`."""
     seg = None if segment_ids is None else jax_view(segment_ids)
     out = self(
       jax_view(q),
       jax_view(k),
       jax_view(v),
-      causal=True,
+      causal=causal,
+      window=window,
+      sinks=None if sinks is None else jax_view(sinks),
       segment_ids=None if seg is None else (seg, seg),
       scale=scale,
       enable_gqa=enable_gqa,
@@ -155,6 +158,8 @@ class Attention:
     *,
     mask=None,
     causal=False,
+    window=None,
+    sinks=None,
     segment_ids=None,
     scale=None,
     dropout_rate=0.0,
@@ -164,7 +169,10 @@ class Attention:
     """Attention on jax arrays laid out like torch's: q (..., Hq, L, D), k/v (..., Hkv, S, D).
 
     `mask` is bool (True = attend) or additive, broadcastable to (..., Hq, L, S);
-    `segment_ids` is a (q_ids (B, L), kv_ids (B, S)) pair: only equal ids attend.
+    `segment_ids` is a (q_ids (B, L), kv_ids (B, S)) pair: only equal ids attend;
+    `window` W: a query at row r sees keys at r - W < col (torchtitan's sliding
+    window; with `causal`, col <= r too); `sinks` (Hq,): per-head logits that join
+    each row's softmax with no value (gpt-oss).
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     out_ndim = max(q.ndim, k.ndim, v.ndim)
@@ -187,14 +195,25 @@ class Attention:
         raise TorchOnTpuError("attention dropout_rate > 0 needs a dropout_key (a jax PRNG key).")
       seed = jax.random.bits(dropout_key, (2,), jnp.uint32)
 
-    split = self._split_for(q, k, mask, causal, dropout_rate)
-    kind = self._kind_for(q, k, v, mask, causal, segment_ids, dropout_rate, split)
-    settings = dict(kind=kind, causal=causal, scale=scale, dropout_rate=float(dropout_rate))
-    out = checkpoint_name(self._sharded(q, k, v, mask, segment_ids, seed, split, settings), remat_lib.ATTENTION_NAME)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+      raise TorchOnTpuError(f"attention window must be a positive int (keys a query sees), got {window!r}.")
+    if sinks is not None:
+      sinks = jnp.asarray(sinks)
+      if sinks.shape != (hq,):
+        raise TorchOnTpuError(
+          f"attention sinks must hold one logit per query head, shape ({hq},); got {sinks.shape}."
+        )
+
+    split = self._split_for(q, k, mask, causal, dropout_rate, sinks)
+    kind = self._kind_for(q, k, v, mask, causal, window, segment_ids, dropout_rate, sinks, split)
+    settings = dict(kind=kind, causal=causal, window=window, scale=scale, dropout_rate=float(dropout_rate))
+    out = checkpoint_name(
+      self._sharded(q, k, v, mask, segment_ids, sinks, seed, split, settings), remat_lib.ATTENTION_NAME
+    )
     out = out.reshape(*lead, hq, length, v.shape[-1])
     return out.reshape(out.shape[len(out.shape) - out_ndim :]) if out_ndim < out.ndim else out
 
-  def _split_for(self, q, k, mask, causal, dropout_rate) -> context.Split | None:
+  def _split_for(self, q, k, mask, causal, dropout_rate, sinks) -> context.Split | None:
     """How this call crosses the `cp` axis, or None where the mesh has none or the call
     cannot be split (then it runs whole on each cp device, said once)."""
     ways = mesh_lib.sequence_ways(self.mesh) if self.mesh is not None else 1
@@ -212,14 +231,14 @@ class Attention:
       return None
     strategy, why = context.choose(
       self.context_parallel, heads=q.shape[1], kv_heads=k.shape[1], ways=ways,
-      plain=mask is None and dropout_rate == 0, kernel=self.kind,
+      plain=mask is None and dropout_rate == 0 and sinks is None, kernel=self.kind,
     )
     split = context.Split(mesh_lib.SEQUENCE_AXIS, ways, strategy, balanced=bool(causal))
     self.splits.add(split.describe())
     _say_once(logging.INFO, f"attention across {split.describe()} ({why})")
     return split
 
-  def _kind_for(self, q, k, v, mask, causal, segment_ids, dropout_rate, split=None) -> str:
+  def _kind_for(self, q, k, v, mask, causal, window, segment_ids, dropout_rate, sinks, split=None) -> str:
     """The configured kernel, or "xla" (said once) where it cannot express the call."""
     if self.kind == "xla":
       return "xla"
@@ -236,7 +255,11 @@ class Attention:
     elif split is not None and not splash.tiles_whole(_query_block(length, split), self.block_sizes):
       reason = f"context-parallel query blocks of {_query_block(length, split)} rows (not whole splash tiles)"
     elif self.kind == "cudnn":
-      if segment_ids is not None:
+      if sinks is not None:
+        reason = "attention sinks"
+      elif window is not None and not causal:
+        reason = "a sliding window without a causal mask"
+      elif segment_ids is not None:
         reason = "document (segment id) masks"
       elif causal and length != kv_len:
         reason = f"a causal mask with query length {length} != key length {kv_len}"
@@ -254,11 +277,13 @@ class Attention:
     )
     return "xla"
 
-  def _local(self, q, k, v, mask, segment_ids, seed, offsets, *, kind, causal, scale, dropout_rate):
+  def _local(
+    self, q, k, v, mask, segment_ids, sinks, seed, offsets, *, kind, causal, window, scale, dropout_rate
+  ):
     """One shard's attention, (B, H, L, D) in and out."""
     if kind == "splash":
       return splash.splash_attention(
-        q, k, v, segment_ids, causal=causal, scale=scale,
+        q, k, v, segment_ids, sinks, causal=causal, window=window, scale=scale,
         block_sizes=self.block_sizes, interpret=not self.accelerated,
       )
     if kind == "cudnn":
@@ -268,34 +293,36 @@ class Attention:
         v.transpose(0, 2, 1, 3),
         scale=scale,
         is_causal=causal,
+        local_window_size=None if window is None else (window - 1, 0),
         implementation="cudnn" if self.accelerated else "xla",
       )
       return out.transpose(0, 2, 1, 3)
     return xla_flash.xla_attention(
-      q, k, v, mask=mask, segment_ids=segment_ids, causal=causal, scale=scale,
+      q, k, v, mask=mask, segment_ids=segment_ids, causal=causal, window=window, sinks=sinks, scale=scale,
       dropout_rate=dropout_rate, dropout_seed=seed, offsets=offsets, **self._xla_blocks(),
     )
 
-  def _block(self, q, k, v, mask, q_seg, kv_seg, q_offset, kv_offset, *, causal, scale, seed=None,
-             offsets=None, dropout_rate=0.0):
+  def _block(self, q, k, v, mask, q_seg, kv_seg, q_offset, kv_offset, *, causal, window, scale, sinks=None,
+             seed=None, offsets=None, dropout_rate=0.0):
     """One block of a sequence split over `cp`: (out, lse) on global positions."""
     return xla_flash.xla_attention(
       q, k, v, mask=mask, segment_ids=None if q_seg is None else (q_seg, kv_seg), causal=causal,
-      scale=scale, dropout_rate=dropout_rate, dropout_seed=seed, offsets=offsets, q_offset=q_offset,
-      kv_offset=kv_offset, return_lse=True, **self._xla_blocks(),
+      window=window, sinks=sinks, scale=scale, dropout_rate=dropout_rate, dropout_seed=seed, offsets=offsets,
+      q_offset=q_offset, kv_offset=kv_offset, return_lse=True, **self._xla_blocks(),
     )
 
-  def _block_backward(self, q, k, v, mask, q_seg, kv_seg, q_offset, kv_offset, out, lse, dout, *, causal, scale):
+  def _block_backward(self, q, k, v, mask, q_seg, kv_seg, q_offset, kv_offset, out, lse, dout, *, causal,
+                      window, scale):
     """One block's (dq, dk, dv) from the whole attention's output and log-sum-exp (the ring's)."""
     return xla_flash.xla_attention_backward(
       q, k, v, out, lse, dout, mask=mask, segment_ids=None if q_seg is None else (q_seg, kv_seg),
-      causal=causal, scale=scale, q_offset=q_offset, kv_offset=kv_offset, **self._xla_blocks(),
+      causal=causal, window=window, scale=scale, q_offset=q_offset, kv_offset=kv_offset, **self._xla_blocks(),
     )
 
-  def _splash_block(self, q, k, v, q_seg, kv_seg, *, q_offset: int, causal, scale):
+  def _splash_block(self, q, k, v, q_seg, kv_seg, *, q_offset: int, causal, window, scale, sinks=None):
     """Splash for one block of a sequence split over `cp`, at a static query offset."""
     return splash.splash_attention(
-      q, k, v, None if q_seg is None else (q_seg, kv_seg), causal=causal, scale=scale,
+      q, k, v, None if q_seg is None else (q_seg, kv_seg), sinks, causal=causal, window=window, scale=scale,
       block_sizes=self.block_sizes, interpret=not self.accelerated, q_offset=q_offset,
     )
 
@@ -317,15 +344,15 @@ class Attention:
     h_axis = "tp" if tp > 1 and hq % tp == 0 and hkv % tp == 0 else None
     return b_axes, h_axis, split.axis if split is not None else None
 
-  def _sharded(self, q, k, v, mask, segment_ids, seed, split, settings):
+  def _sharded(self, q, k, v, mask, segment_ids, sinks, seed, split, settings):
     """Runs the kernel per shard: batch over the data axes, heads over `tp`, where they
     divide; the sequence over `cp` (`context.attend`) when the call is `split`."""
     mesh = self.mesh
     if mesh is None or mesh.size == 1:
-      return self._local(q, k, v, mask, segment_ids, seed, None, **settings)
+      return self._local(q, k, v, mask, segment_ids, sinks, seed, None, **settings)
     b_axes, h_axis, s_axis = self.specs(q.shape, k.shape, split)
     if b_axes is None and h_axis is None and s_axis is None:
-      return self._local(q, k, v, mask, segment_ids, seed, None, **settings)
+      return self._local(q, k, v, mask, segment_ids, sinks, seed, None, **settings)
     qkv_spec = P(b_axes, h_axis, s_axis, None)
     args, specs = [q, k, v], [qkv_spec] * 3
     if mask is not None:
@@ -341,6 +368,9 @@ class Attention:
     if segment_ids is not None:
       args.extend(segment_ids)
       specs.extend([P(b_axes, s_axis)] * 2)
+    if sinks is not None:
+      args.append(sinks)
+      specs.append(P(h_axis))
     if seed is not None:
       args.append(seed)
       specs.append(P(None))
@@ -349,18 +379,19 @@ class Attention:
       rest = iter(rest)
       m = next(rest) if mask is not None else None
       seg = (next(rest), next(rest)) if segment_ids is not None else None
+      sk = next(rest) if sinks is not None else None
       s = next(rest) if seed is not None else None
       b_off = lax.axis_index(b_axes) * q.shape[0] if b_axes is not None else 0
       h_off = lax.axis_index(h_axis) * q.shape[1] if h_axis is not None else 0
       if split is None:
-        return self._local(q, k, v, m, seg, s, (b_off, h_off), **settings)
-      causal, scale = settings["causal"], settings["scale"]
+        return self._local(q, k, v, m, seg, sk, s, (b_off, h_off), **settings)
+      shape = dict(causal=settings["causal"], window=settings["window"], scale=settings["scale"])
       kernel = functools.partial(
-        self._block, causal=causal, scale=scale, seed=s, dropout_rate=settings["dropout_rate"],
+        self._block, **shape, sinks=sk, seed=s, dropout_rate=settings["dropout_rate"],
         offsets=(b_off, h_off) if s is not None else None,
       )
-      backward = functools.partial(self._block_backward, causal=causal, scale=scale)
-      fixed = functools.partial(self._splash_block, causal=causal, scale=scale) if settings["kind"] == "splash" else None
+      backward = functools.partial(self._block_backward, **shape)
+      fixed = functools.partial(self._splash_block, **shape, sinks=sk) if settings["kind"] == "splash" else None
       q_seg, kv_seg = seg if seg is not None else (None, None)
       return context.attend(kernel, backward, split, q, k, v, m, q_seg, kv_seg, fixed=fixed)
 

@@ -73,6 +73,12 @@ def splash_block_sizes(length: int, overrides: dict):
   return round_up(length, _tile(block_sizes)), block_sizes
 
 
+def _tile(sizes) -> int:
+  """The length every splash tile size divides."""
+  values = [v for v in dataclasses.astuple(sizes) if isinstance(v, int) and not isinstance(v, bool)]
+  return math.lcm(_SPLASH_LANES, *values)
+
+
 def tiles_whole(length: int, overrides: dict) -> bool:
   """Whether `length` query rows fill splash's tiles with no padding (a block of a
   longer sequence must: a padded row there could see no key at all)."""
@@ -80,11 +86,14 @@ def tiles_whole(length: int, overrides: dict) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(heads: int, shape: tuple, causal: bool, q_offset: int, block_sizes, interpret: bool):
+def _splash_kernel(heads: int, shape: tuple, causal: bool, window: int | None, q_offset: int, block_sizes, interpret: bool):
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-  head_mask = sm.CausalMask(shape, offset=q_offset) if causal else sm.FullMask(shape)
+  if window is not None:  # keys at r - window < col (<= r when causal), r the global row
+    head_mask = sm.LocalMask(shape, window_size=(window - 1, 0 if causal else None), offset=q_offset)
+  else:
+    head_mask = sm.CausalMask(shape, offset=q_offset) if causal else sm.FullMask(shape)
   # Concrete mask tables even when first built inside a trace: the kernel is cached.
   with jax.ensure_compile_time_eval():
     return sk.make_splash_mha(
@@ -96,14 +105,17 @@ def _splash_kernel(heads: int, shape: tuple, causal: bool, q_offset: int, block_
     )
 
 
-def splash_attention(q, k, v, segment_ids, *, causal, scale, block_sizes, interpret, q_offset: int = 0):
-  """Splash on one shard: (B, Hq, L, D) with L == S; q pre-scaled as splash expects.
+def splash_attention(
+  q, k, v, segment_ids, sinks=None, *, causal, window=None, scale, block_sizes, interpret, q_offset: int = 0
+):
+  """Splash on one shard: (B, Hq, L, D) with L == S; q pre-scaled as splash expects;
+  `sinks` (Hq,) per-head logits joining each row's softmax.
 
   Padding to the tile multiple gets its own segment id, so real rows never see
   padded keys and padded rows (dropped afterwards) always see their own key.
   A block of a longer sequence (context parallelism's gathered K/V): L rows
   filling whole tiles (`tiles_whole`) at global position `q_offset` (an int:
-  one kernel per offset) against keys 0..S-1, causal on global positions.
+  one kernel per offset) against keys 0..S-1, masked on global positions.
   """
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
@@ -119,12 +131,6 @@ def splash_attention(q, k, v, segment_ids, *, causal, scale, block_sizes, interp
     seg = sk.SegmentIds(pad_to(segment_ids[0], 1, padded, pad_id), pad_to(segment_ids[1], 1, kv_padded, pad_id))
   qp = pad_to(q * jnp.asarray(scale, q.dtype), 2, padded)
   kp, vp = pad_to(k, 2, kv_padded), pad_to(v, 2, kv_padded)
-  kernel = _splash_kernel(heads, (padded, kv_padded), causal, q_offset, sizes, interpret)
-  out = jax.vmap(kernel)(qp, kp, vp, seg)
+  kernel = _splash_kernel(heads, (padded, kv_padded), causal, window, q_offset, sizes, interpret)
+  out = jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(qp, kp, vp, seg, sinks)
   return out[:, :, :length]
-
-
-def _tile(sizes) -> int:
-  """The length every splash tile size divides."""
-  values = [v for v in dataclasses.astuple(sizes) if isinstance(v, int) and not isinstance(v, bool)]
-  return math.lcm(_SPLASH_LANES, *values)

@@ -33,6 +33,7 @@ def default_block(platform: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class _Tiles:
   causal: bool
+  window: int | None  # a query sees keys less than `window` positions back (itself included)
   scale: float
   rate: float
   block_q: int
@@ -53,6 +54,8 @@ def xla_attention(
   mask=None,
   segment_ids=None,
   causal=False,
+  window=None,
+  sinks=None,
   scale,
   dropout_rate=0.0,
   dropout_seed=None,
@@ -66,7 +69,9 @@ def xla_attention(
   """Blocked attention: q (B, Hq, L, D), k/v (B, Hkv, S, D) → (B, Hq, L, Dv).
 
   Loops over query tiles and, inside, over the key tiles a tile can see (causal
-  skips the rest), keeping a running max and sum (online softmax). Backward
+  skips the rest, and so does a sliding `window`), keeping a running max and sum
+  (online softmax). `sinks` (Hq,) are per-head logits with no value (gpt-oss's
+  attention sinks): each joins every row's softmax denominator. Backward
   recomputes each tile's scores from q, k and the saved log-sum-exp, so memory
   stays O(L·D) plus a few tiles. `mask` is (1|B, 1|Hq, 1|L, 1|S), bool or additive
   (float masks get a gradient when differentiated). Dropout keeps an element
@@ -75,17 +80,17 @@ def xla_attention(
 
   Blocks of a longer sequence (context parallelism): `q_offset` and `kv_offset`
   (ints or traced scalars) are the global positions of q's and k's first rows;
-  the causal mask and dropout are evaluated on global positions (a query sees
-  keys at positions <= its own), and tiles wholly above the diagonal are
-  skipped. `return_lse=True` returns `(out, lse)`, lse (B, Hq, L) fp32 the
-  log-sum-exp of each row's scores (-inf where a row sees no key), for
-  combining blocks; its gradient flows too.
+  the causal mask, the window and dropout are evaluated on global positions,
+  and tiles they hide wholly are skipped. `return_lse=True` returns
+  `(out, lse)`, lse (B, Hq, L) fp32 the log-sum-exp of each row's scores
+  (sinks included; -inf where a row sees nothing), for combining blocks; its
+  gradient flows too.
   """
-  tiles, q5, k, v, mask, q_seg, kv_seg, dropout_seed, offsets, origin = _prepare(
-    q, k, v, mask, segment_ids, causal, scale, dropout_rate, dropout_seed, offsets,
+  tiles, q5, k, v, mask, q_seg, kv_seg, sinks, dropout_seed, offsets, origin = _prepare(
+    q, k, v, mask, segment_ids, causal, window, sinks, scale, dropout_rate, dropout_seed, offsets,
     q_offset, kv_offset, block_q, block_kv,
   )
-  out, lse = _flash(q5, k, v, mask, q_seg, kv_seg, dropout_seed, offsets, origin, tiles)
+  out, lse = _flash(q5, k, v, mask, q_seg, kv_seg, sinks, dropout_seed, offsets, origin, tiles)
   out = out.reshape(*q.shape[:3], v.shape[-1])
   if not return_lse:
     return out
@@ -99,33 +104,34 @@ def xla_attention_backward(q, k, v, out, lse, dout, **kwargs):
   The softmax over all blocks is exp(s - lse) with the whole row's lse, and
   the backward's row term is rowsum(dout · out) of the whole output: given
   both, each block's gradients are exact without recomputing its forward
-  (ring attention's backward). `kwargs` as `xla_attention`'s (no float masks).
+  (ring attention's backward). `kwargs` as `xla_attention`'s (no float masks,
+  no sinks: a sink belongs to no block).
   """
-  tiles, q5, k, v, mask, q_seg, kv_seg, seed, offsets, origin = _prepare(
-    q, k, v, kwargs.get("mask"), kwargs.get("segment_ids"), kwargs.get("causal", False),
-    kwargs["scale"], kwargs.get("dropout_rate", 0.0), kwargs.get("dropout_seed"), kwargs.get("offsets"),
+  tiles, q5, k, v, mask, q_seg, kv_seg, _, seed, offsets, origin = _prepare(
+    q, k, v, kwargs.get("mask"), kwargs.get("segment_ids"), kwargs.get("causal", False), kwargs.get("window"),
+    None, kwargs["scale"], kwargs.get("dropout_rate", 0.0), kwargs.get("dropout_seed"), kwargs.get("offsets"),
     kwargs.get("q_offset"), kwargs.get("kv_offset"), kwargs.get("block_q", _BLOCK_CPU),
     kwargs.get("block_kv", _BLOCK_CPU),
   )
   shape5 = q5.shape[:4]
-  lp = tiles.padded[0]
-  lse5 = pad_to(lse.reshape(shape5), 3, lp, -jnp.inf)
-  dq, dk, dv, _ = _flash_backward(
-    tiles, q5, k, v, mask, q_seg, kv_seg, seed, offsets, origin,
+  lse5 = pad_to(lse.reshape(shape5), 3, tiles.padded[0], -jnp.inf)
+  dq, dk, dv, _, _ = _flash_backward(
+    tiles, q5, k, v, mask, q_seg, kv_seg, None, seed, offsets, origin,
     out.reshape(*shape5, -1), lse5, dout.reshape(*shape5, -1), None, False,
   )
   return dq.reshape(q.shape), dk, dv
 
 
-def _prepare(q, k, v, mask, segment_ids, causal, scale, dropout_rate, dropout_seed, offsets,
+def _prepare(q, k, v, mask, segment_ids, causal, window, sinks, scale, dropout_rate, dropout_seed, offsets,
              q_offset, kv_offset, block_q, block_kv):
-  """The tiling and the kernel's inputs: q as (B, K, G, L, D), masks per kv head group,
-  the global origin (q_offset, kv_offset) as an int32 pair or None (both 0)."""
+  """The tiling and the kernel's inputs: q as (B, K, G, L, D), masks and sinks per kv
+  head group, the global origin (q_offset, kv_offset) as an int32 pair or None (both 0)."""
   batch, hq, length, dim = q.shape
   hkv, kv_length = k.shape[1], k.shape[2]
   groups = hq // hkv
   tiles = _Tiles(
     causal=bool(causal),
+    window=None if window is None else int(window),
     scale=float(scale),
     rate=float(dropout_rate),
     block_q=min(block_q, length),
@@ -139,6 +145,8 @@ def _prepare(q, k, v, mask, segment_ids, causal, scale, dropout_rate, dropout_se
     heads = (hkv, groups) if mh > 1 else (1, 1)
     mask = mask.reshape(mask.shape[0], *heads, *mask.shape[2:])
   q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
+  if sinks is not None:
+    sinks = sinks.reshape(hkv, groups)
   if tiles.rate > 0:
     offsets = jnp.asarray((0, 0) if offsets is None else offsets, jnp.uint32)
   else:
@@ -148,7 +156,7 @@ def _prepare(q, k, v, mask, segment_ids, causal, scale, dropout_rate, dropout_se
   origin = None
   if not all(isinstance(o, int) and o == 0 for o in (q_offset, kv_offset)):
     origin = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
-  return tiles, q5, k, v, mask, q_seg, kv_seg, dropout_seed, offsets, origin
+  return tiles, q5, k, v, mask, q_seg, kv_seg, sinks, dropout_seed, offsets, origin
 
 
 
@@ -238,6 +246,8 @@ def _scores(t: _Tiles, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, origin=None, *,
 
   if t.causal:
     allowed = both(allowed, cols <= rows)
+  if t.window is not None:
+    allowed = both(allowed, rows - cols < t.window)
   if t.kv_length % t.block_kv:
     allowed = both(allowed, cols < kv0 + t.kv_length)
   if q_seg_i is not None:
@@ -280,24 +290,35 @@ def _drop(t: _Tiles, seed, offsets, shape, i, j, origin=None, *, keys_first=Fals
 
 
 def _kv_tiles_seen(t: _Tiles, i, n_kv: int, origin=None):
-  """Key tiles query tile i attends to: all, or (causal) up to its last row."""
-  if not t.causal:
-    return n_kv
-  if origin is not None:  # the tile's last global row, as a key index of this block
-    last_col = origin[0] - origin[1] + (i + 1) * t.block_q - 1
-    return jnp.clip(jnp.floor_divide(last_col, t.block_kv) + 1, 0, n_kv)
-  last = ((i + 1) * t.block_q - 1) // t.block_kv + 1
-  return min(n_kv, last) if isinstance(i, int) else jnp.minimum(n_kv, last)
+  """Key tiles [first, last) query tile i attends to: all, or (causal) up to its
+  last row, and (window) from its first row's window on; on global positions
+  (`origin`), shifted by how far the block's queries start after its keys."""
+  static = isinstance(i, int) and origin is None
+  shift = 0 if origin is None else origin[0] - origin[1]
+  last = n_kv
+  if t.causal:
+    last = (shift + (i + 1) * t.block_q - 1) // t.block_kv + 1
+    last = min(n_kv, last) if static else jnp.clip(last, 0, n_kv)
+  first = 0
+  if t.window is not None:
+    first = (shift + i * t.block_q - t.window + 1) // t.block_kv
+    first = max(0, first) if static else jnp.clip(first, 0, n_kv)
+  return first, last
 
 
-def _first_q_tile(t: _Tiles, j, n_q: int, origin=None):
-  """The first query tile that sees key tile j: 0, or (causal) the one holding its first column."""
-  if not t.causal:
-    return 0
-  if origin is not None:
-    first_row = origin[1] - origin[0] + j * t.block_kv
-    return jnp.clip(jnp.floor_divide(first_row, t.block_q), 0, n_q)
-  return (j * t.block_kv) // t.block_q
+def _q_tiles_seeing(t: _Tiles, j, n_q: int, origin=None):
+  """Query tiles [first, last) that attend to key tile j (the transpose of `_kv_tiles_seen`)."""
+  static = isinstance(j, int) and origin is None
+  shift = 0 if origin is None else origin[1] - origin[0]
+  first = 0
+  if t.causal:
+    first = (shift + j * t.block_kv) // t.block_q
+    first = first if static else jnp.clip(first, 0, n_q)
+  last = n_q
+  if t.window is not None:
+    last = (shift + (j + 1) * t.block_kv + t.window - 2) // t.block_q + 1
+    last = min(n_q, last) if static else jnp.clip(last, 0, n_q)
+  return first, last
 
 
 # Loops that run inline when they have a single, static step: short sequences
@@ -335,8 +356,8 @@ def _padded_inputs(t: _Tiles, q, k, v, mask, q_seg, kv_seg):
   )
 
 
-def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets, origin):
-  """(out (B, K, G, L, Dv), log-sum-exp (B, K, G, Lp) fp32)."""
+def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets, origin):
+  """(out (B, K, G, L, Dv), log-sum-exp (B, K, G, Lp) fp32, sinks included)."""
   batch, hkv, groups, length, _ = q.shape
   dv = v.shape[-1]
   qp, kp, vp, maskp, q_segp, kv_segp = _padded_inputs(t, q, k, v, mask, q_seg, kv_seg)
@@ -364,12 +385,13 @@ def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets, origi
       pv = _einsum32("bkgqs,bksd->bkgqd", p.astype(vj.dtype), vj)
       return m_new, l, acc * correction[..., None] + pv
 
-    init = (
-      jnp.full(stat_shape, -jnp.inf, jnp.float32),
-      jnp.zeros(stat_shape, jnp.float32),
-      jnp.zeros((*stat_shape, dv), jnp.float32),
-    )
-    m, l, acc = _for(0, _kv_tiles_seen(t, i, n_kv, origin), step, init)
+    if sinks is None:
+      m0, l0 = jnp.full(stat_shape, -jnp.inf, jnp.float32), jnp.zeros(stat_shape, jnp.float32)
+    else:  # a sink is a column of its own from the start: max = sink, sum = exp(0)
+      m0 = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, :, None], stat_shape)
+      l0 = jnp.ones(stat_shape, jnp.float32)
+    init = (m0, l0, jnp.zeros((*stat_shape, dv), jnp.float32))
+    m, l, acc = _for(*_kv_tiles_seen(t, i, n_kv, origin), step, init)
     seen = l > 0
     out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
@@ -382,7 +404,7 @@ def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets, origi
 
 
 def _flash_backward(
-  t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets, origin, out, lse, dout, dlse, mask_grad
+  t: _Tiles, q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets, origin, out, lse, dout, dlse, mask_grad
 ):
   batch, hkv, groups, length, dim = q.shape
   kv_length = k.shape[2]
@@ -395,6 +417,10 @@ def _flash_backward(
   if dlse is not None:  # d lse / d s = the softmax itself: it joins dP's row term
     delta = delta - dlse
   lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
+  dsinks = None
+  if sinks is not None:  # d/d sink of a row is -p(sink) · Σ dout·out
+    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, :, None] - lse_safe)
+    dsinks = -(p_sink * delta).sum(axis=(0, 3)).astype(sinks.dtype)
   # dQ accumulates with the query axis last, (B, K, D, G, Lp): the tile matmul that
   # produces it then reads the keys-first score gradient without transposing it.
   dq0 = jnp.zeros((batch, hkv, dim, groups, lp), jnp.float32)
@@ -405,7 +431,6 @@ def _flash_backward(
     kj, vj = _tile(kp, 2, j, t.block_kv), _tile(vp, 2, j, t.block_kv)
     kv_seg_j = _tile(kv_segp, 1, j, t.block_kv)
     mask_j = _tile(maskp, 4, j, t.block_kv)
-    first = _first_q_tile(t, j, n_q, origin)
 
     def step(i, c):
       dq, dmask, dk, dv = c
@@ -433,7 +458,7 @@ def _flash_backward(
 
     zeros_kv = jnp.zeros((batch, hkv, t.block_kv, dim), jnp.float32)
     zeros_v = jnp.zeros((batch, hkv, t.block_kv, vp.shape[-1]), jnp.float32)
-    dq, dmask, dk, dv = _for(first, n_q, step, (dq, dmask, zeros_kv, zeros_v))
+    dq, dmask, dk, dv = _for(*_q_tiles_seeing(t, j, n_q, origin), step, (dq, dmask, zeros_kv, zeros_v))
     return (dq, dmask), (dk * t.scale, dv)
 
   (dq, dmask), (dks, dvs) = _scan(key_tile, (dq0, dmask0), n_kv)
@@ -442,7 +467,7 @@ def _flash_backward(
   dv = jnp.moveaxis(dvs, 0, 2).reshape(batch, hkv, sp, -1)[:, :, :kv_length].astype(v.dtype)
   if dmask is not None:
     dmask = dmask[:, :, :, : mask.shape[3], : mask.shape[4]].astype(mask.dtype)
-  return dq, dk, dv, dmask
+  return dq, dk, dv, dmask, dsinks
 
 
 def _accumulate_mask_grad(t: _Tiles, dmask, ds, i, j):
@@ -459,19 +484,19 @@ def _accumulate_mask_grad(t: _Tiles, dmask, ds, i, j):
   return lax.dynamic_update_slice(dmask, current + update, starts)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def _flash(q, k, v, mask, q_seg, kv_seg, seed, offsets, origin, t):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _flash(q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets, origin, t):
   """(out (B, K, G, L, Dv), lse (B, K, G, Lp))."""
-  return _flash_forward(t, q, k, v, mask, q_seg, kv_seg, seed, offsets, origin)
+  return _flash_forward(t, q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets, origin)
 
 
-def _flash_fwd(q, k, v, mask, q_seg, kv_seg, seed, offsets, origin, t):
+def _flash_fwd(q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets, origin, t):
   # symbolic_zeros: primals arrive wrapped, saying whether each is differentiated.
   def value(x):
     return None if x is None else x.value
 
   mask_grad = mask is not None and mask.perturbed and value(mask).dtype != jnp.bool_
-  args = [value(x) for x in (q, k, v, mask, q_seg, kv_seg, seed, offsets, origin)]
+  args = [value(x) for x in (q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets, origin)]
   out, lse = _flash_forward(t, *args)
   out, lse = (checkpoint_name(x, remat_lib.ATTENTION_NAME) for x in (out, lse))
   return (out, lse), (*args, out, lse, jnp.zeros(()) if mask_grad else None)
@@ -482,8 +507,8 @@ def _flash_bwd(t, res, cotangents):
   dout, dlse = (None if isinstance(c, SymbolicZero) else c for c in cotangents)
   if dout is None:
     dout = jnp.zeros_like(out)
-  dq, dk, dv, dmask = _flash_backward(t, *args, out, lse, dout, dlse, mask_grad is not None)
-  return dq, dk, dv, dmask, None, None, None, None, None
+  dq, dk, dv, dmask, dsinks = _flash_backward(t, *args, out, lse, dout, dlse, mask_grad is not None)
+  return dq, dk, dv, dmask, None, None, dsinks, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
