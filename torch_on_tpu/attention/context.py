@@ -21,7 +21,7 @@ other op of the model is per token and needs nothing. Here the pieces meet:
   results combined by their log-sum-exp; the backward passes K/V round again
   with their gradients, computing each block's from the whole output and
   log-sum-exp (`xla_attention_backward`: no forward recompute). A device never
-  holds more than two K/V blocks. No explicit masks or dropout.
+  holds more than two K/V blocks. No explicit masks, dropout or sinks.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def choose(setting: str, *, heads: int, kv_heads: int, ways: int, plain: bool, k
   """(strategy, why) for a call: `setting` unless "auto". Auto gathers K/V when they are
   small next to q (GQA/MQA: fewer K/V heads than query heads), when the ring would be two
   steps, or for splash (whose blocks give no log-sum-exp gradient to combine); otherwise
-  the ring. The ring takes only `plain` calls (no explicit mask, no dropout)."""
+  the ring. The ring takes only `plain` calls (no explicit mask, no dropout, no sinks: a
+  sink joins each row once, not once per block)."""
   if setting == "all_gather":
     return "all_gather", "asked for"
   if not plain:
