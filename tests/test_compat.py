@@ -296,20 +296,33 @@ class _SignGradient(torch.autograd.Function):
 def _check_function_apply():
   from torchax.interop import torch_view
 
-  from torch_on_tpu import autograd_functions
-
-  autograd_functions.run_with_own_backward(_SignGradient)
+  routed = torch.autograd.Function.__dict__["apply"].__func__
+  assert routed.routed_by_torch_on_tpu  # setup() routed it, once for every subclass
+  _compat.route_function_apply(lambda *a, **k: None)  # idempotent: the router stays
+  assert torch.autograd.Function.__dict__["apply"].__func__ is routed
   x = torch.randn(3, requires_grad=True)
-  _SignGradient.apply(x, 0.5).sum().backward()  # eager torch: torch's own apply
+  _SignGradient.apply(x, 0.5).sum().backward()  # eager torch: torch's own apply, its own graph node
   assert torch.equal(x.grad, torch.full((3,), 0.5))
-  assert not hasattr(torch.autograd.Function.__dict__["apply"].__func__, "routed_by_torch_on_tpu")  # torch's class untouched
 
   def f(a):
-    with _compat.torchax_env():
+    with _compat.torchax_env(), _compat.torchax_env().override_property(prng=jax.random.PRNGKey(0)):
       return _SignGradient.apply(torch_view(a), 0.5).sum().jax()
 
   assert np.allclose(jax.grad(f)(jnp.ones(3) * 3), 0.5)  # its backward ran, not jax's derivative (2)
   assert np.allclose(jax.jit(f)(jnp.ones(3)), 6.0)
+
+
+def _check_differentiation_tracers():
+  seen = []
+
+  def f(x):
+    seen.append(_compat.is_differentiated(x))
+    return x * 2
+
+  jax.grad(f)(1.0)
+  jax.jit(jax.grad(f))(1.0)
+  jax.jit(f)(1.0)
+  assert seen == [True, True, False] and not _compat.is_differentiated(jnp.ones(2))
 
 
 def _check_float8_dispatch():
@@ -322,7 +335,8 @@ def _check_float8_dispatch():
   float8.prepare(float8.convert(torch.nn.Linear(16, 16), "tensorwise"))
 
   def roundtrip(a):
-    with _compat.torchax_env():
+    # grad mode off, as inside torchao's float8 matmul Function (its casts are Functions too)
+    with _compat.torchax_env(), torch.no_grad():
       f8 = hp_tensor_to_float8_dynamic(torch_view(a), torch.float8_e4m3fn, LinearMMConfig())
       return f8._data.jax(), f8.reshape(-1).to_original_precision().jax()
 
@@ -350,7 +364,8 @@ _INTERNAL_API_CHECKS = {
   "jax._src.xla_bridge.backends_are_initialized": _check_backend_started,
   "jax._src.clusters.ClusterEnv": _check_clusters,
   "torchax.tensor.Environment._function_mode/_dispatch_mode, torch's mode stacks": _check_torchax_modes,
-  "torch.autograd.Function.apply of a library's Function (torchao's float8 linear)": _check_function_apply,
+  "torch.autograd.Function.apply": _check_function_apply,
+  "jax._src.interpreters.ad.JVPTracer/LinearizeTracer": _check_differentiation_tracers,
   "torchao.float8.float8_training_tensor.Float8TrainingTensor.__torch_dispatch__": _check_float8_dispatch,
 }
 

@@ -144,7 +144,8 @@ INTERNAL_APIS = {
   "jax._src.xla_bridge.backends_are_initialized": "whether XLA_FLAGS and a distributed join still apply",
   "jax._src.clusters.ClusterEnv": "the clusters jax.distributed would detect by itself",
   "torchax.tensor.Environment._function_mode/_dispatch_mode, torch's mode stacks": "torchax's modes, re-entered where torch popped them",
-  "torch.autograd.Function.apply of a library's Function (torchao's float8 linear)": "routed so it runs its own backward (autograd_functions)",
+  "jax._src.interpreters.ad.JVPTracer/LinearizeTracer": "a Function's forward that reads a tensor it was not given (autograd_functions)",
+  "torch.autograd.Function.apply": "routed for every subclass, so a Function on jax-backed tensors runs its own backward (autograd_functions)",
   "torchao.float8.float8_training_tensor.Float8TrainingTensor.__torch_dispatch__": "runs inside torchax's modes when it wraps jax-backed tensors",
 }
 
@@ -299,19 +300,27 @@ def torchax_modes(env):
     yield
 
 
-def route_apply(function_cls, router) -> None:
-  """`function_cls.apply` (a `torch.autograd.Function`) becomes
-  `router(cls, torch_apply, *args, **kwargs)`; idempotent, other classes untouched."""
-  current = function_cls.__dict__.get("apply")
-  if getattr(getattr(current, "__func__", None), "routed_by_torch_on_tpu", False):
+def route_function_apply(router) -> None:
+  """`torch.autograd.Function.apply`, for every subclass that does not define its own, becomes
+  `router(cls, torch_apply, *args, **kwargs)` (idempotent); `torch_apply` is torch's own."""
+  function = torch.autograd.Function
+  torch_apply = function.__dict__["apply"].__func__
+  if getattr(torch_apply, "routed_by_torch_on_tpu", False):
     return
-  inherited = next(base.__dict__["apply"].__func__ for base in function_cls.__mro__ if "apply" in base.__dict__)
 
   def apply(cls, *args, **kwargs):
-    return router(cls, lambda *a, **k: inherited(cls, *a, **k), *args, **kwargs)
+    return router(cls, lambda *a, **k: torch_apply(cls, *a, **k), *args, **kwargs)
 
   apply.routed_by_torch_on_tpu = True
-  function_cls.apply = classmethod(apply)
+  apply.torch_apply = torch_apply
+  function.apply = classmethod(apply)
+
+
+def is_differentiated(array) -> bool:
+  """`array` is being differentiated by jax here (a tracer of a JVP or linearize transformation)."""
+  from jax._src.interpreters import ad
+
+  return isinstance(array, (ad.JVPTracer, ad.LinearizeTracer))
 
 
 def dispatch_inside_torchax(subclass) -> None:

@@ -13,8 +13,7 @@ scales and the float8 casts; what reaches the bridge is
   group offsets, or 2-D × 2-D for a weight gradient), lowered the same way per
   group;
 - torchao's float8 linear `autograd.Function`, run with its own backward
-  (`autograd_functions`, set up by `prepare` when a wrapped model uses
-  `Float8Linear`): the gradient is cast to float8 with torchao's scales
+  (`autograd_functions`, as every Function under the bridge): the gradient is cast to float8 with torchao's scales
   and both backward matmuls are `_scaled_mm`s too (jax differentiating the
   forward would not do that);
 - torchao's `Float8TrainingTensor` (the float8 data and its scale, a tensor
@@ -177,8 +176,8 @@ _UNSUPPORTED = {
 
 def prepare(module: torch.nn.Module) -> None:
   """Before a model is wrapped: one sentence for low-precision training the bridge would not
-  compute as torch does; where torchao's `Float8Linear` is used, its float8 matmul runs its
-  own backward and its float8 tensors compute inside torchax."""
+  compute as torch does; where torchao's `Float8Linear` is used, its float8 tensors compute
+  inside torchax (its float8 matmul runs its own backward, as every `autograd.Function` does)."""
   uses_float8_linear = False
   for name, obj in [*module.named_modules(), *module.named_parameters()]:
     for cls in type(obj).__mro__:
@@ -187,12 +186,8 @@ def prepare(module: torch.nn.Module) -> None:
         raise TorchOnTpuError(f"'{name or type(module).__name__}' is {type(obj).__name__}: {_UNSUPPORTED[cls.__name__]}.")
       uses_float8_linear |= cls.__module__ == "torchao.float8.float8_linear" and cls.__name__ == "Float8Linear"
   if uses_float8_linear:
-    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
     from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
-    from torch_on_tpu import autograd_functions  # torchax: not needed by `convert`
-
-    autograd_functions.run_with_own_backward(matmul_with_hp_or_float8_args)
     _compat.dispatch_inside_torchax(Float8TrainingTensor)
 
 
