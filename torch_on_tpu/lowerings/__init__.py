@@ -14,12 +14,15 @@ One module per concern:
   (`ldexp`, `nonzero_static`, `narrow` with a tensor start, `combinations`,
   `cov`, `max_unpool`, `index_reduce`, `adaptive_max_pool`, `segment_reduce`);
 - `factories`: tensors traced code makes on the CPU are made on the device
-  (`made_on_device`, entered per trace).
+  (`made_on_device`, entered per trace);
+- `low_precision`: bf16 / fp16 activations, softmax and layer norm rounded
+  once as torch does; registered last, each wrapping the lowering the groups
+  above left, so it wins only for low-precision inputs.
 """
 
 from __future__ import annotations
 
-from torch_on_tpu.lowerings import added_ops, factories, index_checks, model_ops, torch_semantics
+from torch_on_tpu.lowerings import added_ops, factories, index_checks, low_precision, model_ops, torch_semantics
 from torch_on_tpu.lowerings.factories import made_on_device
 from torch_on_tpu.lowerings.model_ops import cpu_linear
 
@@ -32,4 +35,6 @@ def register(env) -> list[str]:
   torch_semantics.register(env)
   added_ops.register(env)
   index_checks.register(env)
-  return model_ops.register(env)
+  added = model_ops.register(env)
+  low_precision.register(env)
+  return added

@@ -53,11 +53,12 @@ import, because it depends on the mesh's platform; a user's own override of
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 import torch
 
-from torch_on_tpu import _compat, device_checks, host, op_table, ragged
+from torch_on_tpu import _compat, device_checks, float8, host, op_table, ragged
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.lowerings import factories
@@ -312,6 +313,7 @@ def register(env) -> list[str]:
   for packet in (torch.ops.aten._embedding_bag, torch.ops.aten._embedding_bag_forward_only):
     _register_jax_lowering(env, packet, _embedding_bag)
   _register_jax_lowering(env, torch.ops.aten._grouped_mm, _grouped_mm)
+  float8.register(env)  # the scaled (float8) matmuls
   for function in (torch.take_along_dim, torch.Tensor.take_along_dim):
     _register_jax_lowering(env, function, _take_along_dim)
   for packet in (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default):
