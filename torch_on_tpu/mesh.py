@@ -21,6 +21,10 @@ from torch_on_tpu.errors import TorchOnTpuError
 # experts on other devices through XLA's collectives).
 DATA_AXIS_NAMES = ("data", "dp", "fsdp", "ep", "batch")
 
+# The mesh axis that splits the stacked layers into pipeline stages (`torch_on_tpu.pipeline`);
+# not a data axis. Name it first in `make_mesh` so stages sit farthest apart (across slices).
+PIPELINE_AXIS = "pp"
+
 
 def make_mesh(devices=None, **axes: int) -> Mesh:
   """A named mesh over all global devices; one axis may be -1 (fill the rest).
