@@ -63,6 +63,9 @@ class Flags:
   max_skips: int = flag(5, "skip a step whose loss, gradient or update is NaN/Inf (state kept); stop after this many in a row (0: stop at the first)")
   fsdp: int = flag(-1, "devices on the fsdp mesh axis (-1: all that --tp leaves)")
   tp: int = flag(1, "devices on the tensor-parallel mesh axis")
+  pp: int = flag(1, "pipeline stages: devices on the pp mesh axis (the outermost), which splits the scanned layers into stages")
+  microbatches: int | None = flag(None, "pipeline microbatches per pass (default with --pp: the largest divisor of the batch per pass up to 4·pp)")
+  virtual_stages: int = flag(1, "pipeline: blocks of layers per stage, visited round-robin (circular schedule; the bubble shrinks by this factor)")
   scan: bool = flag(True, "run the layer stack as one lax.scan (compile time flat in depth)")
   unroll: int = flag(1, "layers per scan iteration")
   remat: str = flag("auto", "per-layer remat: auto (scanned: dots_and_attention; loop: none), none, full, dots_saveable, dots_with_no_batch_dims_saveable, dots_and_attention, offload_dots")
@@ -300,7 +303,17 @@ def resolve(flags: Flags, recipe: Recipe) -> dict:
   default_cache = os.path.join(cache_home, "torch_on_tpu", "jax")
   no_cache = flags.compile_cache is not None and str(flags.compile_cache).lower() in ("off", "none")
   config["compile_cache"] = None if no_cache else flags.compile_cache or default_cache
+  if flags.pp > 1 and flags.microbatches is None:
+    config["microbatches"] = default_microbatches(flags)
   return config
+
+
+def default_microbatches(flags: Flags) -> int:
+  """The largest divisor of the rows one pipeline pass gets, from pp up to 4·pp (the bubble
+  (pp−1)/(V·M+pp−1) is then at most a fifth for V = 1); pp when none divides."""
+  rows = flags.global_batch_size // max(flags.grad_accum, 1)
+  fits = [m for m in range(flags.pp, 4 * flags.pp + 1) if rows % m == 0]
+  return max(fits) if fits else flags.pp
 
 
 def run(flags: Flags, recipe: Recipe) -> dict:
@@ -362,7 +375,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   from torch_on_tpu import remat as remat_lib
   from torch_on_tpu.trainer import default_split
 
-  mesh = tot.make_mesh(fsdp=flags.fsdp, tp=flags.tp)
+  mesh = tot.make_mesh(**({"pp": flags.pp} if flags.pp > 1 else {}), fsdp=flags.fsdp, tp=flags.tp)
   if main:
     devices = mesh.devices.flat[0]
     print(f"Mesh {dict(mesh.shape)} over {mesh.size} {devices.platform} devices ({devices.device_kind})", flush=True)
@@ -376,7 +389,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   master_dtype = jnp.bfloat16 if flags.dtype == "bfloat16-all" else None
 
   def make_step(abstract: bool):
-    jm = _model(flags, recipe, mesh, abstract)
+    jm = _model(flags, recipe, mesh, abstract, config.get("microbatches"))
     return tot.make_train_step(
       jm,
       _loss,
@@ -400,6 +413,8 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   )
   if main:
     print(memory, flush=True)
+    if abstract_step.model.pipeline is not None:
+      print(f"{abstract_step.model.pipeline.schedule}".capitalize(), flush=True)
   spec = jax.ShapeDtypeStruct((flags.global_batch_size, flags.seqlen), jnp.int32)
   documents = ("positions", "segment_ids") if recipe.family == "titan" else ()  # what data.batches yields
   abstract_batch = {key: spec for key in ("input_ids", "labels", *documents)}
@@ -601,6 +616,16 @@ def _check_flags(flags: Flags, error) -> None:
     raise error(f"--max_skips={flags.max_skips} is negative; give 0 (stop at the first NaN/Inf step) or more.")
   if flags.resume_step is not None and not flags.resume:
     raise error("--resume_step needs --resume=True; drop one of the two.")
+  if flags.pp < 1 or flags.virtual_stages < 1:
+    raise error(f"--pp={flags.pp} and --virtual_stages={flags.virtual_stages} must be positive; give 1 or more.")
+  if flags.pp == 1 and (flags.microbatches is not None or flags.virtual_stages != 1):
+    raise error("--microbatches and --virtual_stages set up pipeline stages; give --pp=N (N > 1) too, or drop them.")
+  rows = flags.global_batch_size // max(flags.grad_accum, 1)
+  if flags.microbatches is not None and (flags.microbatches < 1 or rows % flags.microbatches):
+    raise error(
+      f"--microbatches={flags.microbatches} does not divide the {rows} rows of one pipeline pass "
+      f"(--global_batch_size / --grad_accum); use a divisor of {rows}."
+    )
   if flags.global_batch_size % flags.grad_accum:
     raise error(
       f"--global_batch_size={flags.global_batch_size} does not divide into --grad_accum={flags.grad_accum} "
@@ -613,7 +638,7 @@ def _remat(flags: Flags) -> str | None:
   return None if flags.remat == "auto" else flags.remat
 
 
-def _model(flags: Flags, recipe: Recipe, mesh, abstract: bool):
+def _model(flags: Flags, recipe: Recipe, mesh, abstract: bool, microbatches: int | None = None):
   """The ShardedModule: the recipe's model (with imported weights, with LoRA adapters)."""
   import torch_on_tpu as tot
   from torch_on_tpu import checkpoint, lora
@@ -621,6 +646,8 @@ def _model(flags: Flags, recipe: Recipe, mesh, abstract: bool):
   sharding = "fsdp_tp" if flags.tp > 1 else "fsdp"
   attention = None if flags.attention == "none" else flags.attention
   layers = dict(scan=flags.scan, unroll=flags.unroll, remat=_remat(flags))
+  if flags.pp > 1:
+    layers.update(microbatches=microbatches, virtual_stages=flags.virtual_stages)
   common = dict(mesh=mesh, sharding=sharding, seed=flags.seed, attention=attention)
   if not recipe.lora:
     jm = tot.ShardedModule(recipe.build(), abstract=abstract, **common, **layers)

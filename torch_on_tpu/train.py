@@ -27,7 +27,10 @@ Conventions:
   microbatches (row i goes to microbatch i mod k, which keeps each microbatch
   spread over all data shards), runs them in a `lax.scan` inside the same
   program and averages loss and gradients: the full-batch gradient whenever
-  `loss_fn` is a mean over equal-sized microbatches.
+  `loss_fn` is a mean over equal-sized microbatches. With pipeline stages (a
+  `pp` mesh axis) each of the k pieces is cut again into the pipeline's
+  microbatches and runs one whole pipeline pass, fill and drain included: for
+  the bubble, raise the pipeline's microbatches rather than k.
 * Mixed precision: `compute_dtype=jnp.bfloat16` casts floating params to bf16
   inside the step (forward and backward in bf16) while master weights,
   gradients and optimizer state stay fp32; `master_dtype=jnp.bfloat16` stores
@@ -123,6 +126,7 @@ class CompileReport:
   host_offloaded_bytes: int | None = None  # host temporaries + host arguments/outputs
   flops: float | None = None
   bytes_accessed: float | None = None
+  pipeline: str | None = None  # the schedule and its bubble fraction, with a `pp` axis
 
   @property
   def peak_bytes(self) -> int | None:
@@ -143,6 +147,8 @@ class CompileReport:
       )
     if self.flops is not None:
       parts.append(f"{self.flops / 1e9:.2f} GFLOP, {_human_bytes(self.bytes_accessed or 0)} accessed")
+    if self.pipeline is not None:
+      parts.append(self.pipeline)
     return "; ".join(parts)
 
 
@@ -543,6 +549,10 @@ class TrainStep:
         jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated),
       ).compile(compiler_options=self.model.compile_options)
     self.last_compile = _report(compiled, time.perf_counter() - start)
+    if model.pipeline is not None:
+      self.last_compile.pipeline = str(model.pipeline.schedule) + (
+        f", run {self.grad_accum} times (grad_accum)" if self.grad_accum > 1 else ""
+      )
     self.compile_seconds += self.last_compile.seconds
     logger.info("Train step %s", self.last_compile)
     return compiled

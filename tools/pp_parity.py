@@ -1,0 +1,176 @@
+"""Pipeline parity: the same model with and without `pp`, 5 AdamW steps, one command.
+
+    .venv/bin/python tools/pp_parity.py              # the issue's matrix (12 runs + grad_accum)
+    .venv/bin/python tools/pp_parity.py --only titan-pp4-fsdp2-circular
+
+Each run builds the model twice from the same seed — once on a mesh without `pp`
+(the reference: `fsdp=8`, or `fsdp=4 × tp=2` for the TP cases) and once with the
+pipeline — checks the initial weights are equal under their original names, then
+trains both 5 AdamW steps (clipping at 1.0) on the same batches and reports the
+worst relative error ‖Δ‖/‖ref‖ of the 5 losses, of the trained weights (per
+original name) and, for the grad_accum rows, of the gradients of a 2-way
+accumulated step. The suite runs a slice of this (`tests/test_pipeline.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+TOLERANCE = 1e-4
+STEPS = 5
+BATCH = 8
+SEQ = 16
+
+# name → (model, pp mesh, reference mesh, sharding preset, virtual stages, microbatches)
+RUNS = {}
+for _model in ("titan", "hf"):
+  for _axes, _ref, _preset in (
+    (dict(pp=2, fsdp=4), dict(fsdp=8), "fsdp"),
+    (dict(pp=4, fsdp=2), dict(fsdp=8), "fsdp"),
+    (dict(pp=2, fsdp=2, tp=2), dict(fsdp=4, tp=2), "fsdp_tp"),
+  ):
+    for _v, _kind in ((1, "plain"), (2, "circular")):
+      _mesh = "-".join(f"{k}{v}" for k, v in _axes.items())
+      RUNS[f"{_model}-{_mesh}-{_kind}"] = (_model, _axes, _ref, _preset, _v, 2 * _axes["pp"])
+
+
+def titan8(device="meta"):
+  """torchtitan's Llama 3 debugmodel with 8 layers instead of 6 (divisible by 2, 4 and 8)."""
+  import torch
+
+  from torch_on_tpu.models import torchtitan
+
+  config = torchtitan.llama3_config("debugmodel", attention="sdpa", max_seq_len=SEQ)
+  config.layers = [*config.layers, *config.layers[:2]]
+  with torch.device(device):
+    return config.build()
+
+
+def hf_llama8(device="meta"):
+  """A tiny HF Llama with 8 layers, FSDP-sized tensors (hidden 128, 4 heads, 2 KV heads)."""
+  import transformers
+
+  from torch_on_tpu.models.hf import build_causal_lm
+
+  config = transformers.LlamaConfig(
+    vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+  )
+  config._attn_implementation = "sdpa"
+  return build_causal_lm(config, device=device)
+
+
+BUILDERS = {"titan": titan8, "hf": hf_llama8}
+
+
+def _rel(a, b) -> float:
+  import numpy as np
+
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _loss(outputs, labels):
+  import torch.nn.functional as F
+
+  logits = outputs.logits if hasattr(outputs, "logits") else outputs
+  return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _inputs(model, tokens):
+  return {"input_ids": tokens, "use_cache": False} if model == "hf" else tokens
+
+
+def _batches(vocab, count, seed=0):
+  import torch
+
+  g = torch.Generator().manual_seed(seed)
+  return [
+    (torch.randint(0, vocab, (BATCH, SEQ), generator=g), torch.randint(0, vocab, (BATCH, SEQ), generator=g))
+    for _ in range(count)
+  ]
+
+
+def _per_name(jm) -> dict:
+  import numpy as np
+
+  return {n: np.asarray(t, np.float64) for n, t in jm.state_dict().items()}
+
+
+def compare(model, axes, ref_axes, preset, virtual, microbatches, *, grad_accum=1, steps=STEPS) -> dict:
+  """One run: worst relative errors of losses, trained weights (and grad_accum gradients)."""
+  import optax
+
+  import torch_on_tpu as tot
+
+  builder = BUILDERS[model]
+  ref = tot.ShardedModule(builder(), mesh=tot.make_mesh(**ref_axes), sharding=preset, scan=True, seed=0)
+  pp = tot.ShardedModule(
+    builder(), mesh=tot.make_mesh(**axes), sharding=preset, scan=True, seed=0,
+    microbatches=microbatches, virtual_stages=virtual,
+  )
+  before_ref, before_pp = _per_name(ref), _per_name(pp)
+  if list(before_ref) != list(before_pp):
+    raise AssertionError("the pipelined model's state_dict names differ from the reference's")
+  init = max(_rel(before_pp[n], before_ref[n]) for n in before_ref)
+  make = lambda jm: tot.make_train_step(jm, _loss, optax.adamw(1e-3), clip_norm=1.0, grad_accum=grad_accum)  # noqa: E731
+  step_ref, step_pp = make(ref), make(pp)
+  vocab = ref.module.config.vocab_size if model == "hf" else 2048
+  batches = _batches(vocab, steps)
+  out = {"init": init}
+  if grad_accum > 1:
+    tokens, labels = batches[0]
+    la, ga = step_ref.gradients(_inputs(model, tokens), labels)
+    lb, gb = step_pp.gradients(_inputs(model, tokens), labels)
+    names = lambda jm, g: {o: g[k][i] if stacked else g[k] for k, (originals, stacked) in jm.stored_layout().items() if k in g for i, o in enumerate(originals)}  # noqa: E731
+    ga, gb = names(ref, ga), names(pp, gb)
+    out["grads"] = max(_rel(gb[n], ga[n]) for n in ga)
+  losses_ref, losses_pp = [], []
+  for tokens, labels in batches:
+    losses_ref.append(float(step_ref(_inputs(model, tokens), labels)))
+    losses_pp.append(float(step_pp(_inputs(model, tokens), labels)))
+  out["losses"] = _rel(losses_pp, losses_ref)
+  after_ref, after_pp = _per_name(ref), _per_name(pp)
+  out["weights"] = max(_rel(after_pp[n], after_ref[n]) for n in after_ref)
+  out["moved"] = max(_rel(after_ref[n], before_ref[n]) for n in after_ref)  # the steps did train
+  out["bubble"] = pp.pipeline.schedule.bubble_fraction
+  return out
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--only", action="append", help=f"run names (default all): {', '.join(RUNS)}")
+  args = parser.parse_args(argv)
+
+  from torch_on_tpu import xla_flags
+
+  xla_flags.simulate_cpu_devices(8, replace=False)
+  import torch_on_tpu as tot
+
+  tot.setup()
+  names = args.only or list(RUNS)
+  print(f"{'run':42} {'M':>3} {'bubble':>7} {'init':>8} {'losses':>9} {'weights':>9} {'grads(ga=2)':>12} {'s':>5}")
+  worst = 0.0
+  for name in names:
+    model, axes, ref_axes, preset, virtual, microbatches = RUNS[name]
+    start = time.perf_counter()
+    r = compare(model, axes, ref_axes, preset, virtual, microbatches)
+    ga = compare(model, axes, ref_axes, preset, virtual, microbatches, grad_accum=2, steps=1) if virtual == 1 else {}
+    grads = f"{ga['grads']:.1e}" if ga else "-"
+    worst = max(worst, r["losses"], r["weights"], ga.get("grads", 0.0), ga.get("losses", 0.0))
+    print(
+      f"{name:42} {microbatches:>3} {r['bubble']:>7.1%} {r['init']:>8.1e} {r['losses']:>9.1e} "
+      f"{r['weights']:>9.1e} {grads:>12} {time.perf_counter() - start:>5.0f}",
+      flush=True,
+    )
+  print(f"worst {worst:.1e} (tolerance {TOLERANCE:.0e})")
+  return 0 if worst <= TOLERANCE else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
