@@ -414,7 +414,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   if main:
     print(memory, flush=True)
     if abstract_step.model.pipeline is not None:
-      print(f"{abstract_step.model.pipeline.schedule}".capitalize(), flush=True)
+      print(f"Pipeline {abstract_step.model.pipeline.schedule}", flush=True)
   spec = jax.ShapeDtypeStruct((flags.global_batch_size, flags.seqlen), jnp.int32)
   documents = ("positions", "segment_ids") if recipe.family == "titan" else ()  # what data.batches yields
   abstract_batch = {key: spec for key in ("input_ids", "labels", *documents)}

@@ -91,7 +91,7 @@ class Schedule:
   def __str__(self) -> str:
     kind = "plain GPipe" if self.virtual_stages == 1 else f"circular, {self.virtual_stages} virtual stages"
     return (
-      f"pipeline pp={self.stages} × {self.microbatches} microbatches ({kind}): bubble "
+      f"pp={self.stages} × {self.microbatches} microbatches ({kind}): bubble "
       f"{self.bubble_fraction:.1%} of {self.ticks} ticks"
     )
 

@@ -272,7 +272,7 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
     saved = int((schedule.ticks / schedule.microbatches + 2) * s.dim * per_token)
     layer_backward = int((block * kept + everything) * micro)
     head_tokens = tokens / schedule.stages
-    description += f", {schedule}"
+    description += f", pipeline {schedule}"
   logits = int(head_tokens * s.vocab / tp * compute)
   return MemoryPlan(
     params=params,

@@ -550,7 +550,7 @@ class TrainStep:
       ).compile(compiler_options=self.model.compile_options)
     self.last_compile = _report(compiled, time.perf_counter() - start)
     if model.pipeline is not None:
-      self.last_compile.pipeline = str(model.pipeline.schedule) + (
+      self.last_compile.pipeline = f"pipeline {model.pipeline.schedule}" + (
         f", run {self.grad_accum} times (grad_accum)" if self.grad_accum > 1 else ""
       )
     self.compile_seconds += self.last_compile.seconds
