@@ -39,14 +39,15 @@ for _model in ("titan", "hf"):
       RUNS[f"{_model}-{_mesh}-{_kind}"] = (_model, _axes, _ref, _preset, _v, 2 * _axes["pp"])
 
 
-def titan8(device="meta"):
-  """torchtitan's Llama 3 debugmodel with 8 layers instead of 6 (divisible by 2, 4 and 8)."""
+def titan8(device="meta", layers=8, seqlen=SEQ):
+  """torchtitan's Llama 3 debugmodel with 8 layers instead of 6 (divisible by 2, 4 and 8),
+  or as many as `layers` (its 6 repeated), its RoPE cache sized for `seqlen`."""
   import torch
 
   from torch_on_tpu.models import torchtitan
 
-  config = torchtitan.llama3_config("debugmodel", attention="sdpa", max_seq_len=SEQ)
-  config.layers = [*config.layers, *config.layers[:2]]
+  config = torchtitan.llama3_config("debugmodel", attention="sdpa", max_seq_len=seqlen)
+  config.layers = [config.layers[i % len(config.layers)] for i in range(layers)]
   with torch.device(device):
     return config.build()
 
@@ -86,12 +87,12 @@ def _inputs(model, tokens):
   return {"input_ids": tokens, "use_cache": False} if model == "hf" else tokens
 
 
-def _batches(vocab, count, seed=0):
+def _batches(vocab, count, batch, seed=0):
   import torch
 
   g = torch.Generator().manual_seed(seed)
   return [
-    (torch.randint(0, vocab, (BATCH, SEQ), generator=g), torch.randint(0, vocab, (BATCH, SEQ), generator=g))
+    (torch.randint(0, vocab, (batch, SEQ), generator=g), torch.randint(0, vocab, (batch, SEQ), generator=g))
     for _ in range(count)
   ]
 
@@ -102,17 +103,19 @@ def _per_name(jm) -> dict:
   return {n: np.asarray(t, np.float64) for n, t in jm.state_dict().items()}
 
 
-def compare(model, axes, ref_axes, preset, virtual, microbatches, *, grad_accum=1, steps=STEPS) -> dict:
+def compare(
+  model, axes, ref_axes, preset, virtual, microbatches, *, grad_accum=1, steps=STEPS, batch=BATCH, attention="auto"
+) -> dict:
   """One run: worst relative errors of losses, trained weights (and grad_accum gradients)."""
   import optax
 
   import torch_on_tpu as tot
 
   builder = BUILDERS[model]
-  ref = tot.ShardedModule(builder(), mesh=tot.make_mesh(**ref_axes), sharding=preset, scan=True, seed=0)
+  common = dict(sharding=preset, scan=True, seed=0, attention=attention)
+  ref = tot.ShardedModule(builder(), mesh=tot.make_mesh(**ref_axes), **common)
   pp = tot.ShardedModule(
-    builder(), mesh=tot.make_mesh(**axes), sharding=preset, scan=True, seed=0,
-    microbatches=microbatches, virtual_stages=virtual,
+    builder(), mesh=tot.make_mesh(**axes), microbatches=microbatches, virtual_stages=virtual, **common
   )
   before_ref, before_pp = _per_name(ref), _per_name(pp)
   if list(before_ref) != list(before_pp):
@@ -121,7 +124,7 @@ def compare(model, axes, ref_axes, preset, virtual, microbatches, *, grad_accum=
   make = lambda jm: tot.make_train_step(jm, _loss, optax.adamw(1e-3), clip_norm=1.0, grad_accum=grad_accum)  # noqa: E731
   step_ref, step_pp = make(ref), make(pp)
   vocab = ref.module.config.vocab_size if model == "hf" else 2048
-  batches = _batches(vocab, steps)
+  batches = _batches(vocab, steps, batch)
   out = {"init": init}
   if grad_accum > 1:
     tokens, labels = batches[0]

@@ -169,6 +169,21 @@ class Pipeline:
       )
     return None
 
+  def spread(self, tree):
+    """Arrays of `tree` whose leading (batch) dim splits over the data axes and `pp`, so
+    split (labels, for the loss to run where the pipeline leaves its output); each pp
+    device keeps its slice of what it held whole, so no data moves."""
+    axes = (*self.data_axes, mesh_lib.PIPELINE_AXIS)
+    ways = mesh_lib.batch_ways(self.mesh, axes)
+
+    def leaf(x):
+      if not isinstance(x, jax.Array) or x.ndim == 0 or x.shape[0] % ways:
+        return x
+      spec = PartitionSpec(axes, *[PartitionSpec.UNCONSTRAINED] * (x.ndim - 1))
+      return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    return jax.tree.map(leaf, tree)
+
   def _constrain(self, x, lead: tuple, batch_dim: int):
     """Pins the stage/microbatch dims of `x`; the batch dim over the data axes where they
     divide it; every other dim left to the partitioner."""

@@ -311,7 +311,7 @@ def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
         f"use grad_accum={accum}{extra} (or a global batch {accum // step.grad_accum}x smaller: "
         f"about {_human_bytes(alternative.total)})"
       )
-  staged = _pipeline_suggestion(step, shape, global_batch_size, seqlen, best, limit)
+  staged = _pipeline_suggestion(step, shape, global_batch_size, seqlen, limit)
   if staged:
     return staged
   state = plan.params + plan.grads + plan.optimizer
@@ -329,9 +329,11 @@ def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
   )
 
 
-def _pipeline_suggestion(step, shape, global_batch_size, seqlen, remat, limit) -> str | None:
+def _pipeline_suggestion(step, shape, global_batch_size, seqlen, limit) -> str | None:
   """Pipeline stages on the same devices (taken from `fsdp`) that bring the plan under
-  `limit`: the fewest stages, with the most microbatches up to 4 per stage."""
+  `limit`: the fewest stages, with the most microbatches up to 4 per stage, each layer
+  recomputed whole (a stage then keeps only its input per tick: far fewer saved
+  activations than every layer's input when the stack is deep)."""
   from torch_on_tpu import pipeline as pipeline_lib
 
   model = step.model
@@ -346,11 +348,11 @@ def _pipeline_suggestion(step, shape, global_batch_size, seqlen, remat, limit) -
     if not micro:
       continue
     schedule = pipeline_lib.Schedule(stages, max(micro))
-    alternative = _estimate(step, shape, global_batch_size, seqlen, remat, step.grad_accum, schedule)
+    alternative = _estimate(step, shape, global_batch_size, seqlen, "full", step.grad_accum, schedule)
     if alternative.total <= limit:
       return (
-        f"use pipeline stages: pp={stages} with fsdp={fsdp // stages} and microbatches={schedule.microbatches} "
-        f"(about {_human_bytes(alternative.total)}; bubble {schedule.bubble_fraction:.0%})"
+        f"use pipeline stages: pp={stages} with fsdp={fsdp // stages}, microbatches={schedule.microbatches} and "
+        f"remat='full' (about {_human_bytes(alternative.total)}; bubble {schedule.bubble_fraction:.0%})"
       )
   return None
 

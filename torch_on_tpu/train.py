@@ -476,6 +476,8 @@ class TrainStep:
   def _loss(self, params, buffers, inputs, labels, rng):
     if self.compute_dtype is not None:
       params = {k: _cast_floating(v, self.compute_dtype) for k, v in params.items()}
+    if self.model.pipeline is not None:
+      labels = self.model.pipeline.spread(labels)
     env = torchax.default_env()
     upcasts = losses.Upcasts()
     with env, env.override_property(prng=rng), losses.installed(self.model, upcasts):
