@@ -241,7 +241,7 @@ class Checkpointer:
       raise
     except (ValueError, KeyError, AttributeError, TypeError, OSError) as e:
       return None, f"reading it failed: {first_line(e)}"
-    state = out["state"] if stored is target else self._layers.restack(out["state"])
+    state = out["state"] if stored is target else self._layers.restack(out["state"], target)
     return Restored(step=step, state=state, data=out["data"], config=out["config"]), None
 
   def set_aside(self, steps, reason: str) -> list[Path]:
@@ -387,16 +387,23 @@ class _LayerNames:
 
     return jax.tree.map(node, tree, is_leaf=lambda x: self._holds(x, self.groups))
 
-  def restack(self, tree):
+  def restack(self, tree, target=None):
     """The inverse of `unstack` on a restored tree, one group at a time (the
-    per-layer arrays of a group are released as soon as it is stacked)."""
+    per-layer arrays of a group are released as soon as it is stacked), each
+    stacked array in its sharding in `target` (the layer dim over `pp` with
+    pipeline stages), else replicated on the layer dim."""
+    placed = {}
+    if target is not None:
+      for node_ in jax.tree.leaves(target, is_leaf=lambda x: self._holds(x, self.groups)):
+        if self._holds(node_, self.groups):
+          placed.update({k: v.sharding for k, v in node_.items() if k in self.groups and hasattr(v, "sharding")})
 
     def node(x):
       if not self._holds(x, self._first):
         return x
       for first, key in self._first.items():
         if first in x:
-          x[key] = _stack_layers([x.pop(n) for n in self.groups[key]])
+          x[key] = _stack_layers([x.pop(n) for n in self.groups[key]], placed.get(key))
       return x
 
     return jax.tree.map(node, tree, is_leaf=lambda x: self._holds(x, self._first))
@@ -426,8 +433,8 @@ def _unstack(stacked, sharding):
   return [jax.lax.with_sharding_constraint(stacked[i], sharding) for i in range(stacked.shape[0])]
 
 
-def _stack_layers(layers: list):
-  return _stack(layers, _layer_sharding(layers[0].sharding, stacked=True))
+def _stack_layers(layers: list, sharding=None):
+  return _stack(layers, sharding or _layer_sharding(layers[0].sharding, stacked=True))
 
 
 @functools.partial(jax.jit, static_argnums=1)
