@@ -441,9 +441,11 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   if main:
     _keep_tokenizer(tokenizer, tokenizer_dir)
   titan = recipe.family == "titan"
+  process_index, process_count = data.process_rows(mesh)  # pipeline stages read the same rows
   data_kwargs = dict(
     seqlen=flags.seqlen, global_batch_size=flags.global_batch_size, seed=flags.seed,
     with_positions=titan, with_segment_ids=titan, field=flags.data_field,
+    process_index=process_index, process_count=process_count,
   )
   ckpt = checkpoint.Checkpointer(config["ckpt_dir"], save_every=flags.save_every, model=step.model)
   try:

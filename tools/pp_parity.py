@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/pp_parity.py              # the issue's matrix (12 runs + grad_accum)
     .venv/bin/python tools/pp_parity.py --only titan-pp4-fsdp2-circular
+    .venv/bin/python tools/pp_parity.py --multiprocess     # 2 processes × 4 devices vs 1 × 8
 
 Each run builds the model twice from the same seed — once on a mesh without `pp`
 (the reference: `fsdp=8`, or `fsdp=4 × tp=2` for the TP cases) and once with the
@@ -10,6 +11,12 @@ trains both 5 AdamW steps (clipping at 1.0) on the same batches and reports the
 worst relative error ‖Δ‖/‖ref‖ of the 5 losses, of the trained weights (per
 original name) and, for the grad_accum rows, of the gradients of a 2-way
 accumulated step. The suite runs a slice of this (`tests/test_pipeline.py`).
+
+`--multiprocess` runs `tests/multihost_worker.py` (torchtitan's 2-layer Llama 3 on
+real data, 10 steps, checkpoints every 5) under `torch_on_tpu.launch`: pp=2 on 2
+processes × 4 devices against no stages on 1 process × 8, then the pp=2 run's step-5
+checkpoint resumed without stages on 1 process, and the plain run's resumed at
+pp=2 on 2 processes: the worst relative loss difference of each.
 """
 
 from __future__ import annotations
@@ -147,10 +154,55 @@ def compare(
   return out
 
 
+def multiprocess(tmp) -> dict:
+  """Losses of pp=2 on 2 processes × 4 devices vs no stages on 1 × 8, and resumes across."""
+  import json
+  import os
+  import subprocess
+
+  import numpy as np
+
+  root = Path(__file__).resolve().parent.parent
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TOT_") and k != "XLA_FLAGS"}
+
+  def run(name, nproc, *args):
+    log = Path(tmp) / name
+    cmd = [sys.executable, "-m", "torch_on_tpu.launch", "--nproc", str(nproc), "--cpu_devices", str(8 // nproc)]
+    cmd += [str(root / "tests" / "multihost_worker.py"), "--log_dir", str(log), "--save_every", "5", *args]
+    out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    if out.returncode:
+      raise RuntimeError(f"{name} failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
+    records = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+    return np.array([r["loss"] for r in sorted(records, key=lambda r: r["step"]) if "loss" in r])
+
+  worst = lambda a, b: float(np.max(np.abs(a - b) / np.abs(b)))  # noqa: E731
+  plain = run("plain_1x8", 1, "--steps", "10", "--ckpt_dir", str(Path(tmp) / "ckpt_plain"))
+  staged = run("pp2_2x4", 2, "--steps", "10", "--pp", "2", "--ckpt_dir", str(Path(tmp) / "ckpt_pp"))
+  resume = ("--steps", "10", "--resume_step", "5")
+  plain_from_pp = run("plain_from_pp", 1, *resume, "--ckpt_dir", str(Path(tmp) / "ckpt_pp"))
+  pp_from_plain = run("pp_from_plain", 2, *resume, "--pp", "2", "--ckpt_dir", str(Path(tmp) / "ckpt_plain"))
+  return {
+    "pp=2 on 2x4 vs plain on 1x8": worst(staged, plain),
+    "resumed pp=2 (2x4) -> plain (1x8)": worst(plain_from_pp, plain[5:]),
+    "resumed plain (1x8) -> pp=2 (2x4)": worst(pp_from_plain, plain[5:]),
+    "trained (first/last loss)": f"{plain[0]:.3f} / {plain[-1]:.3f}",
+  }
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--only", action="append", help=f"run names (default all): {', '.join(RUNS)}")
+  parser.add_argument("--multiprocess", action="store_true", help="2 processes × 4 devices with pp=2 instead")
   args = parser.parse_args(argv)
+  if args.multiprocess:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+      result = multiprocess(tmp)
+    for what, value in result.items():
+      print(f"{what:40} {value if isinstance(value, str) else f'{value:.1e}'}")
+    numbers = [v for v in result.values() if not isinstance(v, str)]
+    return 0 if max(numbers) <= TOLERANCE else 1
 
   from torch_on_tpu import xla_flags
 

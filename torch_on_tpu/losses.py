@@ -146,9 +146,17 @@ def cross_entropy(
   loss = chunked_cross_entropy(
     jax_view(input if low is None else low), jax_view(target), ignore_index=int(ignore_index), reduction=reduction,
     label_smoothing=float(label_smoothing),
-    sharding=model.batch_sharding(2, rows) if model.data_axes and rows % model.batch_ways == 0 else None,
+    sharding=_rows_sharding(model, rows),
   )
   return torch_view(loss)
+
+
+def _rows_sharding(model, rows: int):
+  """The loss rows over the data axes (and `pp` with pipeline stages, where the head
+  runs), or None where they do not divide."""
+  if model.pipeline is not None and model.pipeline.output_sharding(2, rows) is not None:
+    return model.pipeline.output_sharding(2, rows)
+  return model.batch_sharding(2, rows) if model.data_axes and rows % model.batch_ways == 0 else None
 
 
 def chunked_cross_entropy(logits, targets, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, chunk=None, sharding=None):

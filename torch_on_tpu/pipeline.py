@@ -169,18 +169,21 @@ class Pipeline:
       )
     return None
 
-  def spread(self, tree):
-    """Arrays of `tree` whose leading (batch) dim splits over the data axes and `pp`, so
-    split (labels, for the loss to run where the pipeline leaves its output); each pp
-    device keeps its slice of what it held whole, so no data moves."""
+  def output_sharding(self, ndim: int, rows: int) -> NamedSharding | None:
+    """Where the batch goes after the layer stack: rows over the data axes and `pp` (the
+    head and the loss then run once over all devices), or None where they do not divide."""
     axes = (*self.data_axes, mesh_lib.PIPELINE_AXIS)
-    ways = mesh_lib.batch_ways(self.mesh, axes)
+    if rows % mesh_lib.batch_ways(self.mesh, axes):
+      return None
+    return NamedSharding(self.mesh, PartitionSpec(axes, *[PartitionSpec.UNCONSTRAINED] * (ndim - 1)))
+
+  def spread(self, tree):
+    """Arrays of `tree` (labels) split like the pipeline's output (`output_sharding`);
+    each pp device keeps its slice of what it held whole, so no data moves."""
 
     def leaf(x):
-      if not isinstance(x, jax.Array) or x.ndim == 0 or x.shape[0] % ways:
-        return x
-      spec = PartitionSpec(axes, *[PartitionSpec.UNCONSTRAINED] * (x.ndim - 1))
-      return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+      sharding = self.output_sharding(x.ndim, x.shape[0]) if isinstance(x, jax.Array) and x.ndim else None
+      return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
     return jax.tree.map(leaf, tree)
 
@@ -209,8 +212,12 @@ class Pipeline:
     split = lambda a: a.reshape(a.shape[0] // m_count, m_count, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731
     micro = self._constrain(split(hidden), (None,), 1)
     per_example = jax.tree.map(lambda a: self._constrain(split(a), (None,), 1), per_example)
-    # Stage 0's inbox: the microbatches, then the last stage's outputs as they come round.
-    inbox = self._constrain(jnp.broadcast_to(micro, (s_count, *micro.shape)), (pp, None), 2)
+    # Stage 0's inbox: the microbatches, then the last stage's outputs as they come round;
+    # slot M takes what nobody files (a write there instead of a select: the backward then
+    # keeps an index per tick, not a mask the size of the activations).
+    scratch = jnp.zeros_like(micro[:1])
+    inbox = jnp.broadcast_to(jnp.concatenate([micro, scratch]), (s_count, m_count + 1, *micro.shape[1:]))
+    inbox = self._constrain(inbox, (pp, None), 2)
     state = self._constrain(jnp.broadcast_to(micro[0], (s_count, *micro.shape[1:])), (pp,), 1)
     stage_ids = jnp.arange(s_count)
 
@@ -235,15 +242,18 @@ class Pipeline:
 
       def file(box, stage, incoming):
         keep = (stage == 0) & (arrived >= 0)
-        return box.at[slot].set(jnp.where(keep, incoming, box[slot]))
+        return box.at[jnp.where(keep, slot, m_count)].set(incoming)
 
       return self._constrain(jax.vmap(file)(inbox, stage_ids, state), (pp, None), 2)
+
+    def take(box, stage, own, tick):
+      """Stage 0 takes its inbox's microbatch for this tick; the others what they were handed."""
+      return jnp.stack([own, box[tick % m_count]])[(stage == 0).astype(jnp.int32)]
 
     def tick_fn(carry, tick):
       inbox, state = carry
       inbox = receive(inbox, state, tick)
-      first = stage_ids.reshape(-1, *([1] * (state.ndim - 1))) == 0
-      inputs = jnp.where(first, inbox[:, tick % m_count], state)
+      inputs = jax.vmap(take, in_axes=(0, 0, 0, None))(inbox, stage_ids, state, tick)
       outputs = self._constrain(run_stages(blocks, inputs, stage_ids, tick), (pp,), 1)
       return (inbox, jnp.roll(outputs, 1, axis=0)), None
 
@@ -253,7 +263,7 @@ class Pipeline:
     # Stage 0's inbox holds every microbatch's last output; the masked sum over stages
     # is one reduce-scatter (or all-reduce) of one activation tensor.
     first = stage_ids.reshape(-1, *([1] * (inbox.ndim - 1))) == 0
-    done = jnp.sum(jnp.where(first, inbox, jnp.zeros((), inbox.dtype)), axis=0)
+    done = jnp.sum(jnp.where(first, inbox, jnp.zeros((), inbox.dtype)), axis=0)[:m_count]
     done = self._constrain(done, (pp if m_count % s_count == 0 else None,), 1)
     out = done.swapaxes(0, 1).reshape(hidden.shape)
     return out

@@ -45,8 +45,9 @@ With pipeline stages (a `pp` mesh axis, `torch_on_tpu.pipeline`), the layers'
 activations are those of the schedule: each tick keeps its stage's input (the
 stage is recomputed in the backward), `(V·M + S − 1)/M` times the tokens on the
 device, plus stage 0's inbox and its gradient (the tokens twice); the backward
-at its busiest recomputes one block of layers on one microbatch; the head and
-its logits see the tokens split over `pp` as well. When nothing else fits, the
+at its busiest recomputes one block of layers on one microbatch (keeping what
+the layer policy keeps of each, widened to fp32 on the CPU); the head and its
+logits see the tokens split over `pp` as well. When nothing else fits, the
 suggestion tries pipeline stages on the same devices before asking for more.
 
 The device's memory is `memory_stats()['bytes_limit']` (TPU, GPU); on the CPU
@@ -271,6 +272,8 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
     block = s.layers // (schedule.stages * schedule.virtual_stages)
     saved = int((schedule.ticks / schedule.microbatches + 2) * s.dim * per_token)
     layer_backward = int((block * kept + everything) * micro)
+    if cpu_upcast:  # the stage's recomputed residuals, widened like a scan's
+      layer_backward += int(block * kept * micro * (4 - compute) / compute)
     head_tokens = tokens / schedule.stages
     description += f", pipeline {schedule}"
   logits = int(head_tokens * s.vocab / tp * compute)
