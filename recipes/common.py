@@ -409,7 +409,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   memory_bytes = flags.memory_gib * 2**30 if flags.memory_gib else None
   memory = plan.plan_memory(
     abstract_step, shape, global_batch_size=flags.global_batch_size, seqlen=flags.seqlen,
-    remat=remat_lib.layer_policy(_remat(flags), scanned=flags.scan, pipelined=flags.pp > 1), device_bytes=memory_bytes,
+    remat=remat_lib.layer_policy(_remat(flags), scanned=flags.scan), device_bytes=memory_bytes,
   )
   if main:
     print(memory, flush=True)

@@ -69,13 +69,11 @@ _offload_notice_given = False
 SCANNED_DEFAULT = "dots_and_attention"
 
 
-def layer_policy(name: str | None, *, scanned: bool, pipelined: bool = False) -> str:
+def layer_policy(name: str | None, *, scanned: bool) -> str:
   """The per-layer policy a layer stack runs: `name`, or for None the default
-  (`SCANNED_DEFAULT` for a scan, `none` for a loop, and `none` inside pipeline
-  stages: a stage recomputes its whole forward once in the backward already, so
-  a layer policy there would only recompute what it drops a second time)."""
+  (`SCANNED_DEFAULT` for a scan, `none` for a loop)."""
   if name is None:
-    return SCANNED_DEFAULT if scanned and not pipelined else "none"
+    return SCANNED_DEFAULT if scanned else "none"
   policy(name)  # an unknown name fails here
   return name
 

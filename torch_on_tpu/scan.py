@@ -110,8 +110,8 @@ class StackedLayers(torch.nn.Module):
       raise TorchOnTpuError(f"StackedLayers needs identical layers: {problem}.")
     self.num_layers = len(layers)
     self._family = models.family_of(layers[0])  # whose hooks capture per-layer outputs
-    self.remat = remat_lib.layer_policy(remat, scanned=scan, pipelined=pipeline is not None)
-    if remat is None and scan and pipeline is None:
+    self.remat = remat_lib.layer_policy(remat, scanned=scan)
+    if remat is None and scan:
       _say_default_policy_once()
     self.unroll = unroll
     self.scanned = scan
