@@ -12,6 +12,7 @@ import torch
 
 import torch_on_tpu as tot
 from torch_on_tpu import checkpoint, pipeline, plan
+from torch_on_tpu.checkpoint import training_state
 from torch_on_tpu.errors import TorchOnTpuError
 from tests import helpers as h
 from tests.test_checkpoint import randomized, tiny_titan
@@ -104,6 +105,9 @@ def test_a_pp_checkpoint_holds_original_names_and_resumes_at_pp1_and_back(tmp_pa
       for name in want[part]:
         np.testing.assert_array_equal(got[part][name], want[part][name], err_msg=f"{part} {name}")
   assert back["params"]["layers.scan.layer.attention.wo.weight"].sharding.spec[0] == "pp"
+  # Written and read, a layer is split over the stages too, not held whole by each of them.
+  one_layer = training_state._layer_slices(pp4.params["layers.scan.layer.attention.wo.weight"])[0]
+  assert one_layer.sharding.spec[0] == ("fsdp", "pp")
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -413,51 +414,39 @@ class _LayerNames:
     return isinstance(x, Mapping) and any(k in names for k in x)
 
 
-def _layer_sharding(sharding, stacked: bool):
-  """A stacked array's sharding without its layer dim (`stacked=False`), or one layer's with it."""
+def _stacked_sharding(sharding):
+  """One layer's sharding with a leading layer dim, replicated (no target to follow)."""
   if not isinstance(sharding, NamedSharding):
     return sharding
-  spec = PartitionSpec(*tuple(sharding.spec)[1:]) if not stacked else PartitionSpec(None, *sharding.spec)
-  return NamedSharding(sharding.mesh, spec)
+  return NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
 
 
 def _layer_slices(value) -> list:
-  staged = _stage_shardings(value.sharding, value.shape[0])
-  if staged is not None:  # pipeline stages: each layer stays on its own stage's devices
-    if isinstance(value, jax.ShapeDtypeStruct):
-      return [jax.ShapeDtypeStruct(value.shape[1:], value.dtype, sharding=s) for s in staged]
-    per_stage = value.shape[0] // len({id(s) for s in staged})
-    local = {shard.device: shard.data for shard in value.addressable_shards}
-    return [
-      jax.make_array_from_single_device_arrays(
-        value.shape[1:], s, [local[d][i % per_stage] for d in s.addressable_devices]
-      )
-      for i, s in enumerate(staged)
-    ]
-  sharding = _layer_sharding(value.sharding, stacked=False)
+  sharding = _one_layer_sharding(value.sharding, value.shape)
   if isinstance(value, jax.ShapeDtypeStruct):
     return [jax.ShapeDtypeStruct(value.shape[1:], value.dtype, sharding=sharding)] * value.shape[0]
   return _unstack(value, sharding)
 
 
-def _stage_shardings(sharding, layers: int) -> list | None:
-  """Per layer, a sharding on its pipeline stage's devices alone (the mesh without the axis
-  that splits the layer dim), for a stacked sharding whose layer dim is split; else None.
-  Unstacking onto them moves nothing; replicating each layer over the stages instead would
-  hold every stage's layers on every device while a checkpoint is written or read."""
-  if not isinstance(sharding, NamedSharding) or not sharding.spec or not isinstance(sharding.spec[0], str):
-    return None
-  mesh, axis = sharding.mesh, sharding.spec[0]
-  k = mesh.axis_names.index(axis)
-  names = tuple(n for n in mesh.axis_names if n != axis)
-  types = tuple(t for n, t in zip(mesh.axis_names, mesh.axis_types) if n != axis)
-  inner = PartitionSpec(*tuple(sharding.spec)[1:])
-  stages = [
-    NamedSharding(jax.sharding.Mesh(mesh.devices.take(s, axis=k), names, axis_types=types), inner)
-    for s in range(mesh.shape[axis])
-  ]
-  per_stage = layers // len(stages)
-  return [stages[i // per_stage] for i in range(layers)]
+def _one_layer_sharding(sharding, shape):
+  """One layer's sharding: the stacked one without its layer dim. Axes that split the layer
+  dim (pipeline stages over `pp`) move onto the first dim of the layer they divide, so a
+  checkpoint written or read never holds every stage's layers on every device."""
+  if not isinstance(sharding, NamedSharding):
+    return sharding
+  spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+  moved, inner = _axes(spec[0]), list(spec[1:])
+  mesh = sharding.mesh
+  for dim, entry in enumerate(inner if moved else []):
+    axes = _axes(entry)
+    if shape[1 + dim] % math.prod(mesh.shape[a] for a in (*axes, *moved)) == 0:
+      inner[dim] = (*axes, *moved)
+      break
+  return NamedSharding(mesh, PartitionSpec(*inner))
+
+
+def _axes(entry) -> tuple:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -466,17 +455,7 @@ def _unstack(stacked, sharding):
 
 
 def _stack_layers(layers: list, sharding=None):
-  staged = _stage_shardings(sharding, len(layers)) if sharding is not None else None
-  if staged is not None and all(layer.sharding == s for layer, s in zip(layers, staged)):
-    # Each device stacks the layers of its own stage: nothing crosses devices.
-    per_device = {}
-    for layer in layers:
-      for shard in layer.addressable_shards:
-        per_device.setdefault(shard.device, []).append(shard.data)
-    return jax.make_array_from_single_device_arrays(
-      (len(layers), *layers[0].shape), sharding, [jax.numpy.stack(per_device[d]) for d in sharding.addressable_devices]
-    )
-  return _stack(layers, sharding or _layer_sharding(layers[0].sharding, stacked=True))
+  return _stack(layers, sharding or _stacked_sharding(layers[0].sharding))
 
 
 @functools.partial(jax.jit, static_argnums=1)
