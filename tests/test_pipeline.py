@@ -168,3 +168,18 @@ def test_the_plan_and_the_compile_report_give_the_bubble_and_the_plan_suggests_s
   tight = plan.plan_memory(flat, shape, global_batch_size=8, seqlen=256, remat="full", device_bytes=0.9 * need / plan.USABLE)
   assert tight.fits is False
   assert "use pipeline stages: pp=2 with fsdp=4, microbatches=8 and remat='full'" in tight.message()
+
+
+def test_recipe_flags_resolve_the_microbatches_and_refuse_what_cannot_run():
+  from recipes import common, llama3
+
+  recipe = llama3.recipe(llama3.Llama3Flags())
+  assert common.resolve(llama3.Llama3Flags(pp=4, global_batch_size=24), recipe)["microbatches"] == 12
+  assert common.resolve(llama3.Llama3Flags(pp=2, global_batch_size=16, grad_accum=2), recipe)["microbatches"] == 8
+  assert common.resolve(llama3.Llama3Flags(pp=2, microbatches=2), recipe)["microbatches"] == 2
+  for flags, match in [
+    (llama3.Llama3Flags(pp=2, microbatches=3, global_batch_size=8), r"--microbatches=3 does not divide the 8 rows"),
+    (llama3.Llama3Flags(microbatches=4), r"give --pp=N"),
+  ]:
+    with pytest.raises(TorchOnTpuError, match=match):
+      common._check_flags(flags, TorchOnTpuError)
