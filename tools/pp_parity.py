@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 TOLERANCE = 1e-4
 STEPS = 5
-BATCH = 8
+BATCH = 16
 SEQ = 16
 
 # name → (model, pp mesh, reference mesh, sharding preset, virtual stages, microbatches)
