@@ -182,4 +182,4 @@ def test_recipe_flags_resolve_the_microbatches_and_refuse_what_cannot_run():
     (llama3.Llama3Flags(microbatches=4), r"give --pp=N"),
   ]:
     with pytest.raises(TorchOnTpuError, match=match):
-      common._check_flags(flags, TorchOnTpuError)
+      common.check_flags(flags)
