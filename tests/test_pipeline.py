@@ -115,8 +115,8 @@ def test_a_pp_checkpoint_holds_original_names_and_resumes_at_pp1_and_back(tmp_pa
   [
     (h.titan, dict(axes=dict(pp=4, fsdp=2)), r"6 layers do not split into pp=4 .* use pp in \[1, 2, 3, 6\]"),
     (h.titan, dict(axes=dict(pp=2, fsdp=4), scan=False), r"pp=2, which splits the scanned layer stack .* scan=True"),
-    (h.titan, dict(axes=dict(pp=2, fsdp=4), microbatches=1, virtual_stages=3), r"circular pipeline .* microbatches >= 2"),
-    (h.titan, dict(axes=dict(fsdp=8), microbatches=4), r"mesh .* has no 'pp' axis"),
+    (h.titan, dict(axes=dict(pp=2, fsdp=4), microbatches=1, virtual_stages=3), r"circular pipeline .* use microbatches of at least 2"),
+    (h.titan, dict(axes=dict(fsdp=8), microbatches=4), r"microbatches and virtual_stages .* mesh .* has no .pp. axis"),
     (lambda: IndexedStack("per-layer scale"), dict(axes=dict(pp=2, fsdp=4)), None),
     (lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), dict(axes=dict(pp=2, fsdp=4)), r"found no stack .* without pp"),
   ],

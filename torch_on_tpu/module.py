@@ -36,7 +36,7 @@ from torch_on_tpu import scan as scan_lib
 from torch_on_tpu import mesh as mesh_lib
 from torch_on_tpu import pipeline as pipeline_lib
 from torch_on_tpu import sharding as sharding_lib
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, arg, named
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
@@ -181,8 +181,9 @@ class ShardedModule:
     if stages == 1:
       if microbatches is not None or virtual_stages != 1:
         raise TorchOnTpuError(
-          f"microbatches= and virtual_stages= set up pipeline stages, but the mesh {dict(self.mesh.shape)} "
-          f"has no '{mesh_lib.PIPELINE_AXIS}' axis larger than 1; build it with make_mesh(pp=N, ...) or drop them."
+          f"{named('microbatches')} and {named('virtual_stages')} set up pipeline stages, but the mesh "
+          f"{dict(self.mesh.shape)} has no '{mesh_lib.PIPELINE_AXIS}' axis larger than 1; build it with "
+          f"make_mesh(pp=N, ...) or drop them."
         )
       return None
     if mesh_lib.PIPELINE_AXIS in self.data_axes:
@@ -193,7 +194,7 @@ class ShardedModule:
     if not scan:
       raise TorchOnTpuError(
         f"The mesh has {mesh_lib.PIPELINE_AXIS}={stages}, which splits the scanned layer stack into "
-        f"pipeline stages; pass scan=True."
+        f"pipeline stages; pass {arg('scan', True)}."
       )
     schedule = pipeline_lib.Schedule(stages, stages if microbatches is None else microbatches, virtual_stages)
     return pipeline_lib.Pipeline(schedule, self.mesh, self.data_axes)

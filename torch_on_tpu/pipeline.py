@@ -46,7 +46,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from torch_on_tpu import mesh as mesh_lib
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, arg, named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +73,9 @@ class Schedule:
         raise TorchOnTpuError(f"The pipeline's {name} must be a positive integer, got {value!r}.")
     if self.virtual_stages > 1 and self.microbatches < self.stages:
       raise TorchOnTpuError(
-        f"A circular pipeline (virtual_stages={self.virtual_stages}) needs at least as many "
-        f"microbatches as stages, got microbatches={self.microbatches} for pp={self.stages}; use "
-        f"microbatches >= {self.stages} or virtual_stages=1."
+        f"A circular pipeline ({arg('virtual_stages', self.virtual_stages)}) needs at least as many "
+        f"microbatches as stages, got {arg('microbatches', self.microbatches)} for pp={self.stages}; use "
+        f"{named('microbatches')} of at least {self.stages}, or {arg('virtual_stages', 1)}."
       )
 
   @property
@@ -164,7 +164,7 @@ class Pipeline:
     if batch % m:
       divisors = [d for d in range(1, batch + 1) if batch % d == 0]
       return (
-        f"the batch of {batch} rows reaching the layer stack does not split into microbatches={m}; "
+        f"the batch of {batch} rows reaching the layer stack does not split into {arg('microbatches', m)}; "
         f"use a microbatch count that divides it ({divisors}) or a batch that is a multiple of {m}"
       )
     return None
