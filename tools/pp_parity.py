@@ -1,6 +1,6 @@
 """Pipeline parity: the same model with and without `pp`, 5 AdamW steps, one command.
 
-    .venv/bin/python tools/pp_parity.py              # the issue's matrix (12 runs + grad_accum)
+    .venv/bin/python tools/pp_parity.py              # the issue's matrix (12 runs + grad_accum) and an MoE run
     .venv/bin/python tools/pp_parity.py --only titan-pp4-fsdp2-circular
     .venv/bin/python tools/pp_parity.py --multiprocess     # 2 processes × 4 devices vs 1 × 8
 
@@ -10,7 +10,9 @@ pipeline — checks the initial weights are equal under their original names, th
 trains both 5 AdamW steps (clipping at 1.0) on the same batches and reports the
 worst relative error ‖Δ‖/‖ref‖ of the 5 losses, of the trained weights (per
 original name) and, for the grad_accum rows, of the gradients of a 2-way
-accumulated step. The suite runs a slice of this (`tests/test_pipeline.py`).
+accumulated step. The models: torchtitan's Llama 3 debugmodel made 8 layers deep, an
+8-layer HF Llama, and (EP inside stages) a 4-layer HF Mixtral with its experts over `ep`.
+The suite runs a slice of this (`tests/test_pipeline.py`).
 
 `--multiprocess` runs `tests/multihost_worker.py` (torchtitan's 2-layer Llama 3 on
 real data, 10 steps, checkpoints every 5) under `torch_on_tpu.launch`: pp=2 on 2
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 TOLERANCE = 1e-4
 STEPS = 5
-BATCH = 16
+BATCH = 32  # not 16: the HF model passes per-position tensors of SEQ rows, which the pipeline must tell from per-row ones
 SEQ = 16
 
 # name → (model, pp mesh, reference mesh, sharding preset, virtual stages, microbatches)
@@ -44,6 +46,7 @@ for _model in ("titan", "hf"):
     for _v, _kind in ((1, "plain"), (2, "circular")):
       _mesh = "-".join(f"{k}{v}" for k, v in _axes.items())
       RUNS[f"{_model}-{_mesh}-{_kind}"] = (_model, _axes, _ref, _preset, _v, 2 * _axes["pp"])
+RUNS["moe-pp2-ep2-fsdp2-plain"] = ("moe", dict(pp=2, ep=2, fsdp=2), dict(ep=2, fsdp=4), "ep", 1, 4)
 
 
 def titan8(device="meta", layers=8, seqlen=SEQ):
@@ -73,7 +76,23 @@ def hf_llama8(device="meta"):
   return build_causal_lm(config, device=device)
 
 
-BUILDERS = {"titan": titan8, "hf": hf_llama8}
+def hf_mixtral4(device="meta"):
+  """A tiny HF Mixtral (4 layers, 4 experts, top-2, the grouped_mm experts path): EP inside stages."""
+  import transformers
+
+  from torch_on_tpu.models.hf import build_causal_lm
+
+  config = transformers.MixtralConfig(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+    tie_word_embeddings=False,
+  )
+  config._attn_implementation = "sdpa"
+  config._experts_implementation = "grouped_mm"
+  return build_causal_lm(config, device=device)
+
+
+BUILDERS = {"titan": titan8, "hf": hf_llama8, "moe": hf_mixtral4}
 
 
 def _rel(a, b) -> float:
@@ -91,7 +110,7 @@ def _loss(outputs, labels):
 
 
 def _inputs(model, tokens):
-  return {"input_ids": tokens, "use_cache": False} if model == "hf" else tokens
+  return tokens if model == "titan" else {"input_ids": tokens, "use_cache": False}
 
 
 def _batches(vocab, count, batch, seed=0):
@@ -132,7 +151,7 @@ def compare(
   init = max(_rel(before_pp[n], before_ref[n]) for n in before_ref)
   make = lambda jm: tot.make_train_step(jm, _loss, optax.adamw(1e-3), clip_norm=1.0, grad_accum=grad_accum)  # noqa: E731
   step_ref, step_pp = make(ref), make(pp)
-  vocab = ref.module.config.vocab_size if model == "hf" else 2048
+  vocab = 2048 if model == "titan" else ref.module.config.vocab_size
   batches = _batches(vocab, steps, batch)
   out = {"init": init}
   if grad_accum > 1 and check_grads:
