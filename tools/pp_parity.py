@@ -131,7 +131,7 @@ def _per_name(jm) -> dict:
 
 def compare(
   model, axes, ref_axes, preset, virtual, microbatches, *, grad_accum=1, steps=STEPS, batch=BATCH, attention="auto",
-  check_grads=True,
+  check_grads=True, compute_dtype=None,
 ) -> dict:
   """One run: worst relative errors of losses, trained weights (and with grad_accum, unless
   `check_grads=False`, of the accumulated gradients before the first step)."""
@@ -149,7 +149,9 @@ def compare(
   if list(before_ref) != list(before_pp):
     raise AssertionError("the pipelined model's state_dict names differ from the reference's")
   init = max(_rel(before_pp[n], before_ref[n]) for n in before_ref)
-  make = lambda jm: tot.make_train_step(jm, _loss, optax.adamw(1e-3), clip_norm=1.0, grad_accum=grad_accum)  # noqa: E731
+  make = lambda jm: tot.make_train_step(  # noqa: E731
+    jm, _loss, optax.adamw(1e-3), clip_norm=1.0, grad_accum=grad_accum, compute_dtype=compute_dtype
+  )
   step_ref, step_pp = make(ref), make(pp)
   vocab = 2048 if model == "titan" else ref.module.config.vocab_size
   batches = _batches(vocab, steps, batch)
@@ -212,6 +214,7 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--only", action="append", help=f"run names (default all): {', '.join(RUNS)}")
   parser.add_argument("--multiprocess", action="store_true", help="2 processes × 4 devices with pp=2 instead")
+  parser.add_argument("--bf16", action="store_true", help="the runs in bf16 compute (fp32 master weights), reported, not gated")
   args = parser.parse_args(argv)
   if args.multiprocess:
     import tempfile
@@ -235,8 +238,9 @@ def main(argv=None) -> int:
   for name in names:
     model, axes, ref_axes, preset, virtual, microbatches = RUNS[name]
     start = time.perf_counter()
-    r = compare(model, axes, ref_axes, preset, virtual, microbatches)
-    ga = compare(model, axes, ref_axes, preset, virtual, microbatches, grad_accum=2, steps=1) if virtual == 1 else {}
+    dtype = dict(compute_dtype="bfloat16") if args.bf16 else {}
+    r = compare(model, axes, ref_axes, preset, virtual, microbatches, **dtype)
+    ga = compare(model, axes, ref_axes, preset, virtual, microbatches, grad_accum=2, steps=1, **dtype) if virtual == 1 else {}
     grads = f"{ga['grads']:.1e}" if ga else "-"
     worst = max(worst, r["losses"], r["weights"], ga.get("grads", 0.0), ga.get("losses", 0.0))
     print(
@@ -244,8 +248,8 @@ def main(argv=None) -> int:
       f"{r['weights']:>9.1e} {grads:>12} {time.perf_counter() - start:>5.0f}",
       flush=True,
     )
-  print(f"worst {worst:.1e} (tolerance {TOLERANCE:.0e})")
-  return 0 if worst <= TOLERANCE else 1
+  print(f"worst {worst:.1e} (tolerance {TOLERANCE:.0e}{', not applied in bf16' if args.bf16 else ''})")
+  return 0 if worst <= TOLERANCE or args.bf16 else 1
 
 
 if __name__ == "__main__":
