@@ -124,9 +124,10 @@ def cross_entropy(
 ):
   """`torch.nn.functional.cross_entropy` (torch tensors in and out), chunked when it can be exact.
 
-  The rows are pinned to the data axes where they divide them: a loop over
-  vocabulary slices of logits sharded any other way (over the vocabulary, say)
-  would gather them whole on every device."""
+  The rows are pinned to the data axes (and `cp`: rows are flattened batch ×
+  sequence positions) where they divide them: a loop over vocabulary slices of
+  logits sharded any other way (over the vocabulary, say) would gather them
+  whole on every device."""
   exact = (
     weight is None
     and size_average is None
@@ -153,10 +154,10 @@ def cross_entropy(
 
 def _rows_sharding(model, rows: int):
   """The loss rows over the data axes (and `pp` with pipeline stages, where the head
-  runs), or None where they do not divide."""
+  runs; `cp` without), or None where they do not divide."""
   if model.pipeline is not None and model.pipeline.output_sharding(2, rows) is not None:
     return model.pipeline.output_sharding(2, rows)
-  return model.batch_sharding(2, rows) if model.data_axes and rows % model.batch_ways == 0 else None
+  return model.token_sharding(rows)
 
 
 def chunked_cross_entropy(logits, targets, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, chunk=None, sharding=None):
