@@ -116,6 +116,9 @@ class Flags:
   max_skips: int = flag(5, "skip a step whose loss, gradient or update is NaN/Inf (state kept); stop after this many in a row (0: stop at the first)", minimum=0)
   fsdp: int = flag(-1, "devices on the fsdp mesh axis (-1: all that --tp leaves)", minimum=-1)
   tp: int = flag(1, "devices on the tensor-parallel mesh axis", minimum=1)
+  pp: int = flag(1, "pipeline stages: devices on the pp mesh axis (the outermost), which splits the scanned layers into stages", minimum=1)
+  microbatches: int | None = flag(None, "pipeline microbatches per pass (default with --pp: the largest divisor of the batch per pass up to 4·pp)", minimum=1)
+  virtual_stages: int = flag(1, "pipeline: blocks of layers per stage, visited round-robin (circular schedule; the bubble shrinks by this factor)", minimum=1)
   cp: int = flag(1, "devices on the context-parallel mesh axis: each sequence split into cp pieces (long context; params shard over fsdp and cp)", minimum=1)
   scan: bool = flag(True, "run the layer stack as one lax.scan (compile time flat in depth)")
   unroll: int = flag(1, "layers per scan iteration", minimum=1)
@@ -356,7 +359,17 @@ def resolve(flags: Flags, recipe: Recipe) -> dict:
   default_cache = os.path.join(cache_home, "torch_on_tpu", "jax")
   no_cache = flags.compile_cache is not None and str(flags.compile_cache).lower() in ("off", "none")
   config["compile_cache"] = None if no_cache else flags.compile_cache or default_cache
+  if flags.pp > 1 and flags.microbatches is None:
+    config["microbatches"] = default_microbatches(flags)
   return config
+
+
+def default_microbatches(flags: Flags) -> int:
+  """The largest divisor of the rows one pipeline pass gets, from pp up to 4·pp (the bubble
+  (pp−1)/(V·M+pp−1) is then at most a fifth for V = 1); pp when none divides."""
+  rows = flags.global_batch_size // max(flags.grad_accum, 1)
+  fits = [m for m in range(flags.pp, 4 * flags.pp + 1) if rows % m == 0]
+  return max(fits) if fits else flags.pp
 
 
 def run(flags: Flags, recipe_for: Callable[[Flags], Recipe]) -> dict:
@@ -442,7 +455,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   master_dtype = jnp.bfloat16 if flags.dtype == "bfloat16-all" else None
 
   def make_step(abstract: bool):
-    jm = _model(flags, recipe, mesh, abstract)
+    jm = _model(flags, recipe, mesh, abstract, config.get("microbatches"))
     return tot.make_train_step(
       jm,
       _loss,
@@ -467,6 +480,8 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   if main:
     print(memory, flush=True)
     print(_parameter_count(abstract_step), flush=True)
+    if abstract_step.model.pipeline is not None:
+      print(f"Pipeline {abstract_step.model.pipeline.schedule}", flush=True)
   spec = jax.ShapeDtypeStruct((flags.global_batch_size, flags.seqlen), jnp.int32)
   documents = ("positions", "segment_ids") if recipe.family == "titan" else ()  # what data.batches yields
   abstract_batch = {key: spec for key in ("input_ids", "labels", *documents)}
@@ -493,9 +508,11 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   if main:
     _keep_tokenizer(tokenizer, tokenizer_dir)
   titan = recipe.family == "titan"
+  process_index, process_count = data.process_rows(mesh)  # pipeline stages read the same rows
   data_kwargs = dict(
     seqlen=flags.seqlen, global_batch_size=flags.global_batch_size, seed=flags.seed,
     with_positions=titan, with_segment_ids=titan, field=flags.data_field,
+    process_index=process_index, process_count=process_count,
   )
   ckpt = checkpoint.Checkpointer(config["ckpt_dir"], save_every=flags.save_every, model=step.model)
   try:
@@ -782,6 +799,25 @@ def _batch_splits(flags: Flags, mesh) -> None:
 
 
 @startup_check
+def _pipeline_splits(flags: Flags, mesh) -> None:
+  """--microbatches and --virtual_stages come with --pp; the microbatches divide one pass's rows."""
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  if flags.pp == 1 and (flags.microbatches is not None or flags.virtual_stages != 1):
+    raise TorchOnTpuError("--microbatches and --virtual_stages set up pipeline stages; give --pp=N (N > 1) too, or drop them.")
+  if flags.pp > 1 and flags.cp > 1:
+    raise TorchOnTpuError(
+      f"--pp={flags.pp} and --cp={flags.cp} do not compose yet (a stage's attention would need the cp ring inside "
+      f"the pipeline's loop); use --cp=1 with those devices on --fsdp, or --pp=1."
+    )
+  rows = flags.global_batch_size // flags.grad_accum
+  if flags.microbatches is not None and rows % flags.microbatches:
+    raise TorchOnTpuError(
+      f"--microbatches={flags.microbatches} does not divide the {rows} rows of one pipeline pass "
+      f"(--global_batch_size / --grad_accum); use a divisor of {rows}."
+    )
+
+
 def _sequence_splits(flags: Flags, mesh) -> None:
   """The sequence cuts into 2·cp equal chunks (context parallelism's causal balance)."""
   from torch_on_tpu.errors import TorchOnTpuError
@@ -794,9 +830,11 @@ def _sequence_splits(flags: Flags, mesh) -> None:
 
 
 def mesh_axes(flags: Flags) -> dict:
-  """The recipe's mesh: fsdp, then cp (only when asked for: a cp-free run keeps its mesh), tp innermost."""
+  """The recipe's mesh: pp outermost (stages across slices), fsdp, then cp, tp innermost;
+  pp and cp only when asked for (a run without them keeps its mesh)."""
+  pp = {"pp": flags.pp} if flags.pp > 1 else {}
   cp = {"cp": flags.cp} if flags.cp > 1 else {}
-  return {"fsdp": flags.fsdp, **cp, "tp": flags.tp}
+  return {**pp, "fsdp": flags.fsdp, **cp, "tp": flags.tp}
 
 
 def float8_converted(target, flags: Flags):
@@ -813,7 +851,7 @@ def _remat(flags: Flags) -> str | None:
   return None if flags.remat == "auto" else flags.remat
 
 
-def _model(flags: Flags, recipe: Recipe, mesh, abstract: bool):
+def _model(flags: Flags, recipe: Recipe, mesh, abstract: bool, microbatches: int | None = None):
   """The ShardedModule: the recipe's model (with imported weights, with LoRA adapters)."""
   import torch_on_tpu as tot
   from torch_on_tpu import checkpoint, lora
@@ -821,6 +859,8 @@ def _model(flags: Flags, recipe: Recipe, mesh, abstract: bool):
   sharding = "fsdp_tp" if flags.tp > 1 else "fsdp"
   attention = None if flags.attention == "none" else flags.attention
   layers = dict(scan=flags.scan, unroll=flags.unroll, remat=_remat(flags))
+  if flags.pp > 1:
+    layers.update(microbatches=microbatches, virtual_stages=flags.virtual_stages)
   common = dict(mesh=mesh, sharding=sharding, seed=flags.seed, attention=attention)
   if not recipe.lora:
     jm = tot.ShardedModule(recipe.build(), abstract=abstract, **common, **layers)

@@ -11,7 +11,7 @@ digest of every step's global batch as the step sees it (gathered from the
 devices), so a test can check that every process count trains on the same rows
 in the same places. Checkpoints (with the data state) go to `--ckpt_dir` every
 `--save_every` steps, and `--resume_step N` restores step N from there first
-(on any process count). `--die_at N` makes the last process SIGKILL itself
+(on any process count). `--pp N` splits the (scanned) layers into N pipeline stages. `--die_at N` makes the last process SIGKILL itself
 after step N, to test what the others do then. `--export_dir D` exports the
 trained model as an HF directory (every process taking part) and writes the
 model's logits on fixed tokens to `D.logits.npy`.
@@ -71,6 +71,7 @@ def main(argv=None):
   p.add_argument("--die_at", type=int, default=None)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--export_dir", default=None)
+  p.add_argument("--pp", type=int, default=1, help="pipeline stages (the layers scanned, split over a pp axis)")
   args = p.parse_args(argv)
   tot.setup()  # joins the other processes before anything starts jax's backend
 
@@ -78,8 +79,9 @@ def main(argv=None):
   config.layers = config.layers[:LAYERS]
   with torch.device("meta"):
     model = config.build()
-  mesh = tot.make_mesh(fsdp=-1)
-  jm = tot.ShardedModule(model, mesh=mesh, sharding="fsdp", seed=args.seed)
+  mesh = tot.make_mesh(pp=args.pp, fsdp=-1) if args.pp > 1 else tot.make_mesh(fsdp=-1)
+  stages = dict(scan=True, microbatches=2 * args.pp) if args.pp > 1 else {}
+  jm = tot.ShardedModule(model, mesh=mesh, sharding="fsdp", seed=args.seed, **stages)
   tokenizer = data.build_tokenizer(None, vocab_size=config.vocab_size)
   data.check_model_fit(tokenizer.vocab_size, config.vocab_size, SEQ, SEQ)
 
@@ -87,14 +89,16 @@ def main(argv=None):
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
   step = tot.make_train_step(jm, loss_fn, optax.adamw(1e-3), seed=args.seed)
-  ckpt = checkpoint.Checkpointer(args.ckpt_dir, save_every=args.save_every, keep=None) if args.ckpt_dir else None
+  ckpt = checkpoint.Checkpointer(args.ckpt_dir, save_every=args.save_every, keep=None, model=jm) if args.ckpt_dir else None
   saved = None
   if args.resume_step is not None:
     restored = ckpt.restore(step.abstract_state(), step=args.resume_step)
     step.state, saved = restored.state, restored.data
     print(f"resumed from step {restored.step} on {jax.process_count()} processes", flush=True)
+  index, count = data.process_rows(mesh)
   batches = data.batches(
-    None, tokenizer, seqlen=SEQ, global_batch_size=BATCH, seed=args.seed, with_positions=True, state=saved
+    None, tokenizer, seqlen=SEQ, global_batch_size=BATCH, seed=args.seed, with_positions=True, state=saved,
+    process_index=index, process_count=count,
   )
   digests = Path(args.log_dir, "batches.txt")
   digests.parent.mkdir(parents=True, exist_ok=True)

@@ -151,9 +151,17 @@ def cross_entropy(
   loss = chunked_cross_entropy(
     jax_view(input if low is None else low), jax_view(target), ignore_index=int(ignore_index), reduction=reduction,
     label_smoothing=float(label_smoothing),
-    sharding=model.token_sharding(rows),
+    sharding=_rows_sharding(model, rows),
   )
   return torch_view(loss)
+
+
+def _rows_sharding(model, rows: int):
+  """The loss rows over the data axes (and `pp` with pipeline stages, where the head
+  runs; `cp` without), or None where they do not divide."""
+  if model.pipeline is not None and model.pipeline.output_sharding(2, rows) is not None:
+    return model.pipeline.output_sharding(2, rows)
+  return model.token_sharding(rows)
 
 
 def chunked_cross_entropy(logits, targets, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, chunk=None, sharding=None):

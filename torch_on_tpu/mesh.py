@@ -21,6 +21,10 @@ from torch_on_tpu.errors import TorchOnTpuError, call
 # experts on other devices through XLA's collectives).
 DATA_AXIS_NAMES = ("data", "dp", "fsdp", "ep", "batch")
 
+# The mesh axis that splits the stacked layers into pipeline stages (`torch_on_tpu.pipeline`);
+# not a data axis. Name it first in `make_mesh` so stages sit farthest apart (across slices).
+PIPELINE_AXIS = "pp"
+
 # Context parallelism: the axis that splits dim 1 (the sequence) of every batch tensor
 # with one. It is not a data axis; its devices shard the parameters FSDP-style
 # together with `fsdp` (`param_axes`), so CP costs no parameter memory.

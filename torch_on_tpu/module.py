@@ -34,8 +34,9 @@ from torch_on_tpu import _compat, device_checks, float8, host, lowerings, materi
 from torch_on_tpu import attention as attention_lib
 from torch_on_tpu import scan as scan_lib
 from torch_on_tpu import mesh as mesh_lib
+from torch_on_tpu import pipeline as pipeline_lib
 from torch_on_tpu import sharding as sharding_lib
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, arg, named
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
@@ -71,6 +72,12 @@ class ShardedModule:
     unroll: layers per scan iteration.
     abstract: build shapes and shardings only (`jax.ShapeDtypeStruct`s), for
       memory planning and ahead-of-time compiles; nothing is allocated.
+    microbatches: with a `pp` mesh axis (pipeline stages, `torch_on_tpu.pipeline`):
+      how many microbatches the batch is cut into in the layer stack; None: as
+      many as stages (the fewest that keep every stage busy once filled).
+    virtual_stages: with a `pp` axis: blocks of layers per stage, visited
+      round-robin (circular schedule; the bubble shrinks by this factor); 1 is
+      plain GPipe.
   """
 
   def __init__(
@@ -90,6 +97,8 @@ class ShardedModule:
     remat: str | None = None,
     unroll: int = 1,
     abstract: bool = False,
+    microbatches: int | None = None,
+    virtual_stages: int = 1,
   ):
     if not isinstance(module, torch.nn.Module):
       raise TorchOnTpuError(
@@ -136,11 +145,19 @@ class ShardedModule:
       self.mesh,
       strict=strict,
     )
+    self.pipeline = self._pipeline(scan, microbatches, virtual_stages)
     self._layout = None
     if scan or remat not in (None, "none"):
-      self._layout = scan_lib.layout_for(module, entries)
+      self._layout = scan_lib.layout_for(module, entries, pipeline=self.pipeline)
     if self._layout:
       self._specs = self._layout.internal_specs(self._resolved.specs)
+      if self.pipeline:
+        shapes = {e.name: e.shape for e in entries}
+        self._specs.update({
+          n: pipeline_lib.outside_spec(spec, shapes[n], self.mesh)
+          for n, spec in self._specs.items()
+          if n in shapes and self._entries[n].is_param
+        })
       stacks = self._layout.groups
     else:
       self._specs = dict(self._resolved.specs)
@@ -170,6 +187,36 @@ class ShardedModule:
     if not getattr(module, "_tot_wrapped", False):
       module.register_forward_pre_hook(_refuse_direct_call)
       module._tot_wrapped = True
+
+  def _pipeline(self, scan: bool, microbatches, virtual_stages):
+    """The pipeline over the mesh's `pp` axis, or None without one (knobs then refused)."""
+    stages = pipeline_lib.stages_of(self.mesh)
+    if stages == 1:
+      if microbatches is not None or virtual_stages != 1:
+        raise TorchOnTpuError(
+          f"{named('microbatches')} and {named('virtual_stages')} set up pipeline stages, but the mesh "
+          f"{dict(self.mesh.shape)} has no '{mesh_lib.PIPELINE_AXIS}' axis larger than 1; build it with "
+          f"make_mesh(pp=N, ...) or drop them."
+        )
+      return None
+    if mesh_lib.PIPELINE_AXIS in self.data_axes:
+      raise TorchOnTpuError(
+        f"data_axes names '{mesh_lib.PIPELINE_AXIS}', which splits the layers into pipeline stages, "
+        f"not the batch; leave it out of data_axes."
+      )
+    if mesh_lib.sequence_ways(self.mesh) > 1:
+      raise TorchOnTpuError(
+        f"The mesh {dict(self.mesh.shape)} splits both the layers into pipeline stages and each sequence over "
+        f"'{mesh_lib.SEQUENCE_AXIS}', which do not compose yet (a stage's attention would need the cp ring "
+        f"inside the pipeline's loop); set {arg('cp', 1)} and give those devices to fsdp, or {arg('pp', 1)}."
+      )
+    if not scan:
+      raise TorchOnTpuError(
+        f"The mesh has {mesh_lib.PIPELINE_AXIS}={stages}, which splits the scanned layer stack into "
+        f"pipeline stages; pass {arg('scan', True)}."
+      )
+    schedule = pipeline_lib.Schedule(stages, stages if microbatches is None else microbatches, virtual_stages)
+    return pipeline_lib.Pipeline(schedule, self.mesh, self.data_axes)
 
   # ---- the jax world ---------------------------------------------------------------
 

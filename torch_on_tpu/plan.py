@@ -45,6 +45,15 @@ Per device, it counts:
   ahead of the backward loop, its bf16 original then freed). Other backends
   compute in bf16 and have neither.
 
+With pipeline stages (a `pp` mesh axis, `torch_on_tpu.pipeline`), the layers'
+activations are those of the schedule: each tick keeps its stage's input (the
+stage is recomputed in the backward), `(V·M + S − 1)/M` times the tokens on the
+device, plus stage 0's inbox and its gradient (the tokens twice); the backward
+at its busiest recomputes one block of layers on one microbatch (keeping what
+the layer policy keeps of each, widened to fp32 on the CPU); the head and its
+logits see the tokens split over `pp` as well. When nothing else fits, the
+suggestion tries pipeline stages on the same devices before asking for more.
+
 The device's memory is `memory_stats()['bytes_limit']` (TPU, GPU); on the CPU
 it is the host's RAM shared by its (simulated) devices. A plan fits when it
 needs at most `USABLE` of that: XLA needs room of its own for fusion
@@ -214,8 +223,10 @@ def plan_memory(
   return plan
 
 
-def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, split=None) -> MemoryPlan:
-  """The plan; `split` = (data ways, cp ways) plans the same devices laid out otherwise."""
+def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedule=None, split=None) -> MemoryPlan:
+  """The plan; `schedule` (a `pipeline.Schedule`) plans the model's own devices as if split
+  into its stages (for the suggestion), else the model's own pipeline, if any; `split` =
+  (data ways, cp ways) plans the same devices laid out otherwise."""
   model = step.model
   mesh = model.mesh
   params = _sharded_bytes(model.params, model.param_shardings)
@@ -230,6 +241,10 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, split=N
   compute_params = _sharded_bytes(narrower, {k: shardings[k] for k in narrower}, itemsize=compute)
 
   data_ways, cp = split or (math.prod(mesh.shape[a] for a in model.data_axes), mesh_lib.sequence_ways(mesh))
+  if schedule is None and model.pipeline is not None:
+    schedule = model.pipeline.schedule
+  elif schedule is not None:
+    data_ways //= schedule.stages  # the stages come out of the data axes
   rows = global_batch_size // grad_accum
   local_rows = rows / (data_ways if rows % data_ways == 0 else 1)
   cp = cp if seqlen % cp == 0 else 1
@@ -267,14 +282,25 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, split=N
     + f", remat {policy}, compute {_dtype_name(step, model)}"
   )
   saved = int(s.layers * kept * per_token)
-  logits = int(tokens * s.vocab / tp * compute)
+  layer_backward = int(0 if policy == "none" else everything * per_token)
+  head_tokens = tokens
+  if schedule is not None:
+    micro = per_token / schedule.microbatches
+    block = s.layers // (schedule.stages * schedule.virtual_stages)
+    saved = int((schedule.ticks / schedule.microbatches + 2) * s.dim * per_token)
+    layer_backward = int((block * kept + everything) * micro)
+    if cpu_upcast:  # the stage's recomputed residuals, widened like a scan's
+      layer_backward += int(block * kept * micro * (4 - compute) / compute)
+    head_tokens = tokens / schedule.stages
+    description += f", pipeline {schedule}"
+  logits = int(head_tokens * s.vocab / tp * compute)
   return MemoryPlan(
     params=params,
     grads=grads,
     optimizer=optimizer,
     compute_params=compute_params,
     saved_activations=saved,
-    layer_backward=int(0 if policy == "none" else everything * per_token) + kv_across,
+    layer_backward=layer_backward + kv_across,
     logits=logits,
     logits_grad=logits + (logits * 4 // compute if cpu_upcast else 0),
     cpu_upcasts=saved * (4 - compute) // compute if cpu_upcast and scanned else 0,
@@ -305,6 +331,9 @@ def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
         f"use {arg('grad_accum', accum)}{extra} (or a global batch {accum // step.grad_accum}x smaller: "
         f"about {_human_bytes(alternative.total)})"
       )
+  staged = _pipeline_suggestion(step, shape, global_batch_size, seqlen, limit)
+  if staged:
+    return staged
   split = _sequence_split(step, shape, global_batch_size, seqlen, best, policy, limit)
   if split:
     return split
@@ -323,11 +352,42 @@ def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
   )
 
 
+def _pipeline_suggestion(step, shape, global_batch_size, seqlen, limit) -> str | None:
+  """Pipeline stages on the same devices (taken from `fsdp`) that bring the plan under
+  `limit`: the fewest stages, with the most microbatches up to 4 per stage, each layer
+  recomputed whole (a stage then keeps only its input per tick: far fewer saved
+  activations than every layer's input when the stack is deep)."""
+  from torch_on_tpu import pipeline as pipeline_lib
+
+  model = step.model
+  scanned = any(f".{scan_lib.SCAN}.{scan_lib.LAYER}." in k for k in model.params)
+  if model.pipeline is not None or mesh_lib.sequence_ways(model.mesh) > 1 or not scanned:
+    return None  # already staged, or over `cp` (which stages refuse), or no stack to split
+  fsdp = model.mesh.shape.get("fsdp", 1)
+  rows = global_batch_size // step.grad_accum
+  for stages in range(2, fsdp + 1):
+    if fsdp % stages or shape.layers % stages:
+      continue
+    micro = [m for m in range(stages, 4 * stages + 1) if rows % m == 0]
+    if not micro:
+      continue
+    schedule = pipeline_lib.Schedule(stages, max(micro))
+    alternative = _estimate(step, shape, global_batch_size, seqlen, "full", step.grad_accum, schedule)
+    if alternative.total <= limit:
+      return (
+        f"use pipeline stages: pp={stages} with fsdp={fsdp // stages}, microbatches={schedule.microbatches} and "
+        f"remat='full' (about {_human_bytes(alternative.total)}; bubble {schedule.bubble_fraction:.0%})"
+      )
+  return None
+
+
 def _sequence_split(step, shape, global_batch_size, seqlen, remat, policy, limit) -> str | None:
   """The smallest `cp` (devices taken from the data axes, with the grad_accum that
   leaves each device less than a sequence; `remat`, else 'full') under `limit`, as a
   suggestion; None if none."""
   mesh = step.model.mesh
+  if step.model.pipeline is not None:
+    return None  # pipeline stages and cp do not compose (`pipeline.Pipeline`)
   data_ways = math.prod(mesh.shape[a] for a in step.model.data_axes)
   cp_now = mesh_lib.sequence_ways(mesh)
   devices = data_ways * cp_now

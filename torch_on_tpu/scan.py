@@ -25,11 +25,13 @@ import warnings
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 from jax.sharding import PartitionSpec
 
 from torch_on_tpu import _compat, device_checks, models, module_state, remat as remat_lib
+from torch_on_tpu import mesh as mesh_lib
 from torch_on_tpu.errors import TorchOnTpuError, arg
 
 torchax = _compat.import_torchax()
@@ -87,6 +89,9 @@ class StackedLayers(torch.nn.Module):
     scan: True: one scan; False: a Python loop over the layers (same remat),
       for comparison or per-layer remat without a scan; compile time then
       grows with depth.
+    pipeline: a `torch_on_tpu.pipeline.Pipeline`: the stack runs as pipeline
+      stages over the mesh's `pp` axis (the stacked tensors then hold the
+      layers in the schedule's `storage_order`).
   """
 
   def __init__(
@@ -96,6 +101,7 @@ class StackedLayers(torch.nn.Module):
     remat: str | None = None,
     unroll: int = 1,
     scan: bool = True,
+    pipeline=None,
   ):
     super().__init__()
     layers = list(layers)
@@ -111,9 +117,16 @@ class StackedLayers(torch.nn.Module):
       _say_default_policy_once()
     self.unroll = unroll
     self.scanned = scan
+    self.pipeline = pipeline
+    if pipeline is not None and not scan:
+      raise TorchOnTpuError(
+        "Pipeline stages split a scanned layer stack, but StackedLayers got scan=False; use scan=True."
+      )
     template = layers[0]
-    stacked_params = {n: _stack_params(layers, n, True) for n, _ in template.named_parameters()}
-    stacked_buffers = {n: _stack_params(layers, n, False) for n, _ in template.named_buffers()}
+    stored = pipeline.schedule.storage_order(len(layers)) if pipeline else range(len(layers))
+    in_storage = [layers[i] for i in stored]
+    stacked_params = {n: _stack_params(in_storage, n, True) for n, _ in template.named_parameters()}
+    stacked_buffers = {n: _stack_params(in_storage, n, False) for n, _ in template.named_buffers()}
     for name, t in {**stacked_params, **stacked_buffers}.items():
       module_state.set_tensor(template, name, t, is_param=name in stacked_params)
     self.add_module(LAYER, template)
@@ -183,6 +196,8 @@ class StackedLayers(torch.nn.Module):
   def _stack(self, hidden, args, kwargs) -> list[tuple]:
     """Every layer in order from `hidden`: each layer's (output, recorded capture calls)."""
     _refuse_caches(kwargs)
+    if self.pipeline is not None:
+      return self._pipelined(hidden, args, kwargs)
     stacked = self._stacked()
     env = torchax.default_env()
     keys = jax.random.split(env.get_and_rotate_prng_key(), self.num_layers)
@@ -200,6 +215,19 @@ class StackedLayers(torch.nn.Module):
         outputs.append(self._layer_output(extras, i, h, produced))
       return outputs
     groups = self.num_layers // period
+    _, per_layer = self._scan_groups(run, h, stacked, keys)
+    for g in range(groups):
+      for j in range(period):
+        h_g, produced = jax.tree.map(lambda a, g=g: a[g], per_layer[j])
+        outputs.append(self._layer_output(extras, j, h_g, produced))
+    return outputs
+
+  def _scan_groups(self, run, h, stacked, keys):
+    """The layers of `stacked` (leading dim a multiple of `len(run)`, the period) as one
+    scan over groups of a period: (last hidden state, per period position: its
+    (hidden states, produced arrays) stacked over the groups)."""
+    period = len(run)
+    groups = keys.shape[0] // period
     # A period of one layer scans the stacked arrays as they are: the layer's weights are
     # then the scan's own per-iteration slices, which jax does not save again as stacked
     # residuals (a slice of a regrouped array it would, a copy of every stacked weight).
@@ -216,12 +244,63 @@ class StackedLayers(torch.nn.Module):
         per_layer.append((h, produced))
       return h, per_layer
 
-    _, per_layer = jax.lax.scan(body, h, grouped, unroll=self.unroll)
-    for g in range(groups):
-      for j in range(period):
-        h_g, produced = jax.tree.map(lambda a, g=g: a[g], per_layer[j])
-        outputs.append(self._layer_output(extras, j, h_g, produced))
-    return outputs
+    return jax.lax.scan(body, h, grouped, unroll=self.unroll)
+
+  def _pipelined(self, hidden, args, kwargs) -> list[tuple]:
+    """The stack as pipeline stages (`torch_on_tpu.pipeline`): the last layer's output,
+    and for the layers before it a NaN stand-in (a pipeline hands no intermediate
+    layer's output to the model; one that used it would see NaN, never a wrong number)."""
+    schedule = self.pipeline.schedule
+    n = self.num_layers
+    stacked = self._stacked()  # stored in schedule.storage_order
+    env = torchax.default_env()
+    keys = jax.random.split(env.get_and_rotate_prng_key(), n)[np.asarray(schedule.storage_order(n))]
+    h = jax_view(hidden)
+    extras = {}
+    name = type(self._layers[0]).__name__
+    period = self._period(extras, args, kwargs, h, stacked, keys, loop_ok=False)
+    per_block = n // (schedule.stages * schedule.virtual_stages)
+    if per_block % period:
+      raise TorchOnTpuError(
+        f"The {n} {name} layers repeat every {period} layers but a pipeline block holds {per_block} "
+        f"(pp={schedule.stages} × virtual_stages={schedule.virtual_stages}); pick pp and virtual_stages "
+        f"so that {n} / (pp × virtual_stages) is a multiple of {period}."
+      )
+    problem = self.pipeline.batch_problem(h.shape[0])
+    if problem:
+      raise TorchOnTpuError(f"Pipeline: {problem}.")
+    leaves, tree = _compat.torch_pytree.tree_flatten((args, kwargs))
+    rows = [isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == h.shape[0] for x in leaves]
+    if any(rows) and h.ndim > 1 and h.shape[0] == h.shape[1]:
+      raise TorchOnTpuError(
+        f"Pipeline: the batch reaching the layer stack has {h.shape[0]} rows, as many as its sequence "
+        f"positions, so per-row layer arguments cannot be told from per-position ones; use a batch "
+        f"size other than {h.shape[0]}."
+      )
+    per_example = [jax_view(x) for x, r in zip(leaves, rows) if r]
+
+    def stage(block, h_mb, mine, microbatch):
+      tensors, block_keys = block
+      it = iter(mine)
+      own = [torch_view(next(it)) if r else x for x, r in zip(leaves, rows)]
+      margs, mkwargs = _compat.torch_pytree.tree_unflatten(own, tree)
+      run = [
+        remat_lib.checkpoint(functools.partial(self._run_one, j, extras, margs, mkwargs), self.remat)
+        for j in range(period)
+      ]
+      block_keys = jax.vmap(lambda k: jax.random.fold_in(k, microbatch))(block_keys)
+      h_mb, per_layer = self._scan_groups(run, h_mb, tensors, block_keys)
+      if any(leaf for _, (records, rest) in per_layer for leaf in (records, rest)) or extras.get("records"):
+        raise TorchOnTpuError(
+          f"A {name} layer returns more than its hidden state (extra outputs, or outputs the model "
+          f"captures per layer), which a pipeline cannot hand back per layer; train without pp or "
+          f"turn the per-layer outputs off."
+        )
+      return h_mb
+
+    out = self.pipeline.run(stage, (stacked, keys), h, per_example)
+    stand_in = (torch_view(jnp.full(h.shape, jnp.nan, h.dtype)), [])
+    return [stand_in] * (n - 1) + [(torch_view(out), [])]
 
   def forward(self, hidden, *args, **kwargs):
     """Every layer in order; returns the last layer's output."""
@@ -230,8 +309,9 @@ class StackedLayers(torch.nn.Module):
       self._family.replay_layer_outputs(self._modules[LAYER], records)
     return outputs[-1][0]
 
-  def _period(self, extras, args, kwargs, h, stacked, keys) -> int:
-    """The smallest p dividing N such that layer i computes the same function as layer i mod p."""
+  def _period(self, extras, args, kwargs, h, stacked, keys, *, loop_ok: bool = True) -> int:
+    """The smallest p dividing N such that layer i computes the same function as layer i mod p
+    (`loop_ok=False`: no such p < N is refused, not run as a loop)."""
     abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
     per_layer = {n: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for n, a in stacked.items()}
     signatures = [
@@ -244,6 +324,12 @@ class StackedLayers(torch.nn.Module):
     ]
     n = self.num_layers
     period = next(p for p in range(1, n + 1) if not n % p and all(signatures[i] == signatures[i % p] for i in range(n)))
+    if period == n and n > 1 and not loop_ok:
+      raise TorchOnTpuError(
+        f"The {n} {type(self._layers[0]).__name__} layers do not all compute the same function (layer "
+        f"{next(i for i in range(n) if signatures[i] != signatures[0])} differs from layer 0), so they "
+        f"cannot be split into pipeline stages; train this model without pp."
+      )
     if period == n and n > 1:
       self._say_unrolled(
         f"the {n} {type(self._layers[0]).__name__} layers do not all compute the same function (layer "
@@ -302,6 +388,11 @@ class StackedLayers(torch.nn.Module):
         self._stack_cache = _StackCache(args, kwargs, outputs)
         return self._serve(0)
       self._stack_cache = None
+      if self.pipeline is not None:
+        raise TorchOnTpuError(
+          f"The model changes the hidden state or the arguments between its {type(self._layers[0]).__name__} "
+          f"layers (at layer {index}), so they cannot run as one pipelined stack; train it without pp."
+        )
       self._say_unrolled(
         f"the model changes the hidden state or the arguments between its {type(self._layers[0]).__name__} "
         f"layers, so from layer {index} on they run one at a time, unrolled (compile time grows with depth)"
@@ -544,11 +635,13 @@ class ScanLayout:
   `apply` swaps the container afterwards.
   """
 
-  def __init__(self, stack: LayerStack, entries):
+  def __init__(self, stack: LayerStack, entries, *, pipeline=None):
     self.stack = stack
+    self.pipeline = pipeline
     self.prefix = f"{stack.path}." if stack.path else ""
     self.internal_prefix = f"{self.prefix}{SCAN}.{LAYER}."
-    per_layer = [f"{self.prefix}{k}." for k in stack.keys]
+    order = pipeline.schedule.storage_order(len(stack.keys)) if pipeline else range(len(stack.keys))
+    per_layer = [f"{self.prefix}{stack.keys[i]}." for i in order]
     template = stack.layers[0]
     self.names_in_layer = [n for n, _ in module_state.named_tensors(template)]
     self.groups: dict[str, list[str]] = {
@@ -587,7 +680,15 @@ class ScanLayout:
             f"{tuple(specs[orig])} and '{group[0]}' to {tuple(first)}; write the map with '*' for "
             f"the layer index or use {arg('scan', False)}."
           )
-      out[internal] = PartitionSpec(None, *first)
+      layer_axis = None
+      if self.pipeline is not None:
+        layer_axis = mesh_lib.PIPELINE_AXIS
+        if any(layer_axis in ((e,) if isinstance(e, str) else tuple(e or ())) for e in first):
+          raise TorchOnTpuError(
+            f"The sharding map puts '{group[0]}' on the '{layer_axis}' axis, which already splits the "
+            f"stacked layers into pipeline stages; shard layer tensors over the other axes."
+          )
+      out[internal] = PartitionSpec(layer_axis, *first)
     return out
 
   def apply(
@@ -599,7 +700,7 @@ class ScanLayout:
     scan: bool,
   ) -> StackedLayers:
     """Swaps the model's layer container for the scan (in place)."""
-    scanned = StackedLayers(self.stack.layers, remat=remat, unroll=unroll, scan=scan)
+    scanned = StackedLayers(self.stack.layers, remat=remat, unroll=unroll, scan=scan, pipeline=self.pipeline)
     container = ScanContainer(scanned, self.stack)
     owner_path, _, leaf = self.stack.path.rpartition(".")
     owner = module.get_submodule(owner_path) if owner_path else module
@@ -607,28 +708,39 @@ class ScanLayout:
     return scanned
 
 
-def layout_for(module: torch.nn.Module, entries) -> ScanLayout | None:
-  """The scan layout for a model's layer stack, or None (with the reason logged)."""
+def layout_for(module: torch.nn.Module, entries, *, pipeline=None) -> ScanLayout | None:
+  """The scan layout for a model's layer stack, or None (with the reason logged); with a
+  `pipeline`, a stack that cannot scan or split into its stages is refused instead."""
+
+  def cannot(why: str):
+    if pipeline is not None:
+      raise TorchOnTpuError(
+        f"pp={pipeline.schedule.stages} splits a scanned layer stack into stages, but {why}; "
+        f"train this model without pp."
+      )
+    logger.warning("scan=True: %s; running unscanned.", why)
+
   stack = find_layer_stack(module)
   if stack is None:
-    logger.warning("scan=True: found no stack of two or more identical blocks; running unscanned.")
-    return None
+    return cannot("found no stack of two or more identical blocks")
   problem = models.family_of(module).layer_stack_problem(module, stack.layers)
   if problem:
-    logger.warning("scan=True: cannot scan '%s' because %s; running unscanned.", stack.path, problem)
-    return None
+    return cannot(f"cannot scan '{stack.path}' because {problem}")
   problem = homogeneity_problem(stack.layers)
   if problem:
     run = longest_identical_run(stack)
     if run is None:
-      logger.warning("scan=True: cannot scan '%s' because %s; running unscanned.", stack.path, problem)
-      return None
+      return cannot(f"cannot scan '{stack.path}' because {problem}")
     logger.warning(
       "scan=True: '%s' is not one stack of identical blocks (%s); its blocks %s to %s scan and the "
       "others run as they are.", stack.path, problem, run.keys[0], run.keys[-1],
     )
     stack = run
-  return ScanLayout(stack, entries)
+  if pipeline is not None:
+    problem = pipeline.schedule.layers_problem(len(stack.keys))
+    if problem:
+      raise TorchOnTpuError(f"Pipeline: {problem}.")
+  return ScanLayout(stack, entries, pipeline=pipeline)
 
 
 _default_policy_said = False

@@ -27,7 +27,10 @@ Conventions:
   microbatches (row i goes to microbatch i mod k, which keeps each microbatch
   spread over all data shards), runs them in a `lax.scan` inside the same
   program and averages loss and gradients: the full-batch gradient whenever
-  `loss_fn` is a mean over equal-sized microbatches.
+  `loss_fn` is a mean over equal-sized microbatches. With pipeline stages (a
+  `pp` mesh axis) each of the k pieces is cut again into the pipeline's
+  microbatches and runs one whole pipeline pass, fill and drain included: for
+  the bubble, raise the pipeline's microbatches rather than k.
 * Mixed precision: `compute_dtype=jnp.bfloat16` casts floating params to bf16
   inside the step (forward and backward in bf16) while master weights,
   gradients and optimizer state stay fp32; `master_dtype=jnp.bfloat16` stores
@@ -127,6 +130,7 @@ class CompileReport:
   collective_bytes: CollectiveBytes | None = None  # received per device per step, loops counted
   flops: float | None = None
   bytes_accessed: float | None = None
+  pipeline: str | None = None  # the schedule and its bubble fraction, with a `pp` axis
 
   @property
   def peak_bytes(self) -> int | None:
@@ -147,6 +151,8 @@ class CompileReport:
       )
     if self.flops is not None:
       parts.append(f"{self.flops / 1e9:.2f} GFLOP, {_human_bytes(self.bytes_accessed or 0)} accessed")
+    if self.pipeline is not None:
+      parts.append(self.pipeline)
     if self.collective_bytes is not None:
       parts.append(f"collectives {self.collective_bytes}")
     if self.attention_splits:
@@ -563,6 +569,8 @@ class TrainStep:
   def _loss(self, params, buffers, inputs, labels, rng):
     if self.compute_dtype is not None:
       params = {k: _cast_floating(v, self.compute_dtype) for k, v in params.items()}
+    if self.model.pipeline is not None:
+      labels = self.model.pipeline.spread(labels)
     env = torchax.default_env()
     upcasts = losses.Upcasts()
     with env, env.override_property(prng=rng), losses.installed(self.model, upcasts):
@@ -639,6 +647,10 @@ class TrainStep:
         jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated),
       ).compile(compiler_options=self.model.compile_options)
     self.last_compile = _report(compiled, time.perf_counter() - start)
+    if model.pipeline is not None:
+      self.last_compile.pipeline = f"pipeline {model.pipeline.schedule}" + (
+        f", run {self.grad_accum} times (grad_accum)" if self.grad_accum > 1 else ""
+      )
     self.last_compile.attention_splits = model.attention_splits()
     self.compile_seconds += self.last_compile.seconds
     logger.info("Train step %s", self.last_compile)

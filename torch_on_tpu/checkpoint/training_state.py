@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -241,7 +242,7 @@ class Checkpointer:
       raise
     except (ValueError, KeyError, AttributeError, TypeError, OSError) as e:
       return None, f"reading it failed: {first_line(e)}"
-    state = out["state"] if stored is target else self._layers.restack(out["state"])
+    state = out["state"] if stored is target else self._layers.restack(out["state"], target)
     return Restored(step=step, state=state, data=out["data"], config=out["config"]), None
 
   def set_aside(self, steps, reason: str) -> list[Path]:
@@ -387,16 +388,23 @@ class _LayerNames:
 
     return jax.tree.map(node, tree, is_leaf=lambda x: self._holds(x, self.groups))
 
-  def restack(self, tree):
+  def restack(self, tree, target=None):
     """The inverse of `unstack` on a restored tree, one group at a time (the
-    per-layer arrays of a group are released as soon as it is stacked)."""
+    per-layer arrays of a group are released as soon as it is stacked), each
+    stacked array in its sharding in `target` (the layer dim over `pp` with
+    pipeline stages), else replicated on the layer dim."""
+    placed = {}
+    if target is not None:
+      for node_ in jax.tree.leaves(target, is_leaf=lambda x: self._holds(x, self.groups)):
+        if self._holds(node_, self.groups):
+          placed.update({k: v.sharding for k, v in node_.items() if k in self.groups and hasattr(v, "sharding")})
 
     def node(x):
       if not self._holds(x, self._first):
         return x
       for first, key in self._first.items():
         if first in x:
-          x[key] = _stack_layers([x.pop(n) for n in self.groups[key]])
+          x[key] = _stack_layers([x.pop(n) for n in self.groups[key]], placed.get(key))
       return x
 
     return jax.tree.map(node, tree, is_leaf=lambda x: self._holds(x, self._first))
@@ -406,19 +414,39 @@ class _LayerNames:
     return isinstance(x, Mapping) and any(k in names for k in x)
 
 
-def _layer_sharding(sharding, stacked: bool):
-  """A stacked array's sharding without its layer dim (`stacked=False`), or one layer's with it."""
+def _stacked_sharding(sharding):
+  """One layer's sharding with a leading layer dim, replicated (no target to follow)."""
   if not isinstance(sharding, NamedSharding):
     return sharding
-  spec = PartitionSpec(*tuple(sharding.spec)[1:]) if not stacked else PartitionSpec(None, *sharding.spec)
-  return NamedSharding(sharding.mesh, spec)
+  return NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
 
 
 def _layer_slices(value) -> list:
-  sharding = _layer_sharding(value.sharding, stacked=False)
+  sharding = _one_layer_sharding(value.sharding, value.shape)
   if isinstance(value, jax.ShapeDtypeStruct):
     return [jax.ShapeDtypeStruct(value.shape[1:], value.dtype, sharding=sharding)] * value.shape[0]
   return _unstack(value, sharding)
+
+
+def _one_layer_sharding(sharding, shape):
+  """One layer's sharding: the stacked one without its layer dim. Axes that split the layer
+  dim (pipeline stages over `pp`) move onto the first dim of the layer they divide, so a
+  checkpoint written or read never holds every stage's layers on every device."""
+  if not isinstance(sharding, NamedSharding):
+    return sharding
+  spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+  moved, inner = _axes(spec[0]), list(spec[1:])
+  mesh = sharding.mesh
+  for dim, entry in enumerate(inner if moved else []):
+    axes = _axes(entry)
+    if shape[1 + dim] % math.prod(mesh.shape[a] for a in (*axes, *moved)) == 0:
+      inner[dim] = (*axes, *moved)
+      break
+  return NamedSharding(mesh, PartitionSpec(*inner))
+
+
+def _axes(entry) -> tuple:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -426,8 +454,8 @@ def _unstack(stacked, sharding):
   return [jax.lax.with_sharding_constraint(stacked[i], sharding) for i in range(stacked.shape[0])]
 
 
-def _stack_layers(layers: list):
-  return _stack(layers, _layer_sharding(layers[0].sharding, stacked=True))
+def _stack_layers(layers: list, sharding=None):
+  return _stack(layers, sharding or _stacked_sharding(layers[0].sharding))
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -4,6 +4,8 @@
     train = data.batches(None, tok, seqlen=256, global_batch_size=16, with_positions=True)
     batch = next(train)                                    # this process's numpy rows
     arrays = data.to_global(batch, mesh)                   # global jax.Arrays, batch dim sharded
+    # several processes: data.batches(..., process_index=i, process_count=n) with
+    # i, n = data.process_rows(mesh) (pipeline stages on other processes read the same rows)
     saved = train.state()                                  # small JSON-able dict (all processes call it)
     train = data.batches(None, tok, seqlen=256, global_batch_size=16, state=saved)
 
@@ -14,7 +16,7 @@ shards' rows of each global batch, prefetch, resumable state) and `placement`
 """
 
 from torch_on_tpu.data.loader import STATE_VERSION, Batches, batches, default_num_shards, eval_batches, merge_states
-from torch_on_tpu.data.placement import to_global
+from torch_on_tpu.data.placement import process_rows, to_global
 from torch_on_tpu.data.sources import (
   BLOCK_BYTES,
   BLOCK_ROWS,
@@ -52,6 +54,7 @@ __all__ = [
   "default_num_shards",
   "eval_batches",
   "merge_states",
+  "process_rows",
   "source",
   "to_global",
 ]

@@ -32,10 +32,11 @@ def to_global(
     raise TorchOnTpuError(
       f"The mesh {dict(mesh.shape)} has no data axis to split the processes' rows over; pass axes=."
     )
+  _, blocks = process_rows(mesh, axes)
   out = {}
   for name, local in batch.items():
     local = np.asarray(local)
-    rows = local.shape[0] * jax.process_count()
+    rows = local.shape[0] * blocks
     if rows % ways:
       raise TorchOnTpuError(
         f"The global batch of {rows} rows ('{name}') does not divide over the {ways}-way data axes {axes}; "
@@ -47,6 +48,26 @@ def to_global(
       _check_rows_per_process(sharding, (rows, *local.shape[1:]), local.shape[0], name)
     out[name] = jax.make_array_from_process_local_data(sharding, local, (rows, *local.shape[1:]))
   return out
+
+
+def process_rows(mesh: Mesh, axes: Sequence[str] | None = None) -> tuple[int, int]:
+  """(which block of every global batch this process's devices hold, how many blocks):
+  what to pass `data.batches` as `process_index` / `process_count`.
+
+  Without pipeline stages, process p of P holds block p of P. Processes that differ
+  only along axes that do not split the batch (`pp`: a stage per slice) hold the same
+  rows, so they read the same block.
+  """
+  axes = mesh_lib.data_axes(mesh) if axes is None else tuple(axes)
+  ways = mesh_lib.batch_ways(mesh, axes)
+  sharding = NamedSharding(mesh, mesh_lib.batch_spec(axes, 1))
+  held = sorted({r for index in sharding.addressable_devices_indices_map((ways,)).values() for r in range(*index[0].indices(ways))})
+  if held != list(range(held[0], held[0] + len(held))) or ways % len(held):
+    raise TorchOnTpuError(
+      f"This process's devices hold batch rows {held} of {ways} on the mesh {dict(mesh.shape)}, not one "
+      f"contiguous block; build the mesh with make_mesh, which keeps each process's devices together."
+    )
+  return held[0] // len(held), ways // len(held)
 
 
 def _check_rows_per_process(sharding, shape, local_rows: int, name: str) -> None:
