@@ -310,10 +310,12 @@ def run(flags: Flags, recipe: Recipe) -> dict:
 
   import jax
 
+  from torch_on_tpu import storage
   from torch_on_tpu.errors import TorchOnTpuError
 
   _check_flags(flags, TorchOnTpuError)
   config = resolve(flags, recipe)
+  storage.note_checkpoints(config["ckpt_dir"])  # what a fault from here on names as kept
   main = jax.process_index() == 0
   latest = None if flags.dry_run else _latest_checkpoint(flags, config, TorchOnTpuError)
   if latest is not None and latest >= flags.steps and flags.sample is None and flags.resume_step is None:
@@ -347,8 +349,12 @@ def _use_compile_cache(directory: str | None) -> str | None:
   the directory in use."""
   import jax
 
+  from torch_on_tpu import storage
+
   if directory and not jax.config.jax_compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", directory)
+  if jax.config.jax_compilation_cache_dir:
+    storage.watch_compile_cache(jax.config.jax_compilation_cache_dir)  # a full disk there: one sentence
   return jax.config.jax_compilation_cache_dir
 
 
@@ -537,11 +543,17 @@ def where_things_are(summary: dict, recipe: Recipe) -> str:
 
 def _keep_tokenizer(tokenizer, directory: str) -> None:
   """Saves the run's tokenizer into its run directory (a run is self-contained), whole or not at all."""
+  from torch_on_tpu import storage
+
   tmp = f"{directory}.tmp-{os.getpid()}"
   shutil.rmtree(tmp, ignore_errors=True)
-  tokenizer.save_pretrained(tmp)
-  shutil.rmtree(directory, ignore_errors=True)
-  os.replace(tmp, directory)
+  try:
+    with storage.writing("the run's tokenizer", directory, elsewhere="pass another --log_dir"):
+      tokenizer.save_pretrained(tmp)
+      shutil.rmtree(directory, ignore_errors=True)
+      os.replace(tmp, directory)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _resume(ckpt, step, flags: Flags, config: dict, main: bool):
@@ -651,15 +663,23 @@ def _profile_steps(spec) -> tuple[int, int] | None:
 
 
 def _run_error_message(error, memory, report, config: dict) -> str | None:
-  """One sentence for a storage fault (e.g. metrics.jsonl on a full disk) or a device
-  out-of-memory that reached the recipe; None for anything else. A full disk is
-  RESOURCE_EXHAUSTED too, so the errno is asked first."""
+  """One sentence for a storage fault that reached the recipe untranslated (the writers
+  the run knows name their own path) or a device out-of-memory; None for anything else.
+  A full disk is RESOURCE_EXHAUSTED too, so the errno is asked first."""
   from torch_on_tpu import storage
+  from torch_on_tpu.errors import TorchOnTpuError, first_line
 
-  where = Path(getattr(error, "filename", None) or config["log_dir"])
-  stored = storage.storage_error(error, "the run's files", where, "the checkpoints saved before are complete")
-  if stored is not None:
-    return stored
+  if isinstance(error, TorchOnTpuError):
+    return None  # already one sentence
+  if storage.error_code(error) is not None:
+    filename = getattr(error, "filename", None)
+    if filename:
+      return storage.storage_error(error, "a file of the run", Path(filename))
+    return (
+      f"Could not write a file of the run ({first_line(error)}; the log directory {config['log_dir']} has "
+      f"{storage.free_space(config['log_dir'])}, the checkpoint directory {config['ckpt_dir']} has "
+      f"{storage.free_space(config['ckpt_dir'])}); {storage.kept()}; free space there."
+    )
   if "RESOURCE_EXHAUSTED" in str(error):
     return _oom_message(error, memory, report)
   return None

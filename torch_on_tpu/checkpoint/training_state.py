@@ -86,7 +86,9 @@ class Checkpointer:
     self._async = async_save
     self._layers = _LayerNames(model)
     self._writing: int | None = None  # the step the newest save started
-    storage.quiet_orbax_thread_tracebacks()
+    storage.quiet_thread_tracebacks()
+    if not read_only:
+      storage.note_checkpoints(self.directory)  # what a fault anywhere in the run reports as safe
     policies = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
       # Every `save_every` steps and at a preemption sync point; not orbax's
@@ -312,9 +314,10 @@ class Checkpointer:
     try:
       yield
     except Exception as e:
-      complete = sorted(int(p.name) for p in _listing(self.directory) if p.name.isdigit())
-      kept = f"step {complete[-1]} is the newest complete checkpoint" if complete else "no complete checkpoint is there"
-      message = storage.storage_error(e, f"checkpoint step {self._writing}", self.directory, kept)
+      message = storage.storage_error(
+        e, f"checkpoint step {self._writing}", self.directory, storage.kept(self.directory),
+        elsewhere="point the checkpoints at a larger disk",
+      )
       if message is None:
         raise
       raise TorchOnTpuError(message) from None
@@ -433,13 +436,6 @@ def _stack_layers(layers: list):
 @functools.partial(jax.jit, static_argnums=1)
 def _stack(layers, sharding):
   return jax.lax.with_sharding_constraint(jax.numpy.stack(layers), sharding)
-
-
-def _listing(directory: Path) -> list[Path]:
-  try:
-    return list(directory.iterdir())
-  except OSError:
-    return []
 
 
 def _json_item(what: str, value: Mapping | None) -> dict:
