@@ -115,10 +115,13 @@ def cli(flags_cls, run_fn: Callable, summary: str) -> Callable:
     try:
       run_fn(flags_cls(**kwargs))
     except Exception as e:
+      from torch_on_tpu import health
       from torch_on_tpu.errors import TorchOnTpuError  # not earlier: it starts jax
 
       if isinstance(e, TorchOnTpuError):  # one sentence, not a traceback
-        raise SystemExit(f"error: {e}") from None
+        health.failed(str(e))  # the other processes stop at once, naming this one
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(getattr(e, "exit_code", health.EXIT_ERROR)) from None
       raise
 
   main.__signature__ = inspect.Signature(
@@ -310,12 +313,13 @@ def run(flags: Flags, recipe: Recipe) -> dict:
 
   import jax
 
-  from torch_on_tpu import storage
+  from torch_on_tpu import fingerprint, storage
   from torch_on_tpu.errors import TorchOnTpuError
 
   _check_flags(flags, TorchOnTpuError)
   config = resolve(flags, recipe)
   storage.note_checkpoints(config["ckpt_dir"])  # what a fault from here on names as kept
+  fingerprint.check_same(config=config)  # every process with the same flags, before anything is built
   main = jax.process_index() == 0
   latest = None if flags.dry_run else _latest_checkpoint(flags, config, TorchOnTpuError)
   if latest is not None and latest >= flags.steps and flags.sample is None and flags.resume_step is None:
@@ -364,7 +368,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   import optax
 
   import torch_on_tpu as tot
-  from torch_on_tpu import checkpoint, data, lora, plan
+  from torch_on_tpu import checkpoint, data, health, lora, plan
   from torch_on_tpu import remat as remat_lib
   from torch_on_tpu.trainer import default_split
 
@@ -424,6 +428,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   del abstract_step
 
   # 2. The real model, data and checkpoints.
+  health.doing("building the model")
   step = make_step(abstract=False)
   source = data.source(flags.data, field=flags.data_field)
   tokenizer = data.build_tokenizer(flags.tokenizer, vocab_size=min(data.DEFAULT_VOCAB_SIZE, shape.vocab), corpus=source)
@@ -450,6 +455,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   to_global = lambda batch: data.to_global(batch, mesh)  # noqa: E731 (each process's rows → global arrays)
 
   # 3. Compile ahead (the report comes before the first step), then train.
+  health.doing("compiling the train step")
   report = step.compile(*split(abstract_batch))
   if main:
     print(f"Compiled step: {report}", flush=True)

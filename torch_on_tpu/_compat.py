@@ -143,6 +143,7 @@ INTERNAL_APIS = {
   "jax._src.interpreters.partial_eval.dce_jaxpr": "pruning a traced init to the outputs of one chunk",
   "jax._src.xla_bridge.backends_are_initialized": "whether XLA_FLAGS and a distributed join still apply",
   "jax._src.clusters.ClusterEnv": "the clusters jax.distributed would detect by itself",
+  "jax._src.distributed.global_state.client": "the coordination service's client: key-value store, barriers, live processes",
 }
 
 def torchax_env():
@@ -275,3 +276,12 @@ def managed_cluster_size() -> int:
     if not env.opt_in_only_method and env.is_env_present():
       return int(env.get_process_count())
   return 0
+
+
+def distributed_client():
+  """The coordination-service client `jax.distributed.initialize` connected (None before):
+  its key-value store (`key_value_set`, `key_value_dir_get`, `key_value_try_get`),
+  `wait_at_barrier` and `get_live_nodes` are what `health` and `fingerprint` use."""
+  from jax._src import distributed
+
+  return distributed.global_state.client

@@ -27,16 +27,20 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
-from torch_on_tpu import xla_flags
+from torch_on_tpu import health, storage, xla_flags
 from torch_on_tpu.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 _POLL_SECONDS = 0.05
@@ -129,12 +133,23 @@ def process_env(base: dict, index: int, count: int, port: int, cpu_devices: int 
   return env
 
 
-def _pump(index: int, stream, out, lock: threading.Lock, last_lines: dict) -> None:
-  """Copies one process's output to `out`, each line prefixed with `[p<index>]`;
-  keeps its last non-empty line in `last_lines[index]`."""
+# A C++ check failure's stack (addresses, no use to anyone reading the run's output), and
+# jax's message when its coordination service ends a process because another one failed.
+_CXX_STACK = re.compile(r"^(@\s+0x[0-9a-f]+|\*\*\* Check failure stack trace)")
+_JAX_FATAL = "Terminating process because the JAX distributed service detected fatal errors"
+
+
+def _pump(index: int, stream, out, lock: threading.Lock, last_lines: dict, fatal: set) -> None:
+  """Copies one process's output to `out`, each line prefixed with `[p<index>]`, without
+  C++ stack frames; keeps its last non-empty line in `last_lines[index]` and notes in
+  `fatal` a process jax's coordination service ended."""
   prefix = f"[p{index}] "
   for raw in iter(stream.readline, b""):
     line = raw.decode("utf-8", errors="replace").rstrip("\n")
+    if _CXX_STACK.match(line.strip()):
+      continue
+    if _JAX_FATAL in line:
+      fatal.add(index)
     if line.strip():
       last_lines[index] = line.strip()
     with lock:
@@ -160,17 +175,24 @@ def run(args: argparse.Namespace, out=None) -> int:
   command = [sys.executable, *target, *args.target_args]
   lock = threading.Lock()
   last_lines: dict[int, str] = {}
+  fatal: set[int] = set()
   procs, pumps = [], []
-  base = {**os.environ, "XLA_FLAGS": xla_flags.with_defaults(os.environ.get("XLA_FLAGS", ""))}  # torch_on_tpu's defaults
+  given = os.environ.get(health.ENV_STATUS_DIR)  # a tool watching the run names its own
+  status = _Status(given or tempfile.mkdtemp(prefix="tot-launch-"))
+  base = {
+    **os.environ,
+    "XLA_FLAGS": xla_flags.with_defaults(os.environ.get("XLA_FLAGS", "")),  # torch_on_tpu's defaults
+    health.ENV_STATUS_DIR: str(status.directory),  # where each process says what it does, and its verdicts
+  }
   for index in range(args.nproc):
     env = process_env(base, index, args.nproc, port, args.cpu_devices)
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     procs.append(proc)
-    pump = threading.Thread(target=_pump, args=(index, proc.stdout, out, lock, last_lines), daemon=True)
+    pump = threading.Thread(target=_pump, args=(index, proc.stdout, out, lock, last_lines, fatal), daemon=True)
     pump.start()
     pumps.append(pump)
 
-  failed = None  # (index, code) of the first process that failed
+  faulty = None  # (index, code) of the process to blame; code None: it runs but stopped responding
   interrupted = None
 
   def on_signal(signum, frame):
@@ -179,36 +201,125 @@ def run(args: argparse.Namespace, out=None) -> int:
 
   previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
   try:
-    while failed is None and interrupted is None:
+    while faulty is None and interrupted is None:
       codes = [p.poll() for p in procs]
-      failed = next(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), None)
+      faulty = _blame(codes, fatal, status)
       if all(c is not None for c in codes):
         break
       time.sleep(_POLL_SECONDS)
-    if failed is not None or interrupted is not None:
-      _stop(procs, args.grace if failed is None else min(args.grace, FAILURE_GRACE_SECONDS))
+    if faulty is not None and faulty[1] is None:
+      procs[faulty[0]].kill()  # hung: nothing to save, and SIGTERM waits for a stopped process
+    if faulty is not None or interrupted is not None:
+      _stop(procs, args.grace if faulty is None else min(args.grace, FAILURE_GRACE_SECONDS))
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
   for pump in pumps:
     pump.join(timeout=5)
+  try:
+    if interrupted is not None:
+      name = signal.Signals(interrupted).name
+      failed = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0), None)
+      if failed is None:
+        print(f"launch: got {name}; all {args.nproc} processes stopped cleanly (exit 0).", file=sys.stderr)
+        return 0
+      print(f"launch: got {name}; {status.describe(*failed, last_lines)}.", file=sys.stderr)
+      return _exit_status(failed[1])
+    if faulty is not None:
+      index, code = faulty
+      exit_status = health.EXIT_HUNG if code is None else _exit_status(code)
+      if code is None:
+        stopped = f"killed it and stopped the other {args.nproc - 1}"
+      else:
+        stopped = f"stopped the other {args.nproc - 1}"
+      kept = status.kept(index)
+      print(
+        f"launch: {status.describe(index, code, last_lines)}; {stopped}{'; ' + kept if kept else ''}; exit {exit_status}.",
+        file=sys.stderr, flush=True,
+      )
+      return exit_status
+    return 0
+  finally:
+    if not given:
+      shutil.rmtree(status.directory, ignore_errors=True)
 
-  def why(index, code):
+
+def _blame(codes: list, fatal: set, status: "_Status") -> tuple[int, int | None] | None:
+  """The process to blame once one failed, or None while none has: one that died or exited
+  with an error of its own (a process that reports another's fault, exit
+  `health.EXIT_PEER_FAILED`, or that jax ended for another's fault, is not it); else the one
+  the others' verdicts name (code None while it still runs: it hangs); else process 0,
+  whose coordinator the others lost."""
+  exited = {i: c for i, c in enumerate(codes) if c not in (None, 0)}
+  if not exited:
+    return None
+  verdicts = status.faults()
+  differs = [v["faulty"] for v in verdicts.values() if v.get("how") == "differs"]
+  if differs:
+    return differs[0], codes[differs[0]]
+  own = [i for i, c in exited.items() if c != health.EXIT_PEER_FAILED and not (c == -signal.SIGABRT and i in fatal)]
+  if own:
+    index = min(own, key=lambda i: (codes[i] >= 0, i))  # a process killed by a signal first
+    return index, codes[index]
+  named = [v["faulty"] for i, v in sorted(verdicts.items()) if v.get("faulty") != i]
+  index = named[0] if named else 0
+  return index, codes[index]
+
+
+class _Status:
+  """What the processes write into `TOT_STATUS_DIR` (`torch_on_tpu.health`): each one's
+  host, pid, activity and checkpoint directory, and each verdict on a fault."""
+
+  def __init__(self, directory: str):
+    self.directory = Path(directory)
+
+  def _read(self, name: str) -> dict:
+    try:
+      return json.loads((self.directory / name).read_text())
+    except (OSError, ValueError):
+      return {}
+
+  def process(self, index: int) -> dict:
+    return self._read(f"p{index}.json")
+
+  def faults(self) -> dict[int, dict]:
+    """Every verdict written so far, by the index of the process that wrote it."""
+    found = {}
+    for path in self.directory.glob("p*.fault.json"):
+      record = self._read(path.name)
+      if "faulty" in record:
+        found[int(path.name[1:].split(".")[0])] = record
+    return found
+
+  def describe(self, index: int, code: int | None, last_lines: dict) -> str:
+    """'process 1 (host h, pid 7) was killed by SIGKILL while saving checkpoint step 20'."""
+    me = self.process(index)
+    verdicts = self.faults()
+    own = verdicts.get(index, {})
+    who = f"process {index}" + (f" (host {me['host']}, pid {me['pid']})" if me.get("host") else "")
+    how = "stopped responding" if code is None else describe_exit(code)
+    text = f"{who} {how}"
+    if me.get("activity") and own.get("how") not in ("differs", "could not join"):
+      text += f" while {me['activity']}"
+    if own.get("sentence"):
+      return f"{text}: {own['sentence'].rstrip('.')}"
+    noticer = next((i for i, v in sorted(verdicts.items()) if i != index and v.get("faulty") == index), None)
+    if noticer is not None and code is None:
+      silent = verdicts[noticer].get("heartbeat")
+      return f"{text} (process {noticer} noticed" + (f": no heartbeat for {silent:.0f} s)" if silent else ")")
     last = last_lines.get(index)
-    return f"process {index} {describe_exit(code)}" + (f" (its last line: {last[:300]!r})" if last else "")
+    return text + (f" (its last line: {last[:300]!r})" if last and code is not None and code > 0 else "")
 
-  if interrupted is not None:
-    name = signal.Signals(interrupted).name
-    failed = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0), None)
-    if failed is None:
-      print(f"launch: got {name}; all {args.nproc} processes stopped cleanly (exit 0).", file=sys.stderr)
-      return 0
-    print(f"launch: got {name}; {why(*failed)}.", file=sys.stderr)
-    return _exit_status(failed[1])
-  if failed is not None:
-    print(f"launch: {why(*failed)}; stopped the other {args.nproc - 1}.", file=sys.stderr, flush=True)
-    return _exit_status(failed[1])
-  return 0
+  def kept(self, index: int) -> str | None:
+    """Which checkpoint a relaunch resumes from, when the processes named their directory."""
+    directory = next((r.get("checkpoints") for r in (self.process(index), *self._all()) if r.get("checkpoints")), None)
+    if not directory:
+      return None
+    own = self.faults().get(index, {}).get("sentence", "")
+    return None if "newest complete checkpoint" in own else storage.kept(directory)
+
+  def _all(self) -> list[dict]:
+    return [self._read(p.name) for p in sorted(self.directory.glob("p*.json")) if ".fault." not in p.name]
 
 
 def _exit_status(code: int) -> int:

@@ -148,6 +148,11 @@ def note_checkpoints(directory) -> None:
   _checkpoints = Path(directory).absolute()
 
 
+def checkpoint_directory() -> Path | None:
+  """The directory `note_checkpoints` named (None before a run names one)."""
+  return _checkpoints
+
+
 def newest_complete_step(directory) -> int | None:
   """The newest step in a checkpoint directory that was completely written (orbax
   renames a step into its number only once every file of it is there)."""

@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from torch_on_tpu import _compat, integrity, storage
+from torch_on_tpu import _compat, health, integrity, storage
 from torch_on_tpu import scan as scan_lib
 from torch_on_tpu.checkpoint import state_entries
 from torch_on_tpu.errors import TorchOnTpuError, first_line
@@ -155,11 +155,13 @@ class Checkpointer:
     with self._storage_faults():
       self._manager.wait_until_finished()  # the previous save's fault is reported as that step's
       self._writing = step
+      health.doing(f"saving checkpoint step {step}")
       started = self._manager.save(step, args=args, force=force)
     if started and not self._async:
       self._write_checksums()
     if started:
       self._held_steps.append(step)
+      health.background(lambda: f"writing checkpoint step {step}" if self.is_saving() else None)
     return started
 
   def restore(self, target, *, step: int | None = None, partial: bool = False) -> Restored | None:
@@ -185,6 +187,7 @@ class Checkpointer:
       )
     damaged = []
     for candidate in [step] if step is not None else saved[::-1]:
+      health.doing(f"restoring checkpoint step {candidate}")
       restored, problem = self._restore_checked(candidate, target, partial)
       if restored is not None:
         self.set_aside([s for s, _ in damaged], "damaged")
@@ -297,6 +300,7 @@ class Checkpointer:
 
   def close(self) -> None:
     """Waits for pending saves, then releases orbax's background resources."""
+    health.background(None)
     with self._storage_faults():
       self._manager.close()
 
