@@ -142,14 +142,16 @@ def _join_watchdog(coordinator: str | None, count: int | None, index: int | None
   where = coordinator or "the address the cluster's metadata gives"
   me = f"Process {index}" if index is not None else "This process"
 
+  notice = min(JOIN_NOTICE_SECONDS, timeout / 2)
+
   def watch():
-    if joined.wait(min(JOIN_NOTICE_SECONDS, timeout)):
+    if joined.wait(notice):
       return
     print(
       f"{me} is waiting for the run's coordinator at {where} and the other processes "
       f"(of {count or 'all'}); it gives up after {timeout:.0f} s ({ENV_INIT_TIMEOUT}).", file=sys.stderr, flush=True,
     )
-    if joined.wait(max(timeout - JOIN_NOTICE_SECONDS, 0)):
+    if joined.wait(timeout - notice):
       return
     if index == 0:
       why = f"it started the coordinator at {where}, but not all {count} processes joined within {timeout:.0f} s ({ENV_INIT_TIMEOUT})"

@@ -124,6 +124,21 @@ def failed(sentence: str) -> None:
     _watch.kv_set(f"failed/{_watch.index}", sentence)
 
 
+def abort(sentence: str) -> None:
+  """Ends this process now with `sentence` (exit 1), the others told first: for a fault
+  found off the main thread while the main thread waits for the others (a background
+  checkpoint write that failed on this process only)."""
+  failed(sentence)
+  try:
+    sys.stdout.flush()
+  except Exception:  # noqa: BLE001
+    pass
+  os.write(2, f"error: {sentence}\n".encode())
+  if _watch is not None and _watch.index == 0:
+    _watch._wait_for_the_others(exclude=set())
+  os._exit(EXIT_ERROR)
+
+
 def refuse(sentence: str, faulty: int) -> None:
   """Every process refuses the run together, over a difference each of them saw
   (`fingerprint`): none leaves before all know, so none mistakes another's exit for a fault."""
@@ -202,7 +217,7 @@ class _Watch:
     self.client, self.index, self.count = client, index, count
     self.heartbeat = heartbeat_timeout
     # A frozen coordinator: jax's client ends the process after about 0.7 heartbeat timeouts.
-    self.coordinator_silence = max(2.0, 0.4 * heartbeat_timeout)
+    self.coordinator_silence = max(2.0, 0.5 * heartbeat_timeout)
     self.hosts: list[str] = []
     self.pids: list[int] = []
     self.wake = threading.Event()
@@ -280,26 +295,26 @@ class _Watch:
       if verdict is not None:
         self._stop(*verdict)
 
-  def _verdict(self) -> tuple[int, str, str] | None:
-    """(the faulty process, how, the sentence) or None."""
+  def _verdict(self) -> tuple[int, str, str, float] | None:
+    """(the faulty process, how, the sentence, seconds nothing was heard from it) or None."""
     failed = {i: s for i, s in self.marks["failed"].items() if i != self.index}
     if failed:
       i, sentence = min(failed.items())
-      return i, "failed", f"{describe(i).capitalize()} stopped with an error: {sentence.rstrip('.')}"
+      return i, "failed", f"{describe(i).capitalize()} stopped with an error: {sentence.rstrip('.')}", 0.0
     silent = time.monotonic() - self.probe_sent if self.probe_sent > self.probe_answered else 0.0
     if self.index != 0 and (silent > self.coordinator_silence or self.coordinator_lost):
       why = f"answered nothing for {silent:.0f} s" if not self.coordinator_lost else f"is gone ({self.coordinator_lost})"
-      return 0, "coordinator", f"{describe(0).capitalize()}, which holds the run's coordinator, {why}"
+      return 0, "coordinator", f"{describe(0).capitalize()}, which holds the run's coordinator, {why}", silent
     gone = sorted(self.missing - set(self.marks["done"]) - {self.index})
     if gone and not self.finishing:
       i = gone[0]
       late = self._failure_of(i)  # it may have failed just before leaving
       if late is not None:
-        return i, "failed", f"{describe(i).capitalize()} stopped with an error: {late.rstrip('.')}"
+        return i, "failed", f"{describe(i).capitalize()} stopped with an error: {late.rstrip('.')}", 0.0
       return i, "unresponsive", (
         f"{describe(i).capitalize()} stopped responding while {self._activity_of(i)} (no heartbeat for "
         f"{self.heartbeat:.0f} s, TOT_HEARTBEAT_TIMEOUT)"
-      )
+      ), self.heartbeat
     return None
 
   def _failure_of(self, i: int) -> str | None:
@@ -314,14 +329,14 @@ class _Watch:
     except Exception:  # noqa: BLE001
       return "doing something unknown (it published nothing)"
 
-  def _stop(self, faulty: int, how: str, sentence: str) -> None:
+  def _stop(self, faulty: int, how: str, sentence: str, silent: float) -> None:
     """Ends this process: one sentence, the launcher's record, process 0 last."""
     with self.lock:
       if self.stopping or _failed is not None:
         return
       self.stopping = True
     sentence = f"{sentence}; {describe(self.index)} stops too (exit {EXIT_PEER_FAILED}): {storage.kept()}."
-    _write_status(fault={"faulty": faulty, "how": how, "sentence": sentence, "heartbeat": self.heartbeat})
+    _write_status(fault={"faulty": faulty, "how": how, "sentence": sentence, "silent": silent})
     try:
       sys.stdout.flush()
     except Exception:  # noqa: BLE001

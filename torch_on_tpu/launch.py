@@ -48,6 +48,7 @@ DEFAULT_GRACE_SECONDS = 300.0
 # After one process failed the others cannot finish a save (it needs every
 # process), so they get at most this long before SIGKILL.
 FAILURE_GRACE_SECONDS = 10.0
+_LEAVING_SECONDS = 30.0  # a process that reported its own error is given this long to exit
 
 
 class LaunchError(Exception):
@@ -133,20 +134,22 @@ def process_env(base: dict, index: int, count: int, port: int, cpu_devices: int 
   return env
 
 
-# A C++ check failure's stack (addresses, no use to anyone reading the run's output), and
-# jax's message when its coordination service ends a process because another one failed.
-_CXX_STACK = re.compile(r"^(@\s+0x[0-9a-f]+|\*\*\* Check failure stack trace)")
+# Not relayed: a C++ check failure's stack (addresses, of no use to anyone reading the run's
+# output), and the coordination service's warning that it runs in the recoverable mode
+# torch_on_tpu.health asks for. Noted: jax's message when its coordination service ends a
+# process because another one failed.
+_NOT_RELAYED = re.compile(r"^(@\s+0x[0-9a-f]+|\*\*\* Check failure stack trace|\S+ coordination_service\.cc:\d+\] \[\d+\] Using experimental recoverable task)")
 _JAX_FATAL = "Terminating process because the JAX distributed service detected fatal errors"
 
 
 def _pump(index: int, stream, out, lock: threading.Lock, last_lines: dict, fatal: set) -> None:
-  """Copies one process's output to `out`, each line prefixed with `[p<index>]`, without
-  C++ stack frames; keeps its last non-empty line in `last_lines[index]` and notes in
+  """Copies one process's output to `out`, each line prefixed with `[p<index>]`, but for
+  the lines `_NOT_RELAYED` matches; keeps its last non-empty line in `last_lines[index]` and notes in
   `fatal` a process jax's coordination service ended."""
   prefix = f"[p{index}] "
   for raw in iter(stream.readline, b""):
     line = raw.decode("utf-8", errors="replace").rstrip("\n")
-    if _CXX_STACK.match(line.strip()):
+    if _NOT_RELAYED.match(line.strip()):
       continue
     if _JAX_FATAL in line:
       fatal.add(index)
@@ -201,9 +204,12 @@ def run(args: argparse.Namespace, out=None) -> int:
 
   previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
   try:
+    first_exit = None
     while faulty is None and interrupted is None:
       codes = [p.poll() for p in procs]
-      faulty = _blame(codes, fatal, status)
+      if first_exit is None and any(c not in (None, 0) for c in codes):
+        first_exit = time.monotonic()
+      faulty = _blame(codes, fatal, status, time.monotonic() - first_exit if first_exit else 0.0)
       if all(c is not None for c in codes):
         break
       time.sleep(_POLL_SECONDS)
@@ -244,12 +250,13 @@ def run(args: argparse.Namespace, out=None) -> int:
       shutil.rmtree(status.directory, ignore_errors=True)
 
 
-def _blame(codes: list, fatal: set, status: "_Status") -> tuple[int, int | None] | None:
+def _blame(codes: list, fatal: set, status: "_Status", waited: float = 0.0) -> tuple[int, int | None] | None:
   """The process to blame once one failed, or None while none has: one that died or exited
   with an error of its own (a process that reports another's fault, exit
   `health.EXIT_PEER_FAILED`, or that jax ended for another's fault, is not it); else the one
-  the others' verdicts name (code None while it still runs: it hangs); else process 0,
-  whose coordinator the others lost."""
+  the others' verdicts name (code None while it still runs: it hangs; one that failed
+  with an error gets `_LEAVING_SECONDS` after the first exit, `waited`, to exit itself);
+  else process 0, whose coordinator the others lost."""
   exited = {i: c for i, c in enumerate(codes) if c not in (None, 0)}
   if not exited:
     return None
@@ -261,8 +268,10 @@ def _blame(codes: list, fatal: set, status: "_Status") -> tuple[int, int | None]
   if own:
     index = min(own, key=lambda i: (codes[i] >= 0, i))  # a process killed by a signal first
     return index, codes[index]
-  named = [v["faulty"] for i, v in sorted(verdicts.items()) if v.get("faulty") != i]
-  index = named[0] if named else 0
+  named = [(v["faulty"], v.get("how")) for i, v in sorted(verdicts.items()) if v.get("faulty") != i]
+  index, how = named[0] if named else (0, None)
+  if how == "failed" and codes[index] is None and waited < _LEAVING_SECONDS:
+    return None  # it failed with an error and is on its way out: its own exit says more
   return index, codes[index]
 
 
@@ -305,8 +314,8 @@ class _Status:
       return f"{text}: {own['sentence'].rstrip('.')}"
     noticer = next((i for i, v in sorted(verdicts.items()) if i != index and v.get("faulty") == index), None)
     if noticer is not None and code is None:
-      silent = verdicts[noticer].get("heartbeat")
-      return f"{text} (process {noticer} noticed" + (f": no heartbeat for {silent:.0f} s)" if silent else ")")
+      silent = verdicts[noticer].get("silent")
+      return f"{text} (process {noticer} noticed" + (f" after {silent:.0f} s without a sign of it)" if silent else ")")
     last = last_lines.get(index)
     return text + (f" (its last line: {last[:300]!r})" if last and code is not None and code > 0 else "")
 

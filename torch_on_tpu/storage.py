@@ -178,14 +178,28 @@ def kept(directory=None) -> str:
 # ---- tracebacks from the threads of a failed save ----------------------------------------------
 
 
+_background_fault = None  # called with a storage fault orbax's save thread just logged
+
+
+def on_background_fault(handler) -> None:
+  """`handler(error)` runs (in orbax's thread) when a background save fails on a storage
+  fault: on several processes the others wait for this one in the save's barrier, so
+  its caller cannot learn of it in time; None removes it."""
+  global _background_fault
+  _background_fault = handler
+
+
 class _DropThreadTracebacks(logging.Filter):
-  """Orbax's own logged failures, and asyncio's "exception was never retrieved" for the
+  """Orbax's own logged failures (a storage fault among them is handed to
+  `on_background_fault`'s handler), and asyncio's "exception was never retrieved" for the
   write futures of a save that failed on a storage fault (collected after its loop closed)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     if not record.exc_info:
       return True
     if "orbax" in record.pathname:
+      if _background_fault is not None and error_code(record.exc_info[1]) is not None:
+        _background_fault(record.exc_info[1])
       return False
     return record.name != "asyncio" or error_code(record.exc_info[1]) is None
 

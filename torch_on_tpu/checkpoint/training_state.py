@@ -152,6 +152,8 @@ class Checkpointer:
       data=ocp.args.JsonSave(_json_item("data", data)),
       config=ocp.args.JsonSave(_json_item("config", config)),
     )
+    if jax.process_count() > 1:
+      storage.on_background_fault(self._background_fault)
     with self._storage_faults():
       self._manager.wait_until_finished()  # the previous save's fault is reported as that step's
       self._writing = step
@@ -301,6 +303,7 @@ class Checkpointer:
   def close(self) -> None:
     """Waits for pending saves, then releases orbax's background resources."""
     health.background(None)
+    storage.on_background_fault(None)
     with self._storage_faults():
       self._manager.close()
 
@@ -312,16 +315,24 @@ class Checkpointer:
     pending = sorted(self.directory.glob(f"{self._writing}.orbax-checkpoint-tmp*"), key=lambda p: p.stat().st_mtime)
     integrity.write_manifest(pending[-1] if pending else final)
 
+  def _background_fault(self, error: BaseException) -> None:
+    """A background write that failed on this process: the others wait for it in the
+    save's barrier (and it for them), so it ends the run here, in one sentence."""
+    health.abort(self._fault_sentence(error))
+
+  def _fault_sentence(self, error: BaseException) -> str | None:
+    return storage.storage_error(
+      error, f"checkpoint step {self._writing}", self.directory, storage.kept(self.directory),
+      elsewhere="point the checkpoints at a larger disk",
+    )
+
   @contextlib.contextmanager
   def _storage_faults(self):
     """A storage fault from orbax (or its threads) → one sentence; anything else as it was."""
     try:
       yield
     except Exception as e:
-      message = storage.storage_error(
-        e, f"checkpoint step {self._writing}", self.directory, storage.kept(self.directory),
-        elsewhere="point the checkpoints at a larger disk",
-      )
+      message = self._fault_sentence(e)
       if message is None:
         raise
       raise TorchOnTpuError(message) from None
