@@ -93,8 +93,8 @@ def test_a_hung_process_is_named_by_the_others_and_the_launcher_and_a_relaunch_r
   assert "(process 0 noticed after" in line and line.endswith("exit 124.")
   kept = int(re.search(r"step (\d+) is the newest complete checkpoint in (\S+)", line).group(1))
   assert kept in (2, 4) and storage.newest_complete_step(tmp_path / "hang" / "ckpt") == kept
-  survivor = next(x for x in out.splitlines() if x.startswith("[p0] ") and "error: Process 1" in x)  # after the bar
-  assert "Process 1 (host" in survivor and "stopped responding while running step 5" in survivor
+  survivor = json.loads((run.status / "p0.fault.json").read_text())["sentence"]  # also printed, after its progress bar
+  assert survivor.startswith("Process 1 (host") and "stopped responding while running step 5" in survivor
   assert f"process 0 (host" in survivor and "stops too (exit 75)" in survivor
   assert noticed < HEARTBEAT_S + 10, noticed  # the bound docs/multihost.md gives
   print(f"hung process noticed and the run stopped in {noticed:.1f} s (heartbeat timeout {HEARTBEAT_S} s)")
@@ -177,6 +177,7 @@ def test_the_launcher_blames_the_faulty_process_not_the_one_that_stopped_because
   assert launch._blame([None, -6], {1}, status) == (0, None)  # jax ended process 1: it lost process 0
   verdict(0, 1, "differs")
   verdict(1, 1, "differs")
+  assert launch._blame([3, None], set(), status) is None  # it is leaving by itself
   assert launch._blame([3, 3], set(), status) == (1, 3)
   (tmp_path / "p1.json").write_text(json.dumps({"host": "h", "pid": 7, "activity": "running step 5"}))
   assert status.describe(1, 3, {}) == "process 1 (host h, pid 7) exited with code 3: s"

@@ -263,16 +263,21 @@ def _blame(codes: list, fatal: set, status: "_Status", waited: float = 0.0) -> t
   verdicts = status.faults()
   differs = [v["faulty"] for v in verdicts.values() if v.get("how") == "differs"]
   if differs:
-    return differs[0], codes[differs[0]]
+    return None if _still_leaving(differs[0], codes, waited) else (differs[0], codes[differs[0]])
   own = [i for i, c in exited.items() if c != health.EXIT_PEER_FAILED and not (c == -signal.SIGABRT and i in fatal)]
   if own:
     index = min(own, key=lambda i: (codes[i] >= 0, i))  # a process killed by a signal first
     return index, codes[index]
   named = [(v["faulty"], v.get("how")) for i, v in sorted(verdicts.items()) if v.get("faulty") != i]
   index, how = named[0] if named else (0, None)
-  if how == "failed" and codes[index] is None and waited < _LEAVING_SECONDS:
+  if how == "failed" and _still_leaving(index, codes, waited):
     return None  # it failed with an error and is on its way out: its own exit says more
   return index, codes[index]
+
+
+def _still_leaving(index: int, codes: list, waited: float) -> bool:
+  """A process every other one saw fail (or refused) is given time to exit by itself."""
+  return codes[index] is None and waited < _LEAVING_SECONDS
 
 
 class _Status:
