@@ -229,6 +229,7 @@ def launcher_sigterm(tmp: Path) -> str:
 
 HEARTBEAT_S = 10
 MP_STEPS, MP_SAVE_EVERY = 12, 3
+KEEP: Path | None = None  # --keep
 _CXX_FRAME = re.compile(r"@\s+0x[0-9a-f]{6,}")
 
 
@@ -239,7 +240,7 @@ class _Launch:
     self.dir = tmp / name
     self.status = self.dir / "status"
     self.status.mkdir(parents=True)
-    environment = _env(tmp / "cache", TOT_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S), TOT_STATUS_DIR=str(self.status), **(env or {}))
+    environment = {**_env(tmp / "cache", TOT_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S), TOT_STATUS_DIR=str(self.status)), **(env or {})}
     environment.pop("XLA_FLAGS", None)
     target = [script] if script else ["-m", "recipes.llama3"]
     log_dir = [] if any(f.startswith("--log_dir=") for f in flags) else [f"--log_dir={self.dir / 'run'}"]
@@ -267,10 +268,14 @@ class _Launch:
 
   def finish(self) -> dict:
     out, err = self.proc.communicate(timeout=1200)
+    if KEEP is not None:  # every launch's output, to read what a surprising row did
+      (KEEP / f"{self.dir.name}.out").write_text(out)
+      (KEEP / f"{self.dir.name}.err").write_text(err)
     text = out + err
     return {
       "code": self.proc.returncode, "line": err.strip().splitlines()[-1] if err.strip() else "",
       "tracebacks": text.count("Traceback") + len(_CXX_FRAME.findall(text)), "ended": time.monotonic(), "out": out,
+      "jax_aborts": text.count("Terminating process because the JAX distributed service"),
     }
 
 
@@ -282,8 +287,9 @@ def _kept(line: str) -> str:
 def _summary(results: list[dict], noticed: list[float]) -> str:
   codes = sorted({r["code"] for r in results})
   tracebacks = sum(r["tracebacks"] for r in results)
+  aborts = sum(r.get("jax_aborts", 0) for r in results)
   timing = f"noticed and stopped in {statistics.median(noticed):.1f} s median, {max(noticed):.1f} s max; " if noticed else ""
-  return f"{timing}exit {codes}; {tracebacks} tracebacks or C++ frames"
+  return f"{timing}exit {codes}; {tracebacks} tracebacks or C++ frames; {aborts} processes ended by jax (process 0 died)"
 
 
 def process_faults(tmp: Path, stops: int, kills: int) -> list[tuple[str, int, str]]:
@@ -380,7 +386,12 @@ def main(argv=None) -> int:
   parser.add_argument("--stops", type=int, default=20, help="SIGSTOP trials of a multi-process run")
   parser.add_argument("--process_kills", type=int, default=20, help="SIGKILL trials of a multi-process run")
   parser.add_argument("--only", default="sigkill,damage,storage,nan,launcher,disks,processes")
+  parser.add_argument("--keep", default=None, help="a directory to keep each multi-process launch's output in")
   args = parser.parse_args(argv)
+  global KEEP
+  if args.keep:
+    KEEP = Path(args.keep)
+    KEEP.mkdir(parents=True, exist_ok=True)
   only = set(args.only.split(","))
   rows = []
   with tempfile.TemporaryDirectory() as name:

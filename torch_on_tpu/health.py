@@ -19,8 +19,8 @@ only records the death, and each process runs three daemon threads here:
 A process that raises (or whose recipe stops on an error) marks itself failed first, so
 the others stop at once with its reason instead of waiting for a heartbeat. Process 0,
 which holds the service, leaves last: the others would otherwise lose the coordinator
-mid-sentence. A clean exit waits at an exit barrier, as jax's own shutdown does outside
-recoverable mode.
+mid-sentence. A clean exit waits until every process finished (or failed), as jax's own
+shutdown barrier does outside recoverable mode.
 
 What is not covered: a process whose Python is stuck while its heartbeat threads run
 (the others wait in a collective); process 0 dying outright (SIGKILL), where jax's client
@@ -61,9 +61,11 @@ EXIT_PEER_FAILED = 75
 EXIT_HUNG = 124
 
 POLL_SECONDS = 0.5
-EXIT_BARRIER_SECONDS = 60  # how long a finished process waits at exit for the slowest one
+EXIT_BARRIER_SECONDS = 60  # how long a finished process waits at exit for the slowest one to finish
 LAST_TO_LEAVE_SECONDS = 10  # how long process 0 keeps the coordinator up for the others to stop
 _KEY = "torch_on_tpu/"
+_MARKS = ("failed", "done", "stopped")
+LIVENESS_SECONDS = 1.0  # how often each process asks the coordinator who is alive
 
 
 class ProcessFault(TorchOnTpuError):
@@ -121,7 +123,7 @@ def failed(sentence: str) -> None:
   _failed = sentence
   _write_status(fault={"faulty": _index(), "how": "failed", "sentence": sentence})
   if _watch is not None:
-    _watch.kv_set(f"failed/{_watch.index}", sentence)
+    _watch.mark("failed", sentence)
 
 
 def abort(sentence: str) -> None:
@@ -226,7 +228,8 @@ class _Watch:
     self.finishing = False
     self.exchanges: dict[str, int] = {}
     self.missing: set[int] = set()
-    self.marks: dict[str, dict[int, str]] = {"failed": {}, "done": {}, "stopped": {}}
+    self.marks: dict[str, dict[int, str]] = {kind: {} for kind in _MARKS}
+    self.marks_read = 0.0
     self.probe_sent = self.probe_answered = time.monotonic()
     self.coordinator_lost: str | None = None
     self.published = None
@@ -238,8 +241,16 @@ class _Watch:
     except Exception:  # noqa: BLE001 (the coordinator is gone: the judge says so)
       pass
 
-  def marked(self, kind: str) -> dict[int, str]:
-    return {int(k.rsplit("/", 1)[1]): v for k, v in self.client.key_value_dir_get(f"{_KEY}{kind}/")}
+  def all_marks(self) -> dict[str, dict[int, str]]:
+    """Every process's marks ("failed", "done", "stopped"), in one listing."""
+    marks = {kind: {} for kind in _MARKS}
+    for key, value in self.client.key_value_dir_get(f"{_KEY}mark/"):
+      kind, index = key.rsplit("/", 2)[1:]
+      marks.setdefault(kind, {})[int(index)] = value
+    return marks
+
+  def mark(self, kind: str, value: str = "1") -> None:
+    self.kv_set(f"mark/{kind}/{self.index}", value)
 
   def exchange(self, name: str, value, timeout_s: float) -> list:
     n = self.exchanges[name] = self.exchanges.get(name, 0) + 1
@@ -271,9 +282,11 @@ class _Watch:
         time.sleep(POLL_SECONDS)
         continue
       self.missing = set(everyone) - set(live)
-      time.sleep(POLL_SECONDS)
+      time.sleep(LIVENESS_SECONDS)
 
   def _probe(self) -> None:
+    """Publishes this process's activity when it changed (woken by `doing`); reads every
+    mark at most every `POLL_SECONDS` (one listing: a pod's coordinator serves them all)."""
     while not self.stopping:
       self.probe_sent = time.monotonic()
       try:
@@ -281,7 +294,8 @@ class _Watch:
         if record != self.published:
           self.client.key_value_set(f"{_KEY}doing/{self.index}", record, allow_overwrite=True)
           self.published = record
-        self.marks = {kind: self.marked(kind) for kind in self.marks}
+        if time.monotonic() - self.marks_read >= POLL_SECONDS:
+          self.marks, self.marks_read = self.all_marks(), time.monotonic()
       except Exception as e:  # noqa: BLE001
         self.coordinator_lost = first_line(e)
       self.probe_answered = time.monotonic()
@@ -296,7 +310,10 @@ class _Watch:
         self._stop(*verdict)
 
   def _verdict(self) -> tuple[int, str, str, float] | None:
-    """(the faulty process, how, the sentence, seconds nothing was heard from it) or None."""
+    """(the faulty process, how, the sentence, seconds nothing was heard from it) or None;
+    None once this process finished its work (it leaves with exit 0 whatever the others do)."""
+    if self.finishing:
+      return None
     failed = {i: s for i, s in self.marks["failed"].items() if i != self.index}
     if failed:
       i, sentence = min(failed.items())
@@ -306,7 +323,7 @@ class _Watch:
       why = f"answered nothing for {silent:.0f} s" if not self.coordinator_lost else f"is gone ({self.coordinator_lost})"
       return 0, "coordinator", f"{describe(0).capitalize()}, which holds the run's coordinator, {why}", silent
     gone = sorted(self.missing - set(self.marks["done"]) - {self.index})
-    if gone and not self.finishing:
+    if gone:
       i = gone[0]
       late = self._failure_of(i)  # it may have failed just before leaving
       if late is not None:
@@ -319,7 +336,7 @@ class _Watch:
 
   def _failure_of(self, i: int) -> str | None:
     try:
-      return self.client.key_value_try_get(f"{_KEY}failed/{i}")
+      return self.client.key_value_try_get(f"{_KEY}mark/failed/{i}")
     except Exception:  # noqa: BLE001 (not found)
       return None
 
@@ -343,7 +360,7 @@ class _Watch:
       pass
     os.write(2, f"error: {sentence}\n".encode())
     if how != "coordinator":
-      self.kv_set(f"stopped/{self.index}", "1")
+      self.mark("stopped")
       if self.index == 0:
         self._wait_for_the_others(exclude={faulty})
     os._exit(EXIT_PEER_FAILED)
@@ -354,7 +371,9 @@ class _Watch:
     others = set(range(1, self.count)) - exclude
     while time.monotonic() < deadline:
       try:
-        left = set(self.marked("stopped")) | set(self.marked("done")) | (set(range(self.count)) - set(self.client.get_live_nodes(list(range(self.count)))))
+        marks = self.all_marks()
+        live = self.client.get_live_nodes(list(range(self.count)))
+        left = set(marks["stopped"]) | set(marks["done"]) | (set(range(self.count)) - set(live))
       except Exception:  # noqa: BLE001
         return
       if others <= left:
@@ -369,11 +388,18 @@ class _Watch:
       if self.index == 0:
         self._wait_for_the_others(exclude=set())
       return
-    self.kv_set(f"done/{self.index}", "1")
-    try:
-      self.client.wait_at_barrier(f"{_KEY}exit", EXIT_BARRIER_SECONDS * 1000)
-    except Exception:  # noqa: BLE001 (a process died at the very end: nothing left to protect)
-      return
+    self.mark("done")
+    # Like jax's shutdown barrier outside recoverable mode, but one that a process that
+    # failed meanwhile (it will never be done) does not hold up.
+    deadline = time.monotonic() + EXIT_BARRIER_SECONDS
+    while time.monotonic() < deadline:
+      try:
+        marks = self.all_marks()
+      except Exception:  # noqa: BLE001 (no coordinator any more: nothing left to protect)
+        return
+      if set(marks["done"]) | set(marks["failed"]) | set(marks["stopped"]) >= set(range(self.count)):
+        break
+      time.sleep(POLL_SECONDS / 2)
     if self.index == 0:
       deadline = time.monotonic() + LAST_TO_LEAVE_SECONDS
       while time.monotonic() < deadline:
