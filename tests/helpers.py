@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import jax
@@ -27,6 +28,7 @@ def load_module(path):
   """A script (tools/*.py) imported as a module, without running its main."""
   spec = importlib.util.spec_from_file_location(Path(path).stem, path)
   module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses look their module up there
   spec.loader.exec_module(module)
   return module
 

@@ -7,7 +7,6 @@ the whole recipe under the launcher: test_process_faults.)"""
 from __future__ import annotations
 
 import logging
-import sys
 import types
 
 import pytest

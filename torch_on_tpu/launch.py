@@ -9,11 +9,16 @@ Each process gets `TOT_COORDINATOR` (a free port on 127.0.0.1),
 `torch_on_tpu.distributed`), and torch_on_tpu's XLA flag defaults; `--cpu_devices K` gives each
 process K simulated CPU devices (`JAX_PLATFORMS=cpu` and
 `--xla_force_host_platform_device_count=K` appended to `XLA_FLAGS`). Output
-lines are prefixed `[p0]`, `[p1]`, .... When one process fails the others get
-SIGTERM, then SIGKILL after `--grace` seconds, and the launcher exits with the
-failed process's code and one line naming it, how it ended and its last line
-of output. SIGTERM/SIGINT to the launcher go to every process (a preemption:
-each saves and exits 0); the launcher then exits 0 when all of them did.
+is relayed as it arrives, each line prefixed `[p0]`, `[p1]`, ... (a progress bar
+redrawn in place too), without gloo's connection notices or C++ stack frames. Each
+process says in `TOT_STATUS_DIR` (`torch_on_tpu.health`) what it is doing and its
+verdict on a fault. When one process fails the launcher blames the faulty one, not
+those that stopped because of it (`_blame`): it kills it if it hangs, sends the others
+SIGTERM, then SIGKILL after `--grace` seconds, and exits with the faulty process's code
+(124 for a hung one) and one line naming it (index, host, pid), how it ended, what it
+was doing, and the newest complete checkpoint. SIGTERM/SIGINT to the launcher go to
+every process (a preemption: each saves and exits 0); the launcher then exits 0 when
+all of them did.
 
 `--grace` (default 300 s) is the time between SIGTERM and SIGKILL when the
 launcher is stopped: it must cover a preemption save of the whole state, so
@@ -26,6 +31,7 @@ save can finish without it.
 from __future__ import annotations
 
 import argparse
+import codecs
 import importlib.util
 import json
 import os
@@ -134,31 +140,103 @@ def process_env(base: dict, index: int, count: int, port: int, cpu_devices: int 
   return env
 
 
-# Not relayed: a C++ check failure's stack (addresses, of no use to anyone reading the run's
-# output), and the coordination service's warning that it runs in the recoverable mode
-# torch_on_tpu.health asks for. Noted: jax's message when its coordination service ends a
-# process because another one failed.
-_NOT_RELAYED = re.compile(r"^(@\s+0x[0-9a-f]+|\*\*\* Check failure stack trace|\S+ coordination_service\.cc:\d+\] \[\d+\] Using experimental recoverable task)")
+# Lines the processes print that say nothing to the user: jax's CPU collectives (gloo)
+# announce every connection between processes.
+NOISE_PREFIXES = ("[Gloo] ",)
+# Nor do these (a C++ log line arrives whole, in one write): a C++ check failure's stack
+# (addresses), and the coordination service's warning that it runs in the recoverable
+# mode torch_on_tpu.health asks for.
+NOISE_PATTERNS = (
+  re.compile(r"(?m)^[ \t]*@[ \t]+0x[0-9a-f]+.*$|\*\*\* Check failure stack trace: \*\*\*"),
+  re.compile(r"[IWEF]\d{4} [\d:.]+ +\d+ coordination_service\.cc:\d+\] \[\d+\] Using experimental recoverable task feature"),
+)
+# jax's message when its coordination service ends a process because another one failed.
 _JAX_FATAL = "Terminating process because the JAX distributed service detected fatal errors"
 
 
-def _pump(index: int, stream, out, lock: threading.Lock, last_lines: dict, fatal: set) -> None:
-  """Copies one process's output to `out`, each line prefixed with `[p<index>]`, but for
-  the lines `_NOT_RELAYED` matches; keeps its last non-empty line in `last_lines[index]` and notes in
-  `fatal` a process jax's coordination service ended."""
-  prefix = f"[p{index}] "
-  for raw in iter(stream.readline, b""):
-    line = raw.decode("utf-8", errors="replace").rstrip("\n")
-    if _NOT_RELAYED.match(line.strip()):
-      continue
-    if _JAX_FATAL in line:
-      fatal.add(index)
-    if line.strip():
-      last_lines[index] = line.strip()
-    with lock:
-      out.write(prefix + line + "\n")
-      out.flush()
-  stream.close()
+class _Console:
+  r"""Where every process's output goes, as it arrives: each line, and each redraw of a
+  progress bar (which starts with `\r`, not a newline), prefixed `[p<index>] `; notices
+  starting with a `NOISE_PREFIXES` entry dropped. A line one process left open (a bar) is
+  ended before another process writes."""
+
+  def __init__(self, out):
+    self.out = out
+    self.lock = threading.Lock()
+    self.open_line = None  # the process whose line is on screen without its end
+    self.last_lines: dict[int, str] = {}  # each process's last non-empty line, for the failure message
+    self.fatal: set[int] = set()  # the processes jax's coordination service ended (for another's fault)
+
+  def relay(self, index: int, stream) -> None:
+    """Copies one process's output stream until it closes (run in a thread per process)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    line = _Line(index)
+    for chunk in iter(lambda: stream.read1(65536), b""):
+      for piece in re.split(r"([\r\n])", decoder.decode(chunk)):
+        if piece in ("\r", "\n"):
+          self._write(index, line.end(piece))
+          if _JAX_FATAL in line.text:
+            self.fatal.add(index)
+          if line.visible.strip():
+            self.last_lines[index] = line.visible.strip()
+          line = _Line(index)
+        elif piece:
+          self._write(index, line.add(piece))
+    self._write(index, line.end(""))
+    stream.close()
+
+  def _write(self, index: int, text: str) -> None:
+    if not text:
+      return
+    with self.lock:
+      if self.open_line not in (None, index):
+        self.out.write("\n")
+      self.out.write(text)
+      self.out.flush()
+      self.open_line = None if text.endswith(("\n", "\r")) else index
+
+
+class _Line:
+  """One line of one process's output as it arrives: what to write of it, when. A noise notice
+  may start mid-line (C++ writes it after a progress bar that has no line end yet): the line is
+  written up to it, and the notice dropped with its own line end."""
+
+  def __init__(self, index: int):
+    self.prefix = f"[p{index}] "
+    self.text = ""
+    self.written = 0  # characters of `text` already written
+    self.noise_at = None  # where a noise notice starts in `text`
+
+  @property
+  def visible(self) -> str:
+    return self.text if self.noise_at is None else self.text[: self.noise_at]
+
+  def add(self, piece: str) -> str:
+    """The text to write now that `piece` arrived (held back while it may still turn out to be noise)."""
+    self.text += piece
+    if self.noise_at is None:
+      hits = [i for i in (self.text.find(p, self.written) for p in NOISE_PREFIXES) if i >= 0]
+      hits += [m.start() for m in (p.search(self.text, self.written) for p in NOISE_PATTERNS) if m]
+      self.noise_at = min(hits) if hits else None
+    if self.noise_at is not None:
+      return self._upto(self.noise_at)
+    maybe = max((n for p in NOISE_PREFIXES for n in range(1, len(p)) if self.text.endswith(p[:n])), default=0)
+    return self._upto(len(self.text) - maybe)
+
+  def end(self, terminator: str) -> str:
+    r"""The text to write as the line ends with `terminator` (`\n`, `\r`, or "" at the stream's end)."""
+    if self.noise_at is not None:
+      return self._upto(self.noise_at)  # the notice's line end is its own: a bar before it stays open
+    if not self.text:  # an empty line; or the start of a bar's redraw, whose text gets the prefix
+      return (self.prefix if terminator == "\n" else "") + terminator
+    return self._upto(len(self.text)) + terminator
+
+  def _upto(self, end: int) -> str:
+    if end <= self.written:
+      return ""
+    rest = ("" if self.written else self.prefix) + self.text[self.written : end]
+    self.written = end
+    return rest
 
 
 def describe_exit(code: int) -> str:
@@ -176,9 +254,7 @@ def run(args: argparse.Namespace, out=None) -> int:
   port = args.port or free_port()
   target = ["-m", args.module] if args.module else [args.script]
   command = [sys.executable, *target, *args.target_args]
-  lock = threading.Lock()
-  last_lines: dict[int, str] = {}
-  fatal: set[int] = set()
+  console = _Console(out)
   procs, pumps = [], []
   given = os.environ.get(health.ENV_STATUS_DIR)  # a tool watching the run names its own
   status = _Status(given or tempfile.mkdtemp(prefix="tot-launch-"))
@@ -191,7 +267,7 @@ def run(args: argparse.Namespace, out=None) -> int:
     env = process_env(base, index, args.nproc, port, args.cpu_devices)
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     procs.append(proc)
-    pump = threading.Thread(target=_pump, args=(index, proc.stdout, out, lock, last_lines, fatal), daemon=True)
+    pump = threading.Thread(target=console.relay, args=(index, proc.stdout), daemon=True)
     pump.start()
     pumps.append(pump)
 
@@ -209,7 +285,7 @@ def run(args: argparse.Namespace, out=None) -> int:
       codes = [p.poll() for p in procs]
       if first_exit is None and any(c not in (None, 0) for c in codes):
         first_exit = time.monotonic()
-      faulty = _blame(codes, fatal, status, time.monotonic() - first_exit if first_exit else 0.0)
+      faulty = _blame(codes, console.fatal, status, time.monotonic() - first_exit if first_exit else 0.0)
       if all(c is not None for c in codes):
         break
       time.sleep(_POLL_SECONDS)
@@ -229,7 +305,7 @@ def run(args: argparse.Namespace, out=None) -> int:
       if failed is None:
         print(f"launch: got {name}; all {args.nproc} processes stopped cleanly (exit 0).", file=sys.stderr)
         return 0
-      print(f"launch: got {name}; {status.describe(*failed, last_lines)}.", file=sys.stderr)
+      print(f"launch: got {name}; {status.describe(*failed, console.last_lines)}.", file=sys.stderr)
       return _exit_status(failed[1])
     if faulty is not None:
       index, code = faulty
@@ -240,7 +316,7 @@ def run(args: argparse.Namespace, out=None) -> int:
         stopped = f"stopped the other {args.nproc - 1}"
       kept = status.kept(index)
       print(
-        f"launch: {status.describe(index, code, last_lines)}; {stopped}{'; ' + kept if kept else ''}; exit {exit_status}.",
+        f"launch: {status.describe(index, code, console.last_lines)}; {stopped}{'; ' + kept if kept else ''}; exit {exit_status}.",
         file=sys.stderr, flush=True,
       )
       return exit_status

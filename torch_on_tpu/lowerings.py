@@ -6,8 +6,9 @@ in-place op `aten.X_` whose functional twin `aten.X` has a lowering gets one:
 compute `X`, write the result back into the mutated tensor.
 
 `.cpu()` on a jax-backed tensor returns a plain CPU tensor even outside the
-torchax environment (torchax only allows it inside), and `.item()`, `float()`
-and `int()` give Python numbers, so model outputs and the train step's loss
+torchax environment (torchax only allows it inside), `.item()`, `float()`
+and `int()` give Python numbers, and `print` shows torch's own form
+(`tensor(5.8658, device='jax')`), so model outputs and the train step's loss
 come back the way torch users expect (the device is waited on only then).
 
 `normal_` is written out: torchax routes it through `aten.normal`, whose
@@ -305,6 +306,7 @@ def register(env) -> list[str]:
   TorchaxTensor.item = _item
   TorchaxTensor.__float__ = lambda self: float(_item(self))
   TorchaxTensor.__int__ = lambda self: int(_item(self))
+  TorchaxTensor.__repr__ = TorchaxTensor.__str__ = _repr
   added = []
   for name, inplace, functional in missing_inplace_variants(env):
     _compat.set_op(env, inplace, _compat.make_operator(inplace, op_base.InplaceOp(functional), jax_function=False, view_op=True))
@@ -315,6 +317,16 @@ def register(env) -> list[str]:
 def _item(self):
   """`.item()` on a jax-backed tensor, inside torchax's environment or not."""
   return np.asarray(jax.device_get(self.jax())).item()
+
+
+def _repr(self) -> str:
+  """torch's repr of the values, marked as living on a jax device; an array other
+  processes hold parts of is described, not gathered."""
+  array = self.jax()
+  if not array.is_fully_addressable:
+    return f"tensor(<{array.dtype}{list(array.shape)} over {len(array.sharding.device_set)} devices>, device='jax')"
+  text = repr(_to_host(self))
+  return f"{text[:-1]}, device='jax')"
 
 
 def _to_host(self, *args, **kwargs):

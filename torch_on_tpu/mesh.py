@@ -14,7 +14,7 @@ import jax
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from torch_on_tpu import runtime
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, call
 
 # Mesh axes that carry the batch, in the order a batch dim is split over them.
 # Expert-parallel devices take their share of the batch too (tokens reach the
@@ -42,18 +42,18 @@ def make_mesh(devices=None, **axes: int) -> Mesh:
     )
   bad = [n for n, s in zip(names, sizes) if s == 0 or s < -1]
   if bad:
-    raise TorchOnTpuError(f"make_mesh axis sizes must be positive or -1; got {axes}.")
+    raise TorchOnTpuError(f"{call('make_mesh', axes)}: mesh axis sizes must be positive or -1.")
   known = math.prod(s for s in sizes if s != -1)
   if fill:
     if count % known:
       raise TorchOnTpuError(
-        f"make_mesh({_fmt(axes)}): the fixed axes multiply to {known}, which does not divide "
+        f"{call('make_mesh', axes)}: the fixed axes multiply to {known}, which does not divide "
         f"the {count} available devices; pick sizes whose product divides {count}."
       )
     sizes[names.index(fill[0])] = count // known
   if math.prod(sizes) != count:
     raise TorchOnTpuError(
-      f"make_mesh({_fmt(axes)}) needs {math.prod(sizes)} devices but {count} are available; "
+      f"{call('make_mesh', axes)} needs {math.prod(sizes)} devices but {count} are available; "
       f"make the axis sizes multiply to {count} or use -1 on one axis."
     )
   return jax.make_mesh(
@@ -81,6 +81,3 @@ def batch_spec(axes, ndim: int) -> PartitionSpec:
   lead = None if not axes else axes[0] if len(axes) == 1 else axes
   return PartitionSpec(lead, *([None] * (ndim - 1)))
 
-
-def _fmt(axes: dict) -> str:
-  return ", ".join(f"{k}={v}" for k, v in axes.items())

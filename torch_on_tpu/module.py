@@ -219,7 +219,7 @@ class ShardedModule:
     # Random ops rotate the env's key; scoping the key keeps a traced key from
     # leaking into torchax's global state (pass a fresh key with
     # `env.override_property(prng=key)` around the call for per-step randomness).
-    kwargs = {**self.family.call_defaults(self.module, layer_stack=bool(self._layout)), **kwargs}
+    kwargs = {**self.family.call_defaults(self.module), **kwargs}
     with env, env.override_property(prng=env.param.prng):
       with self._activation_constraints(), self._attention_kernels(), lowerings.cpu_linear(self.mesh):
         with _compat.reparametrized(self.module, tensors), _running_wrapped():
@@ -250,21 +250,47 @@ class ShardedModule:
     statics = tuple(None if t else x for x, t in zip(leaves, is_tensor))
     dynamic = [self.place(x) for x, t in zip(leaves, is_tensor) if t]
     try:
-      key = (treedef, is_tensor, statics, ops.generation())
+      key = (treedef, is_tensor, statics)
       hash(key)
     except TypeError as e:
       raise TorchOnTpuError(
         f"A non-tensor argument to the model is unhashable ({e}); pass tensors for data "
         f"and hashable Python values (bools, ints, strings, tuples) for flags."
       ) from None
-    entry = self._compiled.get(key)
-    if entry is None:
-      entry = self._compiled[key] = self._build_forward(treedef, is_tensor, statics)
-    jitted, out_spec = entry
+    jitted, out_spec = self.program(key, lambda: self._build_forward(treedef, is_tensor, statics))
     self._rng, rng = jax.random.split(self._rng)
     out_leaves, changed = jitted(self.params, self.buffers, dynamic, rng)
     self.buffers.update(changed)
     return _unflatten_output(out_spec, out_leaves)
+
+  # ---- as a torch module: train / eval ------------------------------------------------
+
+  def train(self, mode: bool = True) -> ShardedModule:
+    """As `nn.Module.train`: the wrapped module's mode (dropout, BatchNorm's statistics).
+    Each mode gets its own compiled forward."""
+    self.module.train(mode)
+    return self
+
+  def eval(self) -> ShardedModule:
+    """As `nn.Module.eval`: `train(False)`."""
+    return self.train(False)
+
+  @property
+  def training(self) -> bool:
+    return self.module.training
+
+  def _modes(self) -> tuple[bool, ...]:
+    return tuple(m.training for m in self.module.modules())
+
+  def program(self, key, build: Callable):
+    """The program compiled for this model under `key` (its forward per call signature,
+    `generate`'s loop per shape): `build()` once, then the same one. The op overrides in
+    force (`ops.generation()`) and every submodule's train/eval mode are part of the key,
+    so either change compiles afresh (a program traced in train mode runs dropout)."""
+    key = (key, ops.generation(), self._modes())
+    if key not in self._compiled:
+      self._compiled[key] = build()
+    return self._compiled[key]
 
   def _build_forward(self, treedef, is_tensor, statics):
     out_spec = {}
@@ -440,7 +466,7 @@ def to_cpu(tree):
     if isinstance(x, jax.Array):
       host = np.asarray(jax.device_get(x))
       if host.dtype.name == "bfloat16":
-        return torch.from_numpy(host.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(np.array(host.view(np.uint16))).view(torch.bfloat16)
       return torch.from_numpy(np.array(host))
     return x
 

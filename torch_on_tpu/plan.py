@@ -58,7 +58,7 @@ import psutil
 
 from torch_on_tpu import scan as scan_lib
 from torch_on_tpu import models
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, arg, named
 from torch_on_tpu.models import DecoderShape
 from torch_on_tpu.module import _human_bytes
 
@@ -274,7 +274,7 @@ def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
   if policy not in ("full", "offload_dots"):
     alternative = _estimate(step, shape, global_batch_size, seqlen, "full", step.grad_accum)
     if alternative.total <= limit:
-      return f"use remat='full' (recompute each layer in the backward pass: about {_human_bytes(alternative.total)})"
+      return f"use {arg('remat', 'full')} (recompute each layer in the backward pass: about {_human_bytes(alternative.total)})"
   mesh = step.model.mesh
   data_ways = math.prod(mesh.shape[a] for a in step.model.data_axes)
   best = "full" if policy == "none" else policy
@@ -283,9 +283,9 @@ def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
     accum *= 2
     alternative = _estimate(step, shape, global_batch_size, seqlen, best, accum)
     if alternative.total <= limit:
-      extra = "" if best == policy else f" with remat='{best}'"
+      extra = "" if best == policy else f" with {arg('remat', best)}"
       return (
-        f"use grad_accum={accum}{extra} (or a global batch {accum // step.grad_accum}x smaller: "
+        f"use {arg('grad_accum', accum)}{extra} (or a global batch {accum // step.grad_accum}x smaller: "
         f"about {_human_bytes(alternative.total)})"
       )
   state = plan.params + plan.grads + plan.optimizer
@@ -294,12 +294,12 @@ def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
     factor = math.ceil(state / (limit - floor))
     fsdp = mesh.shape.get("fsdp", 1)
     return (
-      f"shard the params over about {factor}x more devices on fsdp (fsdp={fsdp * factor} or more), "
+      f"shard the params over about {factor}x more devices on fsdp ({arg('fsdp', fsdp * factor)} or more), "
       f"since params, gradients and optimizer state alone take {_human_bytes(state)}"
     )
   return (
-    f"even one sequence per device with remat='{best}' needs {_human_bytes(floor)} of activations; "
-    f"use a shorter seqlen or shard activations with tp"
+    f"even one sequence per device with {arg('remat', best)} needs {_human_bytes(floor)} of activations; "
+    f"use a shorter {named('seqlen')} or shard activations with {named('tp')}"
   )
 
 

@@ -30,7 +30,7 @@ import torch
 from jax.sharding import PartitionSpec
 
 from torch_on_tpu import _compat, models, module_state, remat as remat_lib
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, arg
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
@@ -351,12 +351,12 @@ class _LayerView:
     if self._path:
       raise TorchOnTpuError(
         f"The model calls '{self._path}' of one scanned layer on its own; scan runs whole layers, "
-        f"so use scan=False."
+        f"so use {arg('scan', False)}."
       )
     if not args:
       raise TorchOnTpuError(
         "The model calls a scanned layer without a positional argument; scan carries the first "
-        "positional argument as the hidden state, so pass it positionally or use scan=False."
+        f"positional argument as the hidden state, so pass it positionally or use {arg('scan', False)}."
       )
     return self._scanned.call_layer(self._index, args[0], args[1:], kwargs)
 
@@ -503,7 +503,7 @@ class ScanLayout:
     aliased = [a for e in entries for a in e.aliases if a in self._where or e.name in self._where]
     if aliased:
       raise TorchOnTpuError(
-        f"Cannot scan '{stack.path}': its tensor '{aliased[0]}' is tied to another tensor; use scan=False."
+        f"Cannot scan '{stack.path}': its tensor '{aliased[0]}' is tied to another tensor; use {arg('scan', False)}."
       )
     missing = [o for o in self._where if o not in names]
     if missing:
@@ -529,7 +529,7 @@ class ScanLayout:
           raise TorchOnTpuError(
             f"Scanned layers need one sharding per stacked tensor, but '{orig}' resolves to "
             f"{tuple(specs[orig])} and '{group[0]}' to {tuple(first)}; write the map with '*' for "
-            f"the layer index or use scan=False."
+            f"the layer index or use {arg('scan', False)}."
           )
       out[internal] = PartitionSpec(None, *first)
     return out
@@ -643,7 +643,7 @@ def _refuse_buffer_updates(layer: torch.nn.Module, tensors: Mapping[str, jax.Arr
     if jax_view(buffer) is not tensors[name]:
       raise TorchOnTpuError(
         f"A scanned layer updates its buffer '{name}' in the forward (running statistics, a "
-        f"counter); scan does not carry buffer updates, so use scan=False for this model."
+        f"counter); scan does not carry buffer updates, so use {arg('scan', False)} for this model."
       )
 
 

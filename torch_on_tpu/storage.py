@@ -189,19 +189,22 @@ def on_background_fault(handler) -> None:
   _background_fault = handler
 
 
+# What orbax logs on every read-only open (tools/convert.py reading a run's checkpoints).
+_READ_ONLY_NOTICES = ("Given directory is read only", "CheckpointManagerOptions.read_only=True, setting")
+
+
 class _DropThreadTracebacks(logging.Filter):
   """Orbax's own logged failures (a storage fault among them is handed to
-  `on_background_fault`'s handler), and asyncio's "exception was never retrieved" for the
-  write futures of a save that failed on a storage fault (collected after its loop closed)."""
+  `on_background_fault`'s handler) and its notices on every read-only open, and
+  asyncio's "exception was never retrieved" for the write futures of a save that failed
+  on a storage fault (collected after its loop closed)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    if not record.exc_info:
-      return True
     if "orbax" in record.pathname:
-      if _background_fault is not None and error_code(record.exc_info[1]) is not None:
+      if record.exc_info and _background_fault is not None and error_code(record.exc_info[1]) is not None:
         _background_fault(record.exc_info[1])
-      return False
-    return record.name != "asyncio" or error_code(record.exc_info[1]) is None
+      return not (record.exc_info or record.getMessage().startswith(_READ_ONLY_NOTICES))
+    return not (record.exc_info and record.name == "asyncio" and error_code(record.exc_info[1]) is not None)
 
 
 _FILTER = _DropThreadTracebacks()
@@ -238,7 +241,8 @@ def quiet_thread_tracebacks() -> None:
   tensorstore write still pending when a save failed prints asyncio's "Event loop is
   closed", and TensorBoard's writer thread dies with its own traceback; each of these
   errors is also raised to the caller (save/wait/close, `RunLog.log`), who says it once,
-  so the threads' copies are dropped."""
+  so the threads' copies are dropped; so are orbax's warnings on every read-only open,
+  which say only that it is read-only."""
   for name in ("absl", "asyncio"):
     if _FILTER not in logging.getLogger(name).filters:
       logging.getLogger(name).addFilter(_FILTER)

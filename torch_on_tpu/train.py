@@ -81,7 +81,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from torch_on_tpu import _compat, losses, ops
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu import sharding as sharding_lib
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, arg
 from torch_on_tpu.module import ShardedModule, _human_bytes
 
 torchax = _compat.import_torchax()
@@ -460,7 +460,7 @@ class TrainStep:
     if x.ndim == 0 or x.shape[0] % k:
       name = static.names[index]
       raise TorchOnTpuError(
-        f"grad_accum={k} needs every input and label to have a batch dim divisible by {k}; "
+        f"{arg('grad_accum', k)} needs every input and label to have a batch dim divisible by {k}; "
         f"{name} has shape {tuple(x.shape)}."
       )
     micro = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
