@@ -360,7 +360,7 @@ def disk_faults(tmp: Path) -> list[tuple[str, int, str]]:
       return rows + [("disks full under the launcher", 0, "not tried: mounting a tmpfs needs root")]
     try:
       env = {"JAX_COMPILATION_CACHE_DIR": ""} if "compile_cache" in flags else None
-      run = _Launch(tmp, f"disk-{size}", *flags.format(disk=disk, elsewhere=elsewhere).split(), env=env)
+      run = _Launch(tmp, f"disk-{size}-run", *flags.format(disk=disk, elsewhere=elsewhere).split(), env=env)
       result = run.finish()
       said = result["line"] if result["code"] else next(
         (x for x in result["out"].splitlines() if "compiled programs" in x), "(nothing said)")

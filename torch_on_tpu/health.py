@@ -54,7 +54,6 @@ from torch_on_tpu.errors import TorchOnTpuError, first_line
 
 ENV_STATUS_DIR = "TOT_STATUS_DIR"
 EXIT_ERROR = 1
-EXIT_USAGE = 2
 EXIT_MISMATCH = 3
 EXIT_NO_COORDINATOR = 4
 EXIT_PEER_FAILED = 75
@@ -137,7 +136,7 @@ def abort(sentence: str) -> None:
     pass
   os.write(2, f"error: {sentence}\n".encode())
   if _watch is not None and _watch.index == 0:
-    _watch._wait_for_the_others(exclude=set())
+    _watch.wait_for_the_others(exclude=set())
   os._exit(EXIT_ERROR)
 
 
@@ -362,10 +361,10 @@ class _Watch:
     if how != "coordinator":
       self.mark("stopped")
       if self.index == 0:
-        self._wait_for_the_others(exclude={faulty})
+        self.wait_for_the_others(exclude={faulty})
     os._exit(EXIT_PEER_FAILED)
 
-  def _wait_for_the_others(self, exclude: set[int]) -> None:
+  def wait_for_the_others(self, exclude: set[int]) -> None:
     """Process 0 holds the coordinator: it waits (bounded) until every other process left."""
     deadline = time.monotonic() + LAST_TO_LEAVE_SECONDS
     others = set(range(1, self.count)) - exclude
@@ -386,7 +385,7 @@ class _Watch:
     self.finishing = True
     if _failed is not None:
       if self.index == 0:
-        self._wait_for_the_others(exclude=set())
+        self.wait_for_the_others(exclude=set())
       return
     self.mark("done")
     # Like jax's shutdown barrier outside recoverable mode, but one that a process that

@@ -330,9 +330,10 @@ def _blame(codes: list, fatal: set, status: "_Status", waited: float = 0.0) -> t
   """The process to blame once one failed, or None while none has: one that died or exited
   with an error of its own (a process that reports another's fault, exit
   `health.EXIT_PEER_FAILED`, or that jax ended for another's fault, is not it); else the one
-  the others' verdicts name (code None while it still runs: it hangs; one that failed
-  with an error gets `_LEAVING_SECONDS` after the first exit, `waited`, to exit itself);
-  else process 0, whose coordinator the others lost."""
+  the others' verdicts name, else process 0, whose coordinator the others lost. Code
+  None: it still runs, so it hangs; but one not seen to hang (it failed with an error,
+  or no verdict was written) first gets `_LEAVING_SECONDS` after the first exit
+  (`waited`) to exit by itself."""
   exited = {i: c for i, c in enumerate(codes) if c not in (None, 0)}
   if not exited:
     return None
@@ -346,8 +347,8 @@ def _blame(codes: list, fatal: set, status: "_Status", waited: float = 0.0) -> t
     return index, codes[index]
   named = [(v["faulty"], v.get("how")) for i, v in sorted(verdicts.items()) if v.get("faulty") != i]
   index, how = named[0] if named else (0, None)
-  if how == "failed" and _still_leaving(index, codes, waited):
-    return None  # it failed with an error and is on its way out: its own exit says more
+  if how not in ("unresponsive", "coordinator") and _still_leaving(index, codes, waited):
+    return None  # not seen to hang (it failed with an error, or nothing was said): its own exit says more
   return index, codes[index]
 
 
