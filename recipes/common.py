@@ -72,6 +72,12 @@ def _remat_names() -> tuple[str, ...]:
   return ("auto", *remat_lib.NAMES)
 
 
+def _float8_recipes() -> tuple[str, ...]:
+  from torch_on_tpu.float8 import RECIPES
+
+  return RECIPES
+
+
 def _existing_data(spec, flags) -> None:
   """--data names files that exist (listed; of JSONL or Parquet the first record is read, for --data_field)."""
   if spec is not None:
@@ -110,11 +116,14 @@ class Flags:
   max_skips: int = flag(5, "skip a step whose loss, gradient or update is NaN/Inf (state kept); stop after this many in a row (0: stop at the first)", minimum=0)
   fsdp: int = flag(-1, "devices on the fsdp mesh axis (-1: all that --tp leaves)", minimum=-1)
   tp: int = flag(1, "devices on the tensor-parallel mesh axis", minimum=1)
+  cp: int = flag(1, "devices on the context-parallel mesh axis: each sequence split into cp pieces (long context; params shard over fsdp and cp)", minimum=1)
   scan: bool = flag(True, "run the layer stack as one lax.scan (compile time flat in depth)")
   unroll: int = flag(1, "layers per scan iteration", minimum=1)
   remat: str = flag("auto", "per-layer remat: auto (scanned: dots_and_attention; loop: none), none, full, dots_saveable, dots_with_no_batch_dims_saveable, dots_and_attention, offload_dots", choices=_remat_names)
   attention: str = flag("auto", "attention kernel: auto (splash on TPU, cuDNN on GPU, blocked XLA on CPU), xla, splash, cudnn, none (torchax's own SDPA lowering)", choices=ATTENTION)
   dtype: str = flag("float32", "float32; bfloat16 (bf16 compute, fp32 master weights and Adam); bfloat16-all", choices=DTYPES)
+  float8: str | None = flag(None, "float8 matmuls (torchao's Float8Linear, torchtitan's filter): rowwise, tensorwise or rowwise_with_gw_hp; weights and checkpoints stay in --dtype (default: off)", choices=_float8_recipes)
+  float8_skip: str = flag("lm_head", "with --float8: comma-separated names of linears kept in high precision (linears with a dim not a multiple of 16 always are)")
   grad_accum: int = flag(1, "microbatches per step (activations shrink by this factor)", minimum=1)
   data: str | None = flag(None, "text/JSONL/Parquet files, a glob, a directory or a datasets dir (default: built-in corpus)", check=_existing_data)
   data_field: str = flag("text", "the JSONL/Parquet/datasets field holding the text", argument="field")
@@ -373,7 +382,7 @@ def run(flags: Flags, recipe_for: Callable[[Flags], Recipe]) -> dict:
     import torch_on_tpu as tot
     from torch_on_tpu import fingerprint, storage
 
-    mesh = tot.make_mesh(fsdp=flags.fsdp, tp=flags.tp)
+    mesh = tot.make_mesh(**mesh_axes(flags))
     check_flags(flags, mesh)
     recipe = recipe_for(flags)
     config = resolve(flags, recipe)
@@ -732,7 +741,7 @@ def _check_value(field, flags: Flags, error, read_files: bool) -> None:
   meta, name, value = field.metadata, field.name, getattr(flags, field.name)
   choices = meta.get("choices")
   choices = choices() if callable(choices) else choices
-  if choices and value not in choices:
+  if choices and value is not None and value not in choices:  # None: an optional flag left off
     by_case = {str(c).lower(): str(c) for c in choices}
     near = difflib.get_close_matches(str(value).lower(), list(by_case), n=1)
     fix = f"did you mean --{name}={by_case[near[0]]}?" if near else "pick one of those."
@@ -788,6 +797,33 @@ def _batch_splits(flags: Flags, mesh) -> None:
       f"--global_batch_size={batch} does not split over the {ways} data devices ({over}); "
       f"use a multiple of {ways}, e.g. --global_batch_size={ways * -(-batch // ways)}."
     )
+
+
+@startup_check
+def _sequence_splits(flags: Flags, mesh) -> None:
+  """The sequence cuts into 2·cp equal chunks (context parallelism's causal balance)."""
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  if mesh is None and flags.seqlen % (2 * flags.cp):
+    raise TorchOnTpuError(
+      f"--seqlen={flags.seqlen} does not split into 2*cp={2 * flags.cp} equal chunks (causal load balance); "
+      f"make --seqlen a multiple of {2 * flags.cp} or pick another --cp."
+    )
+
+
+def mesh_axes(flags: Flags) -> dict:
+  """The recipe's mesh: fsdp, then cp (only when asked for: a cp-free run keeps its mesh), tp innermost."""
+  cp = {"cp": flags.cp} if flags.cp > 1 else {}
+  return {"fsdp": flags.fsdp, **cp, "tp": flags.tp}
+
+
+def float8_converted(target, flags: Flags):
+  """`target` (a torchtitan model config or a built model) with `--float8` applied; as is without it."""
+  if flags.float8 is None:
+    return target
+  from torch_on_tpu import float8
+
+  return float8.convert(target, flags.float8, skip=tuple(n for n in flags.float8_skip.split(",") if n))
 
 
 def _remat(flags: Flags) -> str | None:

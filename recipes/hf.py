@@ -69,6 +69,11 @@ def recipe(flags: HFFlags) -> common.Recipe:
   limit = getattr(config, "max_position_embeddings", None)
   if limit is not None and flags.seqlen > limit:
     raise TorchOnTpuError(f"--seqlen={flags.seqlen} exceeds the model's maximum of {limit} positions; use a shorter --seqlen.")
+  if flags.lora_rank and flags.float8 is not None:
+    raise TorchOnTpuError(
+      "--float8 with --lora_rank is not supported: peft's adapters wrap the linears torchao swaps; "
+      "drop one of the two."
+    )
   lora = None
   if flags.lora_rank:
     from torch_on_tpu.lora import parse_targets
@@ -78,7 +83,7 @@ def recipe(flags: HFFlags) -> common.Recipe:
   name = os.path.basename(os.path.normpath(directory))
   return common.Recipe(
     name=f"hf-{name or config.model_type}" + ("-lora" if lora else ""),
-    build=lambda: build_causal_lm(config),
+    build=lambda: common.float8_converted(build_causal_lm(config), flags),
     family="hf",
     weights=flags.weights,
     lora=lora,

@@ -67,14 +67,21 @@ def recipe(flags: Llama3Flags) -> common.Recipe:
   from torch_on_tpu.errors import TorchOnTpuError
 
   if flags.model_impl == "titan":
-    from torch_on_tpu.models.torchtitan import build_llama3
+    import torch
+
+    from torch_on_tpu.models.torchtitan import llama3_config
 
     if flags.titan_attention == "flex" and flags.attention == "none":
       raise TorchOnTpuError(
         "--attention=none leaves attention to torchax's own SDPA lowering, which cannot run torchtitan's "
         "flex attention; add --titan_attention=sdpa (plain causal attention) or pick an --attention kernel."
       )
-    build = lambda: build_llama3(flags.model, attention=flags.titan_attention, max_seq_len=flags.seqlen)  # noqa: E731
+
+    def build():
+      config = llama3_config(flags.model, attention=flags.titan_attention, max_seq_len=flags.seqlen)
+      with torch.device("meta"):
+        return common.float8_converted(config, flags).build()  # torchtitan converts its config
+
     return common.Recipe(
       name=f"llama3-{flags.model}", build=build, family="titan", convert_model=f"--model=llama3:{flags.model}"
     )
@@ -86,7 +93,9 @@ def recipe(flags: Llama3Flags) -> common.Recipe:
       f"--seqlen={flags.seqlen} exceeds Llama 3 {flags.model}'s maximum of "
       f"{config.max_position_embeddings} positions; use a shorter --seqlen."
     )
-  return common.Recipe(name=f"llama3-{flags.model}-hf", build=lambda: build_causal_lm(config), family="hf")
+  return common.Recipe(
+    name=f"llama3-{flags.model}-hf", build=lambda: common.float8_converted(build_causal_lm(config), flags), family="hf"
+  )
 
 
 def run(flags: Llama3Flags) -> dict:

@@ -88,3 +88,16 @@ def test_a_user_override_of_linear_wins_over_the_cpu_kernel():
     out = jm(x)
   assert "custom_vjp_call" not in jaxpr
   np.testing.assert_allclose(out.cpu().numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_ops_round_where_torch_rounds():
+  """A slice of tools/bf16_sweep.py: bf16 outputs and input gradients, jitted, bit for bit
+  against torch eager on CPU (torch computes these in fp32 and rounds once)."""
+  from tests import helpers as h
+
+  sweep = h.load_module("tools/bf16_sweep.py").sweep
+  rows = {r["op"]: r for r in sweep(["silu", "sigmoid", "tanh", "leaky_relu", "softmax", "swiglu", "gelu", "layer_norm"], n=4096)}
+  for op in ("silu", "sigmoid", "tanh", "leaky_relu", "softmax", "swiglu"):
+    assert rows[op]["forward"] == 1.0 and rows[op]["backward"] == 1.0, rows[op]
+  assert rows["gelu"]["forward"] > 0.97 and rows["gelu"]["backward"] > 0.95, rows["gelu"]  # erf's last bit
+  assert rows["layer_norm"]["forward"] == 1.0, rows["layer_norm"]

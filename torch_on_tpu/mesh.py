@@ -21,6 +21,12 @@ from torch_on_tpu.errors import TorchOnTpuError, call
 # experts on other devices through XLA's collectives).
 DATA_AXIS_NAMES = ("data", "dp", "fsdp", "ep", "batch")
 
+# Context parallelism: the axis that splits dim 1 (the sequence) of every batch tensor
+# with one. It is not a data axis; its devices shard the parameters FSDP-style
+# together with `fsdp` (`param_axes`), so CP costs no parameter memory.
+SEQUENCE_AXIS = "cp"
+PARAM_AXIS_NAMES = ("fsdp", SEQUENCE_AXIS)
+
 
 def make_mesh(devices=None, **axes: int) -> Mesh:
   """A named mesh over all global devices; one axis may be -1 (fill the rest).
@@ -70,14 +76,33 @@ def data_axes(mesh: Mesh) -> tuple[str, ...]:
   return tuple(a for a in mesh.axis_names if a in DATA_AXIS_NAMES)
 
 
+def param_axes(mesh: Mesh) -> tuple[str, ...]:
+  """The mesh axes parameters are FSDP-sharded over: `fsdp` and `cp`, those the mesh has."""
+  return tuple(a for a in PARAM_AXIS_NAMES if a in mesh.shape)
+
+
+def sequence_ways(mesh: Mesh) -> int:
+  """How many pieces the `cp` axis splits a sequence into (1 without one)."""
+  return mesh.shape.get(SEQUENCE_AXIS, 1)
+
+
 def batch_ways(mesh: Mesh, axes) -> int:
   """How many pieces the mesh axes `axes` split a batch into."""
   return math.prod(mesh.shape[a] for a in axes)
 
 
-def batch_spec(axes, ndim: int) -> PartitionSpec:
-  """Dim 0 over the mesh axes `axes` (none: replicated), the other `ndim - 1` dims replicated."""
+def batch_spec(axes, ndim: int, sequence: bool = False) -> PartitionSpec:
+  """Dim 0 over the mesh axes `axes` (none: replicated); with `sequence`, dim 1 over
+  `cp` (context parallelism); the other dims replicated."""
   axes = tuple(axes)
   lead = None if not axes else axes[0] if len(axes) == 1 else axes
+  if sequence and ndim >= 2:
+    return PartitionSpec(lead, SEQUENCE_AXIS, *([None] * (ndim - 2)))
   return PartitionSpec(lead, *([None] * (ndim - 1)))
 
+
+def splits_sequence(mesh: Mesh, shape) -> bool:
+  """Whether a batch tensor of `shape` has its dim 1 (the sequence) split over `cp`:
+  the mesh has a `cp` axis of more than one device and it divides dim 1."""
+  ways = sequence_ways(mesh)
+  return ways > 1 and len(shape) >= 2 and shape[1] % ways == 0
