@@ -174,10 +174,13 @@ def cli(flags_cls, run_fn: Callable, summary: str) -> Callable:
     try:
       run_fn(flags_cls(**kwargs))
     except Exception as e:
+      from torch_on_tpu import health
       from torch_on_tpu.errors import TorchOnTpuError
 
       if isinstance(e, TorchOnTpuError):  # one sentence, not a traceback
-        raise SystemExit(f"error: {e}") from None
+        health.failed(str(e))  # the other processes stop at once, naming this one
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(getattr(e, "exit_code", health.EXIT_ERROR)) from None
       raise
 
   main.__signature__ = inspect.Signature(
@@ -390,11 +393,14 @@ def run(flags: Flags, recipe_for: Callable[[Flags], Recipe]) -> dict:
     import jax
 
     import torch_on_tpu as tot
+    from torch_on_tpu import fingerprint, storage
 
     mesh = tot.make_mesh(**mesh_axes(flags))
     check_flags(flags, mesh)
     recipe = recipe_for(flags)
     config = resolve(flags, recipe)
+    storage.note_checkpoints(config["ckpt_dir"])  # what a fault from here on names as kept
+    fingerprint.check_same(config=config)  # every process with the same flags, before anything is built
     main = jax.process_index() == 0
     latest = None if flags.dry_run else _latest_checkpoint(flags, config)
     if latest is not None and latest >= flags.steps and flags.resume_step is None:
@@ -427,8 +433,12 @@ def _use_compile_cache(directory: str | None) -> str | None:
   the directory in use."""
   import jax
 
+  from torch_on_tpu import storage
+
   if directory and not jax.config.jax_compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", directory)
+  if jax.config.jax_compilation_cache_dir:
+    storage.watch_compile_cache(jax.config.jax_compilation_cache_dir)  # a full disk there: one sentence
   return jax.config.jax_compilation_cache_dir
 
 
@@ -438,7 +448,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   import optax
 
   import torch_on_tpu as tot
-  from torch_on_tpu import checkpoint, data, lora, plan
+  from torch_on_tpu import checkpoint, data, health, lora, plan
   from torch_on_tpu import remat as remat_lib
   from torch_on_tpu.trainer import default_split
 
@@ -500,6 +510,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   del abstract_step
 
   # 2. The real model, data and checkpoints.
+  health.doing("building the model")
   step = make_step(abstract=False)
   source = data.source(flags.data, field=flags.data_field)
   tokenizer = data.build_tokenizer(flags.tokenizer, vocab_size=min(data.DEFAULT_VOCAB_SIZE, shape.vocab), corpus=source)
@@ -542,7 +553,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
 def _train(step, flags: Flags, config: dict, ckpt, restored, source, tokenizer, data_kwargs, split, abstract_batch, memory, mesh, main) -> dict:
   """3. Compile ahead (the report comes before the first step), then the Trainer; its summary."""
   import torch_on_tpu as tot
-  from torch_on_tpu import checkpoint, data
+  from torch_on_tpu import checkpoint, data, health
 
   try:
     evals = _eval_batches(flags, source, tokenizer, data_kwargs, main)
@@ -554,6 +565,7 @@ def _train(step, flags: Flags, config: dict, ckpt, restored, source, tokenizer, 
   report = None
   first_step = step.step_count
   try:
+    health.doing("compiling the train step")
     report = step.compile(*split(abstract_batch))
     if main:
       print(f"Compiled step: {report}", flush=True)
@@ -663,11 +675,17 @@ def where_things_are(summary: dict, recipe: Recipe) -> str:
 
 def _keep_tokenizer(tokenizer, directory: str) -> None:
   """Saves the run's tokenizer into its run directory (a run is self-contained), whole or not at all."""
+  from torch_on_tpu import storage
+
   tmp = f"{directory}.tmp-{os.getpid()}"
   shutil.rmtree(tmp, ignore_errors=True)
-  tokenizer.save_pretrained(tmp)
-  shutil.rmtree(directory, ignore_errors=True)
-  os.replace(tmp, directory)
+  try:
+    with storage.writing("the run's tokenizer", directory, elsewhere="pass another --log_dir"):
+      tokenizer.save_pretrained(tmp)
+      shutil.rmtree(directory, ignore_errors=True)
+      os.replace(tmp, directory)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _resume(ckpt, step, flags: Flags, config: dict, main: bool):
@@ -891,15 +909,23 @@ def _profile_steps(spec) -> tuple[int, int] | None:
 
 
 def _run_error_message(error, memory, report, config: dict) -> str | None:
-  """One sentence for a storage fault (e.g. metrics.jsonl on a full disk) or a device
-  out-of-memory that reached the recipe; None for anything else. A full disk is
-  RESOURCE_EXHAUSTED too, so the errno is asked first."""
+  """One sentence for a storage fault that reached the recipe untranslated (the writers
+  the run knows name their own path) or a device out-of-memory; None for anything else.
+  A full disk is RESOURCE_EXHAUSTED too, so the errno is asked first."""
   from torch_on_tpu import storage
+  from torch_on_tpu.errors import TorchOnTpuError, first_line
 
-  where = Path(getattr(error, "filename", None) or config["log_dir"])
-  stored = storage.storage_error(error, "the run's files", where, "the checkpoints saved before are complete")
-  if stored is not None:
-    return stored
+  if isinstance(error, TorchOnTpuError):
+    return None  # already one sentence
+  if storage.error_code(error) is not None:
+    filename = getattr(error, "filename", None)
+    if filename:
+      return storage.storage_error(error, "a file of the run", Path(filename))
+    return (
+      f"Could not write a file of the run ({first_line(error)}; the log directory {config['log_dir']} has "
+      f"{storage.free_space(config['log_dir'])}, the checkpoint directory {config['ckpt_dir']} has "
+      f"{storage.free_space(config['ckpt_dir'])}); {storage.kept()}; free space there."
+    )
   if "RESOURCE_EXHAUSTED" in str(error):
     return _oom_message(error, memory, report)
   return None

@@ -6,6 +6,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+import textwrap
 
 import jax
 import optax
@@ -310,6 +311,23 @@ def _check_device_module():
   assert torch.get_device_module("jax") is torchax.device_module
   assert torch.accelerator.current_accelerator() == torch.device("jax")
   assert not torch.accelerator.is_available()
+def _check_distributed_client():
+  """One process joins a 1-process run and uses every client call `health` and `fingerprint` make."""
+  run = _run(textwrap.dedent(f"""
+    import jax
+    from torch_on_tpu import _compat, launch
+    assert _compat.distributed_client() is None
+    jax.config.update("jax_enable_recoverability", True)
+    jax.distributed.initialize(f"127.0.0.1:{{launch.free_port()}}", 1, 0, heartbeat_timeout_seconds=5)
+    client = _compat.distributed_client()
+    client.key_value_set("t/a/0", "x", allow_overwrite=True)
+    client.key_value_set("t/a/0", "y", allow_overwrite=True)
+    client.wait_at_barrier("t/barrier", 5000)
+    print(client.key_value_dir_get("t/a/"), client.key_value_try_get("t/a/0"), sorted(client.get_live_nodes([0])))
+  """))
+  assert run.stdout.split("\n")[0] == "[('t/a/0', 'y')] y [0]", run.stdout + run.stderr[-2000:]
+
+
 def _check_torchax_modes():
   from torchax.interop import torch_view
 
@@ -408,6 +426,7 @@ _INTERNAL_API_CHECKS = {
   "jax._src.xla_bridge.backends_are_initialized": _check_backend_started,
   "jax._src.clusters.ClusterEnv": _check_clusters,
   "torchax.device_module.is_available": _check_device_module,
+  "jax._src.distributed.global_state.client": _check_distributed_client,
   "torchax.tensor.Environment._function_mode/_dispatch_mode, torch's mode stacks": _check_torchax_modes,
   "torch.autograd.Function.apply": _check_function_apply,
   "jax._src.interpreters.ad.JVPTracer/LinearizeTracer": _check_differentiation_tracers,

@@ -154,13 +154,22 @@ def test_an_out_of_memory_error_at_run_time_is_reported_with_the_plan(tmp_path, 
 
 
 def test_a_full_disk_reaching_the_recipe_is_a_storage_error_not_device_memory(tmp_path):
-  config = {"log_dir": str(tmp_path)}
+  config = {"log_dir": str(tmp_path / "log"), "ckpt_dir": str(tmp_path / "ckpt")}
   full = OSError(28, "No space left on device", str(tmp_path / "metrics.jsonl"))
   message = common._run_error_message(full, None, None, config)
-  assert message.startswith(f"Could not write the run's files to {tmp_path / 'metrics.jsonl'}: the filesystem is full (")
+  assert message.startswith(f"Could not write a file of the run to {tmp_path / 'metrics.jsonl'}: the filesystem is full (")
   tensorstore = ValueError("RESOURCE_EXHAUSTED: Failed writing: No space left on device [os_error_code='28']")
-  assert "the filesystem is full" in common._run_error_message(tensorstore, None, None, config)
+  message = common._run_error_message(tensorstore, None, None, config)
+  assert "the log directory" in message and str(tmp_path / "ckpt") in message and "device memory" not in message
   assert common._run_error_message(ValueError("shapes differ"), None, None, config) is None
+  # A sentence the checkpointer already made (from a tensorstore error) is not made again with another path.
+  try:
+    try:
+      raise tensorstore
+    except ValueError:
+      raise tot.TorchOnTpuError("Could not write checkpoint step 3 to /ckpt: the filesystem is full.") from None
+  except tot.TorchOnTpuError as named:
+    assert common._run_error_message(named, None, None, config) is None
 
 
 @pytest.fixture(scope="module")

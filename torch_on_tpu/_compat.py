@@ -167,6 +167,7 @@ INTERNAL_APIS = {
   "jax._src.xla_bridge.backends_are_initialized": "whether XLA_FLAGS and a distributed join still apply",
   "jax._src.clusters.ClusterEnv": "the clusters jax.distributed would detect by itself",
   "torchax.device_module.is_available": "kept False so torch.accelerator (and torch.compile) ignore torchax's backend",
+  "jax._src.distributed.global_state.client": "the coordination service's client: key-value store, barriers, live processes",
   "torchax.tensor.Environment._function_mode/_dispatch_mode, torch's mode stacks": "torchax's modes, re-entered where torch popped them",
   "jax._src.interpreters.ad.JVPTracer/LinearizeTracer": "a Function's forward that reads a tensor it was not given (autograd_functions)",
   "torch.autograd.Function.apply": "routed for every subclass, so a Function on jax-backed tensors runs its own backward (autograd_functions)",
@@ -303,6 +304,15 @@ def managed_cluster_size() -> int:
     if not env.opt_in_only_method and env.is_env_present():
       return int(env.get_process_count())
   return 0
+
+
+def distributed_client():
+  """The coordination-service client `jax.distributed.initialize` connected (None before):
+  its key-value store (`key_value_set`, `key_value_dir_get`, `key_value_try_get`),
+  `wait_at_barrier` and `get_live_nodes` are what `health` and `fingerprint` use."""
+  from jax._src import distributed
+
+  return distributed.global_state.client
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from torch_on_tpu import data, lora, models
+from torch_on_tpu import data, lora, models, storage
 from torch_on_tpu.checkpoint import state_entries
 from torch_on_tpu.errors import TorchOnTpuError, arg
 
@@ -231,20 +231,22 @@ def _write_dir(directory, tensors: list[_Tensor], stem: str, max_shard_bytes, ov
   writer = jax.process_index() == 0
   tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
   try:
-    if writer:
-      tmp.mkdir(parents=True)
-    for file_name, shard in zip(names, shards):
-      _write_safetensors(tmp / file_name if writer else None, shard)
-    if writer:
-      if len(shards) > 1:
-        index = {
-          "metadata": {"total_size": sum(t.nbytes for t in tensors)},
-          "weight_map": {t.name: f for f, shard in zip(names, shards) for t in shard},
-        }
-        (tmp / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
-      if extras is not None:
-        extras(tmp)
-      _replace_dir(tmp, directory)
+    unchanged = f"{directory} is as it was (an export appears whole or not at all)"
+    with storage.writing("the export", directory, elsewhere="export to a larger disk", outcome=unchanged):
+      if writer:
+        tmp.mkdir(parents=True)
+      for file_name, shard in zip(names, shards):
+        _write_safetensors(tmp / file_name if writer else None, shard)
+      if writer:
+        if len(shards) > 1:
+          index = {
+            "metadata": {"total_size": sum(t.nbytes for t in tensors)},
+            "weight_map": {t.name: f for f, shard in zip(names, shards) for t in shard},
+          }
+          (tmp / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        if extras is not None:
+          extras(tmp)
+        _replace_dir(tmp, directory)
   finally:
     if writer and tmp.exists():
       shutil.rmtree(tmp)

@@ -10,11 +10,15 @@ Each process gets `TOT_COORDINATOR` (a free port on 127.0.0.1),
 process K simulated CPU devices (`JAX_PLATFORMS=cpu` and
 `--xla_force_host_platform_device_count=K` appended to `XLA_FLAGS`). Output
 is relayed as it arrives, each line prefixed `[p0]`, `[p1]`, ... (a progress bar
-redrawn in place too), without gloo's connection notices. When one process fails the others get
-SIGTERM, then SIGKILL after `--grace` seconds, and the launcher exits with the
-failed process's code and one line naming it, how it ended and its last line
-of output. SIGTERM/SIGINT to the launcher go to every process (a preemption:
-each saves and exits 0); the launcher then exits 0 when all of them did.
+redrawn in place too), without gloo's connection notices or C++ stack frames. Each
+process says in `TOT_STATUS_DIR` (`torch_on_tpu.health`) what it is doing and its
+verdict on a fault. When one process fails the launcher blames the faulty one, not
+those that stopped because of it (`_blame`): it kills it if it hangs, sends the others
+SIGTERM, then SIGKILL after `--grace` seconds, and exits with the faulty process's code
+(124 for a hung one) and one line naming it (index, host, pid), how it ended, what it
+was doing, and the newest complete checkpoint. SIGTERM/SIGINT to the launcher go to
+every process (a preemption: each saves and exits 0); the launcher then exits 0 when
+all of them did.
 
 `--grace` (default 300 s) is the time between SIGTERM and SIGKILL when the
 launcher is stopped: it must cover a preemption save of the whole state, so
@@ -29,17 +33,20 @@ from __future__ import annotations
 import argparse
 import codecs
 import importlib.util
+import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
-from torch_on_tpu import xla_flags
+from torch_on_tpu import health, storage, xla_flags
 from torch_on_tpu.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 _POLL_SECONDS = 0.05
@@ -47,6 +54,7 @@ DEFAULT_GRACE_SECONDS = 300.0
 # After one process failed the others cannot finish a save (it needs every
 # process), so they get at most this long before SIGKILL.
 FAILURE_GRACE_SECONDS = 10.0
+_LEAVING_SECONDS = 30.0  # a process that reported its own error is given this long to exit
 
 
 class LaunchError(Exception):
@@ -135,6 +143,15 @@ def process_env(base: dict, index: int, count: int, port: int, cpu_devices: int 
 # Lines the processes print that say nothing to the user: jax's CPU collectives (gloo)
 # announce every connection between processes.
 NOISE_PREFIXES = ("[Gloo] ",)
+# Nor do these (a C++ log line arrives whole, in one write): a C++ check failure's stack
+# (addresses), and the coordination service's warning that it runs in the recoverable
+# mode torch_on_tpu.health asks for.
+NOISE_PATTERNS = (
+  re.compile(r"(?m)^[ \t]*@[ \t]+0x[0-9a-f]+.*$|\*\*\* Check failure stack trace: \*\*\*"),
+  re.compile(r"[IWEF]\d{4} [\d:.]+ +\d+ coordination_service\.cc:\d+\] \[\d+\] Using experimental recoverable task feature"),
+)
+# jax's message when its coordination service ends a process because another one failed.
+_JAX_FATAL = "Terminating process because the JAX distributed service detected fatal errors"
 
 
 class _Console:
@@ -148,6 +165,7 @@ class _Console:
     self.lock = threading.Lock()
     self.open_line = None  # the process whose line is on screen without its end
     self.last_lines: dict[int, str] = {}  # each process's last non-empty line, for the failure message
+    self.fatal: set[int] = set()  # the processes jax's coordination service ended (for another's fault)
 
   def relay(self, index: int, stream) -> None:
     """Copies one process's output stream until it closes (run in a thread per process)."""
@@ -157,6 +175,8 @@ class _Console:
       for piece in re.split(r"([\r\n])", decoder.decode(chunk)):
         if piece in ("\r", "\n"):
           self._write(index, line.end(piece))
+          if _JAX_FATAL in line.text:
+            self.fatal.add(index)
           if line.visible.strip():
             self.last_lines[index] = line.visible.strip()
           line = _Line(index)
@@ -196,6 +216,7 @@ class _Line:
     self.text += piece
     if self.noise_at is None:
       hits = [i for i in (self.text.find(p, self.written) for p in NOISE_PREFIXES) if i >= 0]
+      hits += [m.start() for m in (p.search(self.text, self.written) for p in NOISE_PATTERNS) if m]
       self.noise_at = min(hits) if hits else None
     if self.noise_at is not None:
       return self._upto(self.noise_at)
@@ -235,7 +256,13 @@ def run(args: argparse.Namespace, out=None) -> int:
   command = [sys.executable, *target, *args.target_args]
   console = _Console(out)
   procs, pumps = [], []
-  base = {**os.environ, "XLA_FLAGS": xla_flags.with_defaults(os.environ.get("XLA_FLAGS", ""))}  # torch_on_tpu's defaults
+  given = os.environ.get(health.ENV_STATUS_DIR)  # a tool watching the run names its own
+  status = _Status(given or tempfile.mkdtemp(prefix="tot-launch-"))
+  base = {
+    **os.environ,
+    "XLA_FLAGS": xla_flags.with_defaults(os.environ.get("XLA_FLAGS", "")),  # torch_on_tpu's defaults
+    health.ENV_STATUS_DIR: str(status.directory),  # where each process says what it does, and its verdicts
+  }
   for index in range(args.nproc):
     env = process_env(base, index, args.nproc, port, args.cpu_devices)
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -244,7 +271,7 @@ def run(args: argparse.Namespace, out=None) -> int:
     pump.start()
     pumps.append(pump)
 
-  failed = None  # (index, code) of the first process that failed
+  faulty = None  # (index, code) of the process to blame; code None: it runs but stopped responding
   interrupted = None
 
   def on_signal(signum, frame):
@@ -253,36 +280,137 @@ def run(args: argparse.Namespace, out=None) -> int:
 
   previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
   try:
-    while failed is None and interrupted is None:
+    first_exit = None
+    while faulty is None and interrupted is None:
       codes = [p.poll() for p in procs]
-      failed = next(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), None)
+      if first_exit is None and any(c not in (None, 0) for c in codes):
+        first_exit = time.monotonic()
+      faulty = _blame(codes, console.fatal, status, time.monotonic() - first_exit if first_exit else 0.0)
       if all(c is not None for c in codes):
         break
       time.sleep(_POLL_SECONDS)
-    if failed is not None or interrupted is not None:
-      _stop(procs, args.grace if failed is None else min(args.grace, FAILURE_GRACE_SECONDS))
+    if faulty is not None and faulty[1] is None:
+      procs[faulty[0]].kill()  # hung: nothing to save, and SIGTERM waits for a stopped process
+    if faulty is not None or interrupted is not None:
+      _stop(procs, args.grace if faulty is None else min(args.grace, FAILURE_GRACE_SECONDS))
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
   for pump in pumps:
     pump.join(timeout=5)
+  try:
+    if interrupted is not None:
+      name = signal.Signals(interrupted).name
+      failed = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0), None)
+      if failed is None:
+        print(f"launch: got {name}; all {args.nproc} processes stopped cleanly (exit 0).", file=sys.stderr)
+        return 0
+      print(f"launch: got {name}; {status.describe(*failed, console.last_lines)}.", file=sys.stderr)
+      return _exit_status(failed[1])
+    if faulty is not None:
+      index, code = faulty
+      exit_status = health.EXIT_HUNG if code is None else _exit_status(code)
+      if code is None:
+        stopped = f"killed it and stopped the other {args.nproc - 1}"
+      else:
+        stopped = f"stopped the other {args.nproc - 1}"
+      kept = status.kept(index)
+      print(
+        f"launch: {status.describe(index, code, console.last_lines)}; {stopped}{'; ' + kept if kept else ''}; exit {exit_status}.",
+        file=sys.stderr, flush=True,
+      )
+      return exit_status
+    return 0
+  finally:
+    if not given:
+      shutil.rmtree(status.directory, ignore_errors=True)
 
-  def why(index, code):
-    last = console.last_lines.get(index)
-    return f"process {index} {describe_exit(code)}" + (f" (its last line: {last[:300]!r})" if last else "")
 
-  if interrupted is not None:
-    name = signal.Signals(interrupted).name
-    failed = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0), None)
-    if failed is None:
-      print(f"launch: got {name}; all {args.nproc} processes stopped cleanly (exit 0).", file=sys.stderr)
-      return 0
-    print(f"launch: got {name}; {why(*failed)}.", file=sys.stderr)
-    return _exit_status(failed[1])
-  if failed is not None:
-    print(f"launch: {why(*failed)}; stopped the other {args.nproc - 1}.", file=sys.stderr, flush=True)
-    return _exit_status(failed[1])
-  return 0
+def _blame(codes: list, fatal: set, status: "_Status", waited: float = 0.0) -> tuple[int, int | None] | None:
+  """The process to blame once one failed, or None while none has: one that died or exited
+  with an error of its own (a process that reports another's fault, exit
+  `health.EXIT_PEER_FAILED`, or that jax ended for another's fault, is not it); else the one
+  the others' verdicts name, else process 0, whose coordinator the others lost. Code
+  None: it still runs, so it hangs; but one not seen to hang (it failed with an error,
+  or no verdict was written) first gets `_LEAVING_SECONDS` after the first exit
+  (`waited`) to exit by itself."""
+  exited = {i: c for i, c in enumerate(codes) if c not in (None, 0)}
+  if not exited:
+    return None
+  verdicts = status.faults()
+  differs = [v["faulty"] for v in verdicts.values() if v.get("how") == "differs"]
+  if differs:
+    return None if _still_leaving(differs[0], codes, waited) else (differs[0], codes[differs[0]])
+  own = [i for i, c in exited.items() if c != health.EXIT_PEER_FAILED and not (c == -signal.SIGABRT and i in fatal)]
+  if own:
+    index = min(own, key=lambda i: (codes[i] >= 0, i))  # a process killed by a signal first
+    return index, codes[index]
+  named = [(v["faulty"], v.get("how")) for i, v in sorted(verdicts.items()) if v.get("faulty") != i]
+  index, how = named[0] if named else (0, None)
+  if how not in ("unresponsive", "coordinator") and _still_leaving(index, codes, waited):
+    return None  # not seen to hang (it failed with an error, or nothing was said): its own exit says more
+  return index, codes[index]
+
+
+def _still_leaving(index: int, codes: list, waited: float) -> bool:
+  """A process every other one saw fail (or refused) is given time to exit by itself."""
+  return codes[index] is None and waited < _LEAVING_SECONDS
+
+
+class _Status:
+  """What the processes write into `TOT_STATUS_DIR` (`torch_on_tpu.health`): each one's
+  host, pid, activity and checkpoint directory, and each verdict on a fault."""
+
+  def __init__(self, directory: str):
+    self.directory = Path(directory)
+
+  def _read(self, name: str) -> dict:
+    try:
+      return json.loads((self.directory / name).read_text())
+    except (OSError, ValueError):
+      return {}
+
+  def process(self, index: int) -> dict:
+    return self._read(f"p{index}.json")
+
+  def faults(self) -> dict[int, dict]:
+    """Every verdict written so far, by the index of the process that wrote it."""
+    found = {}
+    for path in self.directory.glob("p*.fault.json"):
+      record = self._read(path.name)
+      if "faulty" in record:
+        found[int(path.name[1:].split(".")[0])] = record
+    return found
+
+  def describe(self, index: int, code: int | None, last_lines: dict) -> str:
+    """'process 1 (host h, pid 7) was killed by SIGKILL while saving checkpoint step 20'."""
+    me = self.process(index)
+    verdicts = self.faults()
+    own = verdicts.get(index, {})
+    who = f"process {index}" + (f" (host {me['host']}, pid {me['pid']})" if me.get("host") else "")
+    how = "stopped responding" if code is None else describe_exit(code)
+    text = f"{who} {how}"
+    if me.get("activity") and own.get("how") not in ("differs", "could not join"):
+      text += f" while {me['activity']}"
+    if own.get("sentence"):
+      return f"{text}: {own['sentence'].rstrip('.')}"
+    noticer = next((i for i, v in sorted(verdicts.items()) if i != index and v.get("faulty") == index), None)
+    if noticer is not None and code is None:
+      silent = verdicts[noticer].get("silent")
+      return f"{text} (process {noticer} noticed" + (f" after {silent:.0f} s without a sign of it)" if silent else ")")
+    last = last_lines.get(index)
+    return text + (f" (its last line: {last[:300]!r})" if last and code is not None and code > 0 else "")
+
+  def kept(self, index: int) -> str | None:
+    """Which checkpoint a relaunch resumes from, when the processes named their directory."""
+    directory = next((r.get("checkpoints") for r in (self.process(index), *self._all()) if r.get("checkpoints")), None)
+    if not directory:
+      return None
+    own = self.faults().get(index, {}).get("sentence", "")
+    return None if "newest complete checkpoint" in own else storage.kept(directory)
+
+  def _all(self) -> list[dict]:
+    return [self._read(p.name) for p in sorted(self.directory.glob("p*.json")) if ".fault." not in p.name]
 
 
 def _exit_status(code: int) -> int:

@@ -17,6 +17,7 @@ fp32 matmul rate of this machine, cached under `~/.cache/torch_on_tpu`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -32,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torch_on_tpu import extras, models
+from torch_on_tpu import extras, models, storage
 from torch_on_tpu.errors import TorchOnTpuError
 
 logger = logging.getLogger(__name__)
@@ -209,10 +210,11 @@ def cpu_matmul_peak(*, refresh: bool = False, size: int = 2048, repeats: int = 5
     return float(cached[key])
   flops = max(measure_matmul_flops(size=size, repeats=repeats), float(cached.get(key, 0.0)))
   cached[key] = flops
-  path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_suffix(".tmp")
-  tmp.write_text(json.dumps(cached, indent=1))
-  tmp.replace(path)
+  with storage.cache_write("the measured CPU peak", path, partial=tmp, elsewhere="set XDG_CACHE_HOME elsewhere"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_text(json.dumps(cached, indent=1))
+    tmp.replace(path)
   return flops
 
 
@@ -283,12 +285,20 @@ class RunLog:
 
   def __init__(self, log_dir, start_step: int = 0):
     self.log_dir = pathlib.Path(log_dir)
-    self.log_dir.mkdir(parents=True, exist_ok=True)
     self.jsonl_path = self.log_dir / "metrics.jsonl"
-    self._drop_records_after(start_step)
-    self._jsonl = self.jsonl_path.open("a")
-    self._tb = _tensorboard_writer(self.log_dir / "tensorboard")
+    with self._writing("the metrics log", self.jsonl_path):
+      self.log_dir.mkdir(parents=True, exist_ok=True)
+      self._drop_records_after(start_step)
+      self._jsonl = self.jsonl_path.open("a")
+    with self._writing("the TensorBoard scalars", self.log_dir / "tensorboard"):
+      self._tb = _tensorboard_writer(self.log_dir / "tensorboard")
+    storage.quiet_thread_tracebacks()  # the writer thread's copy of a fault
     self.history: list[dict] = []
+
+  @staticmethod
+  def _writing(what: str, path):
+    """A full disk (or a read-only one) under the log directory, named in one sentence."""
+    return storage.writing(what, path, elsewhere="pass another --log_dir")
 
   def _drop_records_after(self, step: int) -> None:
     if not self.jsonl_path.exists():
@@ -305,11 +315,26 @@ class RunLog:
   def log(self, step: int, values: Mapping[str, float | None]) -> None:
     record = {"step": step, **{k: v for k, v in values.items() if v is not None}}
     self.history.append(record)
-    self._jsonl.write(json.dumps(record) + "\n")
-    self._jsonl.flush()
-    for name, value in record.items():
-      if name != "step" and self._tb is not None:
-        self._tb.add_scalar(name, value, step)
+    with self._writing("the metrics log", self.jsonl_path):
+      self._jsonl.write(json.dumps(record) + "\n")
+      self._jsonl.flush()
+    if self._tb is not None:
+      with self._tensorboard():
+        for name, value in record.items():
+          if name != "step":
+            self._tb.add_scalar(name, value, step)
+
+  @contextlib.contextmanager
+  def _tensorboard(self):
+    """A storage fault of the TensorBoard writer: its thread is stopped before the sentence."""
+    try:
+      with self._writing("the TensorBoard scalars", self.log_dir / "tensorboard"):
+        yield
+    except TorchOnTpuError:
+      tb, self._tb = self._tb, None
+      with contextlib.suppress(Exception):
+        tb.close()
+      raise
 
   @property
   def can_plot(self) -> bool:
@@ -335,11 +360,19 @@ class RunLog:
     ax_tps.plot([r["step"] for r in speed], [r["tokens_per_second"] for r in speed])
     ax_tps.set(xlabel="step", ylabel="tokens/s", title="throughput")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    partial = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")  # the plot appears whole or not at all
+    try:
+      with self._writing("the training plot", path):
+        fig.savefig(partial, dpi=100)
+        partial.replace(path)
+    finally:
+      plt.close(fig)
+      partial.unlink(missing_ok=True)
     return path
 
   def close(self) -> None:
-    self._jsonl.close()
+    with self._writing("the metrics log", self.jsonl_path):
+      self._jsonl.close()
     if self._tb is not None:
-      self._tb.close()
+      with self._tensorboard():
+        self._tb.close()

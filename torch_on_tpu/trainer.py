@@ -55,6 +55,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from torch_on_tpu import fingerprint, health
 from torch_on_tpu import metrics as metrics_lib
 from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.train import TrainStep
@@ -140,6 +141,7 @@ class Trainer:
   def run(self) -> dict:
     """Trains until `steps` (or the data ends, or a stop is requested); returns a summary."""
     step = first_step = self.train_step.step_count
+    fingerprint.check_same(config=self.run_config, data=getattr(self.data, "settings", None))
     self._check_start_finite(step)
     self._log = metrics_lib.RunLog(self.log_dir, start_step=step) if self.is_main and self.log_dir else None
     self._bar = tqdm(
@@ -162,6 +164,7 @@ class Trainer:
         if self._profiling_starts(step + 1):
           jax.profiler.start_trace(str(pathlib.Path(self.log_dir) / "profile"))
         _check_token_ids(batch, self._vocab, step + 1)
+        health.doing(f"running step {step + 1}")
         inputs, labels = self.split_batch(self.to_global(batch))
         self.train_step(inputs, labels)
         step += 1
@@ -278,6 +281,7 @@ class Trainer:
     return metrics_lib.mfu(tokens_per_second, self.flops_per_token, self.peak_flops)
 
   def _evaluate(self, step: int) -> None:
+    health.doing(f"evaluating at step {step}")
     batches = self.eval_data() if callable(self.eval_data) else iter(self.eval_data)
     losses = [
       self.train_step.evaluate(*self.split_batch(self.to_global(batch)))

@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from torch_on_tpu import _compat, integrity, storage
+from torch_on_tpu import _compat, health, integrity, storage
 from torch_on_tpu import scan as scan_lib
 from torch_on_tpu.checkpoint import state_entries
 from torch_on_tpu.errors import TorchOnTpuError, first_line
@@ -87,7 +87,9 @@ class Checkpointer:
     self._async = async_save
     self._layers = _LayerNames(model)
     self._writing: int | None = None  # the step the newest save started
-    storage.quiet_orbax_logs()
+    storage.quiet_thread_tracebacks()
+    if not read_only:
+      storage.note_checkpoints(self.directory)  # what a fault anywhere in the run reports as safe
     policies = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
       # Every `save_every` steps and at a preemption sync point; not orbax's
@@ -151,14 +153,18 @@ class Checkpointer:
       data=ocp.args.JsonSave(_json_item("data", data)),
       config=ocp.args.JsonSave(_json_item("config", config)),
     )
+    if jax.process_count() > 1:
+      storage.on_background_fault(self._background_fault)
     with self._storage_faults():
       self._manager.wait_until_finished()  # the previous save's fault is reported as that step's
       self._writing = step
+      health.doing(f"saving checkpoint step {step}")
       started = self._manager.save(step, args=args, force=force)
     if started and not self._async:
       self._write_checksums()
     if started:
       self._held_steps.append(step)
+      health.background(lambda: f"writing checkpoint step {step}" if self.is_saving() else None)
     return started
 
   def restore(self, target, *, step: int | None = None, partial: bool = False) -> Restored | None:
@@ -184,6 +190,7 @@ class Checkpointer:
       )
     damaged = []
     for candidate in [step] if step is not None else saved[::-1]:
+      health.doing(f"restoring checkpoint step {candidate}")
       restored, problem = self._restore_checked(candidate, target, partial)
       if restored is not None:
         self.set_aside([s for s, _ in damaged], "damaged")
@@ -296,6 +303,8 @@ class Checkpointer:
 
   def close(self) -> None:
     """Waits for pending saves, then releases orbax's background resources."""
+    health.background(None)
+    storage.on_background_fault(None)
     with self._storage_faults():
       self._manager.close()
 
@@ -307,15 +316,24 @@ class Checkpointer:
     pending = sorted(self.directory.glob(f"{self._writing}.orbax-checkpoint-tmp*"), key=lambda p: p.stat().st_mtime)
     integrity.write_manifest(pending[-1] if pending else final)
 
+  def _background_fault(self, error: BaseException) -> None:
+    """A background write that failed on this process: the others wait for it in the
+    save's barrier (and it for them), so it ends the run here, in one sentence."""
+    health.abort(self._fault_sentence(error))
+
+  def _fault_sentence(self, error: BaseException) -> str | None:
+    return storage.storage_error(
+      error, f"checkpoint step {self._writing}", self.directory, storage.kept(self.directory),
+      elsewhere="point the checkpoints at a larger disk",
+    )
+
   @contextlib.contextmanager
   def _storage_faults(self):
     """A storage fault from orbax (or its threads) → one sentence; anything else as it was."""
     try:
       yield
     except Exception as e:
-      complete = sorted(int(p.name) for p in _listing(self.directory) if p.name.isdigit())
-      kept = f"step {complete[-1]} is the newest complete checkpoint" if complete else "no complete checkpoint is there"
-      message = storage.storage_error(e, f"checkpoint step {self._writing}", self.directory, kept)
+      message = self._fault_sentence(e)
       if message is None:
         raise
       raise TorchOnTpuError(message) from None
@@ -461,13 +479,6 @@ def _stack_layers(layers: list, sharding=None):
 @functools.partial(jax.jit, static_argnums=1)
 def _stack(layers, sharding):
   return jax.lax.with_sharding_constraint(jax.numpy.stack(layers), sharding)
-
-
-def _listing(directory: Path) -> list[Path]:
-  try:
-    return list(directory.iterdir())
-  except OSError:
-    return []
 
 
 def _json_item(what: str, value: Mapping | None) -> dict:

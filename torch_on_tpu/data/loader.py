@@ -106,6 +106,12 @@ class Batches:
       self._state["shards"][shard] = position
     return batch
 
+  @property
+  def settings(self) -> dict:
+    """What decides the order of the batches (corpus, tokenizer, seed, shapes, shards),
+    without the positions: equal on every process of a run (the `Trainer` checks)."""
+    return {k: v for k, v in self._state.items() if k != "shards"}
+
   def state(self) -> dict:
     """A small JSON-able dict; `batches(..., state=it.state())` continues exactly here, on any process count.
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from torch_on_tpu import storage
 from torch_on_tpu.data.sources import Source, default_corpus, digest, in_validation
 from torch_on_tpu.errors import TorchOnTpuError
 
@@ -139,14 +140,16 @@ def _cached_bpe(corpus: Source, vocab_size, cache_dir, sample_bytes, val_fractio
   cache = Path(cache_dir or os.environ.get("TORCH_ON_TPU_CACHE") or Path.home() / ".cache" / "torch_on_tpu")
   key = digest([corpus.fingerprint, vocab_size, sample_bytes, val_fraction, tokenizers.__version__])
   path = cache / "tokenizers" / f"bpe-{vocab_size}-{key}.json"
-  if not path.exists():
+  if path.exists():
+    backend = tokenizers.Tokenizer.from_file(str(path))
+  else:
     backend = _train_bpe(corpus, vocab_size, sample_bytes, val_fraction)
-    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    backend.save(str(partial))
-    os.replace(partial, path)  # atomic: processes sharing the cache never see half a file
-    logger.info("Trained a %d-token BPE on %s; cached at %s", vocab_size, corpus.name, path)
-  backend = tokenizers.Tokenizer.from_file(str(path))
+    with storage.cache_write("the trained tokenizer", path, partial=partial, elsewhere="set TORCH_ON_TPU_CACHE elsewhere"):
+      path.parent.mkdir(parents=True, exist_ok=True)
+      backend.save(str(partial))
+      os.replace(partial, path)  # atomic: processes sharing the cache never see half a file
+      logger.info("Trained a %d-token BPE on %s; cached at %s", vocab_size, corpus.name, path)
   return Tokenizer(backend, backend.token_to_id(EOS_TOKEN), str(path))
 
 

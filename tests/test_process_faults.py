@@ -1,0 +1,199 @@
+"""Faults of a multi-process run, injected into the llama3 recipe under
+`python -m torch_on_tpu.launch` (2 processes x 2 simulated CPU devices): a process that
+hangs (SIGSTOP), one killed mid-step (SIGKILL), a checkpoint disk that fills at a later
+save (tmpfs), a flag that differs on one process, no coordinator. Each must end the whole
+run with one sentence naming the faulty process and what it was doing, a documented exit
+code, the newest complete checkpoint named and restorable, and no traceback or C++ stack.
+tools/fault_table.py tries each many times; this is one try of each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import torch_on_tpu as tot
+
+from tests.test_checkpoint_faults import tmpfs
+from tests.test_multihost import clean_env
+from torch_on_tpu import checkpoint, fingerprint, health, launch, storage
+
+ROOT = Path(__file__).parent.parent
+HEARTBEAT_S = 10  # TOT_HEARTBEAT_TIMEOUT for these runs (default 20)
+RECIPE = ["--eval_every=0", "--seqlen=32", "--global_batch_size=8", "--save_every=2"]
+
+
+class Run:
+  """One launch of the recipe (2 processes x 2 devices), watched through its status directory."""
+
+  def __init__(self, tmp: Path, name: str, *flags: str, env: dict | None = None, script=None):
+    self.dir = tmp / name
+    self.status = self.dir / "status"
+    self.status.mkdir(parents=True)
+    self.env = {**clean_env(), "TOT_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S), health.ENV_STATUS_DIR: str(self.status), **(env or {})}
+    target = [str(script)] if script else ["-m", "recipes.llama3"]
+    cmd = [sys.executable, "-m", "torch_on_tpu.launch", "--nproc", "2", "--cpu_devices", "2", *target, *RECIPE, *flags]
+    self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+  def activity(self, index: int) -> dict:
+    try:
+      return json.loads((self.status / f"p{index}.json").read_text())
+    except (OSError, ValueError):
+      return {}
+
+  def signal_when(self, index: int, activity: str, sig: int, timeout: float = 300) -> float:
+    """Sends `sig` to process `index` once it says it is doing `activity`; the time sent."""
+    deadline = time.monotonic() + timeout
+    while not self.activity(index).get("activity", "").startswith(activity):
+      assert self.proc.poll() is None and time.monotonic() < deadline, self.finish()
+      time.sleep(0.02)
+    os.kill(self.activity(index)["pid"], sig)
+    return time.monotonic()
+
+  def finish(self, timeout: float = 420) -> tuple[int, str, str]:
+    out, err = self.proc.communicate(timeout=timeout)
+    return self.proc.returncode, out, err
+
+
+def assert_clean(out: str, err: str) -> str:
+  """No traceback, no C++ stack address; the launcher's one line (its last line)."""
+  text = out + err
+  assert "Traceback" not in text and not re.search(r"@\s+0x[0-9a-f]{6,}", text), text[-4000:]
+  return err.strip().splitlines()[-1]
+
+
+def restorable(directory: Path) -> int:
+  """The step `Checkpointer.restore` reads back from `directory` (its newest good one), every array finite."""
+  with checkpoint.Checkpointer(directory, read_only=True) as ckpt:
+    saved = ckpt._manager.item_metadata(ckpt.latest_step())["state"].tree
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)
+    restored = ckpt.restore(checkpoint.abstract_state(target, mesh=tot.make_mesh(fsdp=-1)))
+  arrays = [np.asarray(x) for x in jax.tree.leaves(restored.state)]
+  assert all(np.isfinite(x).all() for x in arrays if np.issubdtype(x.dtype, np.floating))
+  return restored.step
+
+
+def test_a_hung_process_then_a_killed_one_are_named_and_each_relaunch_resumes(tmp_path):
+  """Two launches on one run directory: process 1 hangs (SIGSTOP) at step 5; the relaunch
+  resumes from the newest complete checkpoint, and its process 1 is SIGKILLed mid-step."""
+  log_dir = tmp_path / "run"
+  run = Run(tmp_path, "hang", "--steps=12", f"--log_dir={log_dir}")
+  stopped = run.signal_when(1, "running step 5", signal.SIGSTOP)
+  code, out, err = run.finish()
+  noticed = time.monotonic() - stopped
+  line = assert_clean(out, err)
+  assert code == health.EXIT_HUNG, (code, line)
+  assert re.match(r"launch: process 1 \(host \S+, pid \d+\) stopped responding while running step 5", line), line
+  assert "(process 0 noticed after" in line and line.endswith("exit 124.")
+  kept = int(re.search(r"step (\d+) is the newest complete checkpoint in (\S+)", line).group(1))
+  assert kept in (2, 4) and storage.newest_complete_step(log_dir / "ckpt") == kept
+  survivor = json.loads((run.status / "p0.fault.json").read_text())["sentence"]  # also printed, after its progress bar
+  assert survivor.startswith("Process 1 (host") and "stopped responding while running step 5" in survivor
+  assert "process 0 (host" in survivor and "stops too (exit 75)" in survivor
+  assert noticed < HEARTBEAT_S + 10, noticed  # the bound docs/multihost.md gives
+  print(f"hung process noticed and the run stopped in {noticed:.1f} s (heartbeat timeout {HEARTBEAT_S} s)")
+
+  relaunch = Run(tmp_path, "kill", "--steps=12", f"--log_dir={log_dir}")
+  killed = relaunch.signal_when(1, f"running step {kept + 3}", signal.SIGKILL)
+  code, out, err = relaunch.finish()
+  stopped = time.monotonic() - killed
+  line = assert_clean(out, err)
+  assert f"[p0] Resumed from step {kept} of {log_dir / 'ckpt'}" in out
+  assert code == 128 + signal.SIGKILL, line
+  assert re.match(rf"launch: process 1 \(host \S+, pid \d+\) was killed by SIGKILL while running step {kept + 3}", line), line
+  newest = int(re.search(r"step (\d+) is the newest complete checkpoint", line).group(1))
+  assert newest >= kept and restorable(log_dir / "ckpt") == newest
+  assert stopped < launch.FAILURE_GRACE_SECONDS + 10, stopped
+  print(f"killed process named; run stopped {stopped:.1f} s after the kill")
+
+
+def test_a_checkpoint_disk_that_fills_at_a_later_save_names_it_and_keeps_the_earlier_step(tmp_path):
+  with tmpfs(tmp_path / "disk", size="100m") as disk:  # a step of this state is ~71 MB: step 2 fits, step 4 does not
+    run = Run(tmp_path, "full", "--steps=6", f"--ckpt_dir={disk / 'ckpt'}", f"--log_dir={tmp_path / 'full'}")
+    code, out, err = run.finish()
+    line = assert_clean(out, err)
+    assert code == 1, line
+    sentence = f"Could not write checkpoint step 4 to {disk / 'ckpt'}: the filesystem is full ("
+    assert sentence in line and "MiB free of 100.0 MiB" in line, line
+    assert f"step 2 is the newest complete checkpoint in {disk / 'ckpt'}" in line
+    assert restorable(disk / "ckpt") == 2
+
+
+def test_processes_that_differ_in_one_flag_are_refused_at_start(tmp_path):
+  run = Run(tmp_path, "differ", "--steps=2", f"--log_dir={tmp_path / 'differ'}", script=ROOT / "tests" / "fault_recipe.py", env={"TOT_TEST_EXTRA_FLAG": "1:--lr=0.001"})
+  code, out, err = run.finish()
+  line = assert_clean(out, err)
+  assert code == health.EXIT_MISMATCH, line
+  assert re.search(r"Process 1 \(host \S+, pid \d+\) differs from process 0 \(host \S+, pid \d+\) in its config: "
+                   r"--lr=0.001 there, --lr=0.003 on process 0", line), line
+  assert not (tmp_path / "differ" / "ckpt").exists()  # refused before anything was built
+
+
+def test_no_coordinator_at_start_is_one_sentence_with_the_address_and_the_timeout(tmp_path):
+  address = f"127.0.0.1:{launch.free_port()}"
+  env = {**clean_env(), "TOT_COORDINATOR": address, "TOT_NUM_PROCESSES": "2", "TOT_PROCESS_ID": "1", "TOT_INIT_TIMEOUT": "4"}
+  start = time.monotonic()
+  done = subprocess.run(
+    [sys.executable, "-m", "recipes.llama3", "--steps=1", "--cpu_devices=2", f"--log_dir={tmp_path}"],
+    cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+  )
+  assert done.returncode == health.EXIT_NO_COORDINATOR, done.stderr[-2000:]
+  line = assert_clean(done.stdout, done.stderr)
+  assert line == (
+    f"error: Process 1 could not join the run: nothing answers at the coordinator's address {address} within 4 s "
+    f"(TOT_INIT_TIMEOUT); start process 0 (it holds the coordinator), or check the address, the port and the firewall."
+  )
+  assert time.monotonic() - start < 60
+
+
+# ---- the pieces, without processes ------------------------------------------------------------
+
+
+def test_the_launcher_blames_the_faulty_process_not_the_one_that_stopped_because_of_it(tmp_path):
+  status = launch._Status(str(tmp_path))
+
+  def verdict(writer: int, faulty: int, how: str):
+    (tmp_path / f"p{writer}.fault.json").write_text(json.dumps({"faulty": faulty, "how": how, "sentence": "s.", "silent": 10}))
+
+  assert launch._blame([None, None], set(), status) is None
+  assert launch._blame([None, 1], set(), status) == (1, 1)  # an error of its own
+  assert launch._blame([-9, -6], {1}, status) == (0, -9)  # process 0 killed; jax ended process 1 for it
+  verdict(0, 1, "unresponsive")
+  assert launch._blame([health.EXIT_PEER_FAILED, None], set(), status) == (1, None)  # hung: still running
+  (tmp_path / "p0.fault.json").unlink()
+  assert launch._blame([None, -6], {1}, status) is None  # jax ended process 1: it lost process 0, which may be leaving
+  assert launch._blame([None, -6], {1}, status, waited=60) == (0, None)  # ... or hangs
+  verdict(0, 1, "differs")
+  verdict(1, 1, "differs")
+  assert launch._blame([3, None], set(), status) is None  # it is leaving by itself
+  assert launch._blame([3, 3], set(), status) == (1, 3)
+  (tmp_path / "p1.json").write_text(json.dumps({"host": "h", "pid": 7, "activity": "running step 5"}))
+  assert status.describe(1, 3, {}) == "process 1 (host h, pid 7) exited with code 3: s"
+  (tmp_path / "p0.fault.json").write_text(json.dumps({"faulty": 1, "how": "unresponsive", "silent": 10}))
+  (tmp_path / "p1.fault.json").unlink()
+  assert status.describe(1, None, {}) == (
+    "process 1 (host h, pid 7) stopped responding while running step 5 (process 0 noticed after 10 s without a sign of it)"
+  )
+
+
+def test_a_difference_is_named_by_its_first_entry():
+  assert fingerprint._difference("config", {"lr": 0.001, "seed": 0}, {"lr": 0.003, "seed": 0}) == (
+    "--lr=0.001 there, --lr=0.003 on process 0"
+  )
+  ours, theirs = fingerprint.code(), fingerprint.code()
+  assert "torch_on_tpu/trainer.py" in ours["files"] and ours["versions"]["jax"]
+  theirs["files"]["torch_on_tpu/trainer.py"] = "0" * 16
+  assert fingerprint._difference("code", theirs, ours) == "torch_on_tpu/trainer.py differs"
+  theirs = {**ours, "versions": {**ours["versions"], "jax": "0.0.1"}}
+  assert fingerprint._difference("code", theirs, ours) == f"jax 0.0.1 there, {ours['versions']['jax']} on process 0"
+  assert fingerprint._difference("data", {"seed": 1}, {"seed": 0}) == "seed=1 there, seed=0 on process 0"
+  fingerprint.check_same(config={"lr": 1.0})  # one process: nothing to compare
