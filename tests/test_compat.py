@@ -266,7 +266,49 @@ def _check_clusters():
   assert _compat.managed_cluster_size() == 0  # this machine is no pod, Slurm job or MPI run
 
 
+# A custom op of a namespace torchax leaves alone, with only a CPU kernel.
+_cpu_only = torch.library.Library("tot_compat", "DEF")
+_cpu_only.define("double(Tensor x) -> Tensor")
+_cpu_only.impl("double", lambda x: x * 2, "CPU")
+
+
+def _check_dispatch_mode():
+  from torchax.interop import torch_view
+
+  env = _compat.torchax_env()
+  assert "tot_compat" not in _compat.TORCHAX_NAMESPACES and "aten" in _compat.TORCHAX_NAMESPACES
+  assert getattr(env._dispatch_mode, "routes_other_namespaces", False)  # setup() installed ours
+  seen = []
+  mode = env._dispatch_mode
+  env._dispatch_mode = type(mode).__mro__[1](env)  # torchax's own mode: runs the eager kernel
+  try:
+    with env, pytest.raises(AssertionError, match="within the torchax environment"):
+      torch.ops.tot_compat.double(torch_view(jnp.ones(2)))
+    _compat.route_other_namespaces(env, lambda m, op, types, args, kwargs: seen.append(op) or args[0])
+    with env:
+      torch.ops.tot_compat.double(torch_view(jnp.ones(2)))
+  finally:
+    env._dispatch_mode = mode
+  assert seen == [torch.ops.tot_compat.double.default]
+
+
+def _check_decomposition_table():
+  assert _compat.decomposition(torch.ops.aten.addcmul.default) is not None
+  assert _compat.decomposition(torch.ops.tot_compat.double.default) is None
+
+
+def _check_op_kernels():
+  assert _compat.has_kernel(torch.ops.tot_compat.double.default, "CPU")
+  assert not _compat.has_kernel(torch.ops.tot_compat.double.default, "CompositeExplicitAutograd")
+  got = _compat.run_kernel(torch.ops.aten.full_like.default, "CompositeExplicitAutograd", (torch.ones(2), 3.0), {})
+  assert torch.equal(got, torch.full((2,), 3.0))
+
+
 _INTERNAL_API_CHECKS = {
+  "torchax.tensor.XLADispatchMode": _check_dispatch_mode,
+  "torchax.tensor.Environment._dispatch_mode": _check_dispatch_mode,
+  "torch._decomp.decomposition_table": _check_decomposition_table,
+  "torch._ops.OpOverload._op_dk": _check_op_kernels,
   "torchax.tensor.Environment._ops": _check_op_table,
   "torchax.tensor.Environment._decomps": _check_decomps,
   "torchax.ops.ops_registry.Operator": _check_op_table,
