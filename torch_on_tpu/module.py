@@ -122,6 +122,7 @@ class ShardedModule:
       [name for name, _ in module.named_modules() if name],
       self.mesh,
       strict=strict,
+      experts=self.family.expert_parameters(module) if sharding == "ep" else None,
     )
     self._layout = None
     if scan or remat not in (None, "none"):
@@ -152,6 +153,7 @@ class ShardedModule:
     is_param.update({e.name: e.is_param for e in entries})
     self.params: dict[str, jax.Array] = {n: a for n, a in arrays.items() if is_param[n]}
     self.buffers: dict[str, jax.Array] = {n: a for n, a in arrays.items() if not is_param[n]}
+    self._pre_step = self.family.optimizer_pre_step(module)
     self._rng = jax.random.key(seed + 1)
     self._compiled: dict = {}
     if not getattr(module, "_tot_wrapped", False):
@@ -221,12 +223,29 @@ class ShardedModule:
     # `env.override_property(prng=key)` around the call for per-step randomness).
     kwargs = {**self.family.call_defaults(self.module, layer_stack=bool(self._layout)), **kwargs}
     with env, env.override_property(prng=env.param.prng):
-      with self._activation_constraints(), self._attention_kernels(), lowerings.cpu_linear(self.mesh):
+      with self._activation_constraints(), self._attention_kernels(), lowerings.cpu_linear(self.mesh), self.family.running(self.module):
         with _compat.reparametrized(self.module, tensors), _running_wrapped():
           out = self.module(*args, **kwargs)
           after = {n: jax_view(self.module.get_buffer(n)) for n in before}
     changed = {n: self._as_stored(n, a, before[n]) for n, a in after.items() if a is not before[n]}
     return out, changed
+
+  def optimizer_pre_step(self, buffers: Mapping) -> dict:
+    """The buffers the model's family updates before each optimizer step (torchtitan's
+    MoE load balancing), from `buffers` (stored names) as the forwards left them:
+    `{stored name: new array}`; {} for models without such an update."""
+    if self._pre_step is None:
+      return {}
+
+    def read(name):
+      stored, index = self._layout.lookup(name) if self._layout else (name, None)
+      return buffers[stored] if index is None else buffers[stored][index]
+
+    changed = {}
+    for name, value in self._pre_step(read).items():
+      stored, index = self._layout.lookup(name) if self._layout else (name, None)
+      changed[stored] = value if index is None else changed.get(stored, buffers[stored]).at[index].set(value)
+    return {n: self._as_stored(n, a, buffers[n]) for n, a in changed.items()}
 
   def _as_stored(self, name: str, new, old):
     """A buffer's new value in its old dtype and its sharding (under jit: a constraint)."""

@@ -26,45 +26,77 @@ import dataclasses
 import sys
 
 import jax
+import jax.numpy as jnp
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from torch_on_tpu import _compat, extras
 from torch_on_tpu.errors import TorchOnTpuError
-from torch_on_tpu.models._maps import present_rules
 from torch_on_tpu.models.family import DecoderShape, Family, HFForm
 
 FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
-
-# torch Linear weights are (out_features, in_features): column-parallel layers
-# shard dim 0 over tp, row-parallel ones dim 1; the other dim goes to fsdp.
-_FSDP_TP = {
-  "tok_embeddings.weight": ("tp", "fsdp"),
-  "layers.*.attention.qkv_linear.wqkv.weight": ("tp", "fsdp"),
-  "layers.*.attention.qkv_linear.wq.weight": ("tp", "fsdp"),
-  "layers.*.attention.qkv_linear.wk.weight": ("tp", "fsdp"),
-  "layers.*.attention.qkv_linear.wv.weight": ("tp", "fsdp"),
-  "layers.*.attention.wo.weight": ("fsdp", "tp"),
-  "layers.*.attention.q_norm.weight": (None,),
-  "layers.*.attention.k_norm.weight": (None,),
-  "layers.*.feed_forward.w1.weight": ("tp", "fsdp"),
-  "layers.*.feed_forward.w3.weight": ("tp", "fsdp"),
-  "layers.*.feed_forward.w2.weight": ("fsdp", "tp"),
-  "layers.*.attention_norm.weight": (None,),
-  "layers.*.ffn_norm.weight": (None,),
-  "norm.weight": (None,),
-  "lm_head.weight": ("tp", "fsdp"),
-}
-
 
 def is_torchtitan(module: torch.nn.Module) -> bool:
   return type(module).__module__.startswith("torchtitan.")
 
 
+def parallel_plan(module: torch.nn.Module, *, ep: bool = False) -> dict[str, dict[str, int]]:
+  """How torchtitan itself shards `module`: parameter name → {mesh axis: the dim it
+  shards} for its TP (and, with `ep`, EP) axes, read from the model's own
+  `torchtitan.models.<name>.sharding.set_*_sharding_config` (sequence parallelism
+  off) applied to a copy of its config and built on meta. {} when the model's package
+  has no such plan."""
+  import copy
+  import importlib
+  import inspect
+
+  package = type(module).__module__.rsplit(".", 1)[0]
+  try:
+    plans = importlib.import_module(package + ".sharding")
+  except ImportError:
+    return {}
+  setters = [
+    fn for name, fn in vars(plans).items()
+    if name.startswith("set_") and name.endswith("_sharding_config") and getattr(fn, "__module__", None) == plans.__name__
+    and next(iter(inspect.signature(fn).parameters)) == "config"
+  ]
+  config = getattr(module, "config", None)
+  if len(setters) != 1 or config is None:
+    return {}
+  config = copy.deepcopy(config)
+  accepted = inspect.signature(setters[0]).parameters
+  setters[0](config, **{k: v for k, v in dict(enable_sp=False, enable_ep=ep).items() if k in accepted})
+  with torch.device("meta"):
+    built = config.build()
+  plan = {}
+  for prefix, sub in built.named_modules():
+    sharding_config = getattr(sub, "_sharding_config", None)  # torchtitan's Module keeps its config's
+    for name, layout in (sharding_config.state_shardings if sharding_config else {}).items():
+      dims = {axis.value: placement.dim for axis, placement in layout.axis_types.items() if hasattr(placement, "dim")}
+      dims = {axis: dims[axis] for axis in ("tp", "ep") if axis in dims}
+      if dims:
+        plan[f"{prefix}.{name}" if prefix else name] = dims
+  return plan
+
+
 def fsdp_tp_map(module: torch.nn.Module) -> dict | None:
+  """torchtitan's own TP plan as a sharding map: each parameter's TP dim over `tp`,
+  its first other dim over `fsdp` (1-D parameters replicated)."""
   if not is_torchtitan(module):
     return None
-  return present_rules(module, _FSDP_TP)
+  plan = parallel_plan(module)
+  if not plan:
+    return None
+  table = {}
+  for name, param in module.named_parameters():
+    tp = plan.get(name, {}).get("tp")
+    spec = [None] * param.ndim
+    if tp is not None:
+      spec[tp % param.ndim] = "tp"
+    if param.ndim >= 2:
+      spec[next(d for d in range(param.ndim) if spec[d] is None)] = "fsdp"
+    table[name] = tuple(spec)
+  return table
 
 
 def llama3_config(flavor: str = "debugmodel", *, attention: str = "flex", max_seq_len: int | None = None):
@@ -119,6 +151,8 @@ class FlexMasks(BlockMask):
       return "FlexMasks(causal)"
     return f"FlexMasks(document-causal, segment_ids {tuple(self.segment_ids.shape)})"
 
+  __str__ = __repr__  # BlockMask's own reads its block state
+
 
 _compat.torch_pytree.register_pytree_node(
   FlexMasks,
@@ -142,6 +176,134 @@ def flex_masks(positions: torch.Tensor | None = None) -> FlexMasks:
     return FlexMasks()
   starts = (positions == 0).to(torch.int32)
   return FlexMasks(torch.cumsum(starts, dim=1, dtype=torch.int32))
+
+
+class VarlenMasks:
+  """Stands in for torchtitan's `VarlenMetadata` (its varlen attention's cumulative
+  document offsets): causal attention within documents given by `segment_ids` (B, L).
+  Made a `VarlenMetadata` subclass on first use (`varlen_masks`), so torchtitan's
+  isinstance checks pass while it carries only the document ids."""
+
+
+_varlen_type = None
+
+
+def varlen_masks(segment_ids) -> "VarlenMasks":
+  """The `attention_masks` a varlen-attention torchtitan model gets from the bridge."""
+  global _varlen_type
+  if _varlen_type is None:
+    from torchtitan.models.common.attention import VarlenMetadata
+
+    class _VarlenMasks(VarlenMasks, VarlenMetadata):
+      __slots__ = ()
+
+      @property
+      def segment_ids(self):
+        return self.cu_seq_q
+
+      def __repr__(self) -> str:
+        return f"VarlenMasks(document-causal, segment_ids {tuple(self.segment_ids.shape)})"
+
+    rebuild = lambda ids: _VarlenMasks(ids, ids, int(ids.shape[1]), int(ids.shape[1]), None)  # noqa: E731
+    _compat.torch_pytree.register_pytree_node(
+      _VarlenMasks, lambda m: ([m.segment_ids], None), lambda children, _: rebuild(children[0]),
+      serialized_type_name="torch_on_tpu.models.torchtitan.VarlenMasks",
+    )
+    jax.tree_util.register_pytree_node(_VarlenMasks, lambda m: ([m.segment_ids], None), lambda _, c: rebuild(c[0]))
+    _varlen_type = (_VarlenMasks, rebuild)
+  return _varlen_type[1](segment_ids)
+
+
+def document_ids(positions):
+  """Document ids (B, L) from torchtitan's positions: a document starts wherever a
+  position is 0 (torch, numpy or jax arrays)."""
+  return (positions == 0).cumsum(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MaskPart:
+  """One of torchtitan's flex mask_mods, as its factory was called (`kind`, `arg`)."""
+
+  kind: str
+  arg: object = None
+
+
+# torchtitan's flex mask_mod factories → what the bridge's stand-in makes of each.
+_MASK_FACTORIES = {
+  "get_causal_mask_mod": "causal",
+  "get_document_mask_mod": "document",
+  "get_efficient_causal_mask_mod_for_packed_document": "document",
+  "get_sliding_window_mask_mod": "sliding_window",
+  "get_fixed_block_mask_mod": "fixed_block",
+}
+
+
+def attention_masks(module: torch.nn.Module, positions, segment_ids=None):
+  """What torchtitan's trainer passes as `attention_masks`, in the bridge's stand-ins:
+  the model's own `get_attention_masks(positions)` runs (its dict of masks, per-layer
+  windows, a varlen or flex backend, as that model asks) with torchtitan's mask
+  builders, wherever the model imported them, making `FlexMasks` / `VarlenMasks`
+  from the document ids (`segment_ids`, or where `positions` restart at 0). None when
+  the model's attention takes no masks (SDPA)."""
+  if not callable(getattr(module, "get_attention_masks", None)):
+    return None
+  from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+
+  if not any(isinstance(m, (FlexAttention, VarlenAttention)) for m in module.modules()):
+    return None
+  segments = document_ids(positions) if segment_ids is None else segment_ids
+  shape_only = torch.empty(tuple(positions.shape), dtype=torch.int32, device="meta")
+  with _mask_builders(segments):
+    return module.get_attention_masks(shape_only)
+
+
+@contextlib.contextmanager
+def _mask_builders(segments):
+  """torchtitan's mask builders, in every torchtitan module that holds them, replaced
+  by ones making the bridge's stand-ins (their positions argument is shape-only)."""
+  from torchtitan.models.common import attention as titan_attention
+  from torch.nn.attention import flex_attention as torch_flex
+
+  def flex(mask_mod, *args, **kwargs):
+    parts = mask_mod if isinstance(mask_mod, tuple) else (mask_mod,)
+    kinds = {p.kind if isinstance(p, _MaskPart) else getattr(p, "__name__", repr(p)) for p in parts}
+    if "causal" not in kinds or not kinds <= {"causal", "document"}:
+      unknown = sorted(kinds - {"causal", "document"}) or ["a mask without the causal one"]
+      raise TorchOnTpuError(
+        f"This torchtitan model builds a flex attention mask from {', '.join(unknown)}, which the "
+        f"bridge's attention kernels do not express (they run causal attention within documents); "
+        f"use a model config without it."
+      )
+    return FlexMasks(segments if "document" in kinds else None)
+
+  replacements = {
+    titan_attention.create_attention_mask: flex,
+    titan_attention.create_varlen_metadata_for_document: lambda positions, **_: varlen_masks(segments),
+    torch_flex.and_masks: lambda *parts: tuple(parts),
+  }
+  for name, kind in _MASK_FACTORIES.items():
+    replacements[getattr(titan_attention, name)] = lambda *args, kind=kind: _MaskPart(kind, args[0] if args and kind != "document" else None)
+  swapped = []
+  for name, mod in list(sys.modules.items()):
+    if not name.startswith("torchtitan.") or mod is None:
+      continue
+    for attr, value in list(vars(mod).items()):
+      if callable(value) and _hashable(value) and value in replacements:
+        swapped.append((mod, attr, value))
+        setattr(mod, attr, replacements[value])
+  try:
+    yield
+  finally:
+    for mod, attr, value in swapped:
+      setattr(mod, attr, value)
+
+
+def _hashable(value) -> bool:
+  try:
+    hash(value)
+  except TypeError:
+    return False
+  return True
 
 
 @contextlib.contextmanager
@@ -179,6 +341,44 @@ def flex_routed_to(attend):
     FlexAttention._compiled_flex_attn = original
 
 
+@contextlib.contextmanager
+def varlen_routed_to(attend):
+  """While active, torchtitan's VarlenAttention runs `attend` on the document ids of
+  `VarlenMasks`, in the precision torchtitan's varlen kernel runs (q, k, v cast to
+  bf16, the output cast back to q's dtype)."""
+  from torchtitan.models.common.attention import VarlenAttention
+
+  original = VarlenAttention.forward
+
+  def routed(self, q, k, v, *, attention_masks, scale=None, out_transform=None, **kwargs):
+    if not isinstance(attention_masks, VarlenMasks):
+      raise TorchOnTpuError(
+        f"torchtitan VarlenAttention got attention_masks of type {type(attention_masks).__name__}; "
+        f"pass torch_on_tpu.models.torchtitan.attention_masks(model, positions) instead."
+      )
+    if tuple(self.window_size) != (-1, 0):
+      raise TorchOnTpuError(
+        f"torchtitan VarlenAttention asks for window_size {tuple(self.window_size)}, which the "
+        f"bridge's attention kernels do not express (they run causal attention within documents); "
+        f"use a config without a sliding window."
+      )
+    if out_transform is not None:
+      raise TorchOnTpuError(
+        "torchtitan VarlenAttention asked for the log-sum-exp (an out_transform), which the "
+        "bridge's attention kernels do not return; use a config without out_transform."
+      )
+    q16, k16, v16 = (t.to(torch.bfloat16).transpose(1, 2) for t in (q, k, v))
+    out = attend(q16, k16, v16, segment_ids=attention_masks.segment_ids, scale=scale,
+                 enable_gqa=kwargs.get("enable_gqa", False))
+    return out.transpose(1, 2).to(q.dtype)
+
+  VarlenAttention.forward = routed
+  try:
+    yield
+  finally:
+    VarlenAttention.forward = original
+
+
 class TorchtitanFamily(Family):
   """torchtitan's decoders (Llama 3 and those built like it)."""
 
@@ -193,32 +393,80 @@ class TorchtitanFamily(Family):
     return None
 
   def decoder_shape(self, module):
+    """Read from the module's structure, for every torchtitan decoder: its attention
+    modules (those holding an `inner_attention`; MLA's scores and values counted at
+    their own head dims), the widest per-token FFN (a MoE layer's `top_k` routed experts
+    plus its shared ones) and the routed-expert parameters a token does not touch."""
     layers = getattr(module, "layers", None)
     if layers is None or not len(layers) or not hasattr(module, "tok_embeddings"):
       return None
-    first = next(iter(layers.values() if hasattr(layers, "values") else layers))
-    attention = first.attention
+    blocks = list(layers.values() if hasattr(layers, "values") else layers)
+    attentions = [m for b in blocks for m in b.modules() if hasattr(m, "inner_attention") and hasattr(m, "n_heads")]
+    if not attentions:
+      return None
+    attention = attentions[0]
+    if hasattr(attention, "qk_head_dim"):  # MLA: q·k over qk_head_dim, p·v over v_head_dim, per head
+      head_dim, kv_heads = (attention.qk_head_dim + attention.v_head_dim) // 2, attention.n_heads
+    else:
+      head_dim, kv_heads = attention.head_dim, attention.n_kv_heads or attention.n_heads
+    moes = [m for b in blocks for m in b.modules() if _is_moe(m)]
     return DecoderShape(
-      layers=len(layers),
+      layers=len(blocks),
       dim=module.tok_embeddings.embedding_dim,
-      ffn_dim=first.feed_forward.w1.out_features,
+      ffn_dim=max(_ffn_width(b) for b in blocks),
       heads=attention.n_heads,
-      kv_heads=attention.n_kv_heads or attention.n_heads,
-      head_dim=attention.head_dim,
+      kv_heads=kv_heads,
+      head_dim=head_dim,
       vocab=module.tok_embeddings.num_embeddings,
+      attention_layers=len(attentions),
+      inactive_params=sum(_inactive_expert_params(m) for m in moes),
     )
 
   def sharding_map(self, module, preset):
     return fsdp_tp_map(module) if preset == "fsdp_tp" else None
 
+  def optimizer_pre_step(self, module):
+    """torchtitan's auxiliary-loss-free MoE load balancing, the step pre-hook its trainer
+    registers for every MoE model (`register_moe_load_balancing_hook`, the only
+    `post_optimizer_build_fn` of torchtitan 0.3.0's registries): per MoE layer with a
+    `load_balance_coeff`, `expert_bias_E += δ - mean(δ)` with `δ = coeff ·
+    sign(mean(n) - n)` for the token counts `n = tokens_per_expert_E` the forwards
+    accumulated (over the global batch, as torchtitan's all-reduce makes them), then
+    the counts reset."""
+    layers = [
+      (prefix, m.load_balance_coeff) for prefix, m in module.named_modules()
+      if _is_moe(m) and getattr(m, "load_balance_coeff", None) is not None
+    ]
+    if not layers:
+      return None
+
+    def update(read):
+      out = {}
+      for prefix, coeff in layers:
+        counts = read(f"{prefix}.tokens_per_expert_E").astype(jnp.float32)
+        delta = coeff * jnp.sign(counts.mean() - counts)
+        bias = read(f"{prefix}.expert_bias_E")
+        out[f"{prefix}.expert_bias_E"] = (bias + (delta - delta.mean())).astype(bias.dtype)
+        out[f"{prefix}.tokens_per_expert_E"] = jnp.zeros_like(read(f"{prefix}.tokens_per_expert_E"))
+      return out
+
+    return update
+
+  def expert_parameters(self, module):
+    """The routed-expert weights torchtitan's EP plan shards on their expert dim."""
+    plan = parallel_plan(module, ep=True) if is_torchtitan(module) else {}
+    experts = [name for name, dims in plan.items() if dims.get("ep") == 0]
+    return experts or None
+
   def model_inputs(self, module, batch):
     ids, positions, segments = batch["input_ids"], batch.get("positions"), batch.get("segment_ids")
     if positions is None:
       return ids
-    if segments is not None and _uses_flex_attention(module):
-      # Document-causal, where torchtitan's trainer passes get_attention_masks(positions).
-      return ids, positions, FlexMasks(segments)
-    return ids, positions
+    inputs = {"tokens": ids, "positions": positions}  # by name: every torchtitan decoder takes them so
+    masks = attention_masks(module, positions, segments)  # where torchtitan's trainer calls get_attention_masks
+    if masks is not None:
+      inputs["attention_masks"] = masks
+    return inputs
 
   def decode_cache(self, module, max_len):
     return None, "torchtitan's Llama 3 has no KV cache"
@@ -232,17 +480,54 @@ class TorchtitanFamily(Family):
 
     return HFForm(config, rename)
 
+  @contextlib.contextmanager
+  def running(self, module):
+    """torchtitan's SPMD type annotations off while the model runs: the bridge runs it
+    as single-device code and shards it from outside (its "partial_dtensor" backend,
+    which annotates nothing on plain tensors)."""
+    from torchtitan.distributed import utils as titan_distributed
+
+    before = titan_distributed.get_spmd_backend()
+    titan_distributed.set_spmd_backend("partial_dtensor")
+    try:
+      yield
+    finally:
+      titan_distributed.set_spmd_backend(before)
+
   def attention_routes(self, attend):
     # Any model built from torchtitan's attention modules (not only its top-level classes).
     if "torchtitan.models.common.attention" not in sys.modules:
       return []
-    return [flex_routed_to(attend)]
+    return [flex_routed_to(attend), varlen_routed_to(attend)]
 
 
-def _uses_flex_attention(module: torch.nn.Module) -> bool:
-  from torchtitan.models.common.attention import FlexAttention
+def _is_moe(module) -> bool:
+  return hasattr(module, "router") and hasattr(module, "routed_experts")
 
-  return any(isinstance(m, FlexAttention) for m in module.modules())
+
+def _routed(moe):
+  """(routed expert params, experts, experts per token) of a torchtitan MoE layer."""
+  experts = moe.routed_experts.inner_experts
+  return sum(p.numel() for p in experts.parameters()), moe.router.num_experts, moe.router.top_k
+
+
+def _inactive_expert_params(moe) -> int:
+  params, experts, top_k = _routed(moe)
+  return params * (experts - top_k) // experts
+
+
+def _ffn_width(block) -> int:
+  """Hidden units a token passes through in one block's FFN or MoE."""
+  width = 0
+  for m in block.modules():
+    if _is_moe(m):
+      params, experts, top_k = _routed(m)
+      width += params // experts // (3 * m.router.gate.in_features) * top_k  # gate, up, down: 3 dim-by-hidden
+      if m.shared_experts is not None:
+        width += m.shared_experts.w1.out_features
+      return width
+  ff = getattr(block, "feed_forward", None)
+  return ff.w1.out_features if ff is not None and hasattr(ff, "w1") else 0
 
 
 # ---- as HF's Llama (export) ---------------------------------------------------------------
