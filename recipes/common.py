@@ -63,6 +63,7 @@ class Flags:
   max_skips: int = flag(5, "skip a step whose loss, gradient or update is NaN/Inf (state kept); stop after this many in a row (0: stop at the first)")
   fsdp: int = flag(-1, "devices on the fsdp mesh axis (-1: all that --tp leaves)")
   tp: int = flag(1, "devices on the tensor-parallel mesh axis")
+  ep: int = flag(1, "devices on the expert-parallel mesh axis (MoE experts sharded over it, the batch too; not with --tp)")
   scan: bool = flag(True, "run the layer stack as one lax.scan (compile time flat in depth)")
   unroll: int = flag(1, "layers per scan iteration")
   remat: str = flag("auto", "per-layer remat: auto (scanned: dots_and_attention; loop: none), none, full, dots_saveable, dots_with_no_batch_dims_saveable, dots_and_attention, offload_dots")
@@ -362,7 +363,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   from torch_on_tpu import remat as remat_lib
   from torch_on_tpu.trainer import default_split
 
-  mesh = tot.make_mesh(fsdp=flags.fsdp, tp=flags.tp)
+  mesh = tot.make_mesh(fsdp=flags.fsdp, tp=flags.tp, **({"ep": flags.ep} if flags.ep > 1 else {}))
   if main:
     devices = mesh.devices.flat[0]
     print(f"Mesh {dict(mesh.shape)} over {mesh.size} {devices.platform} devices ({devices.device_kind})", flush=True)
@@ -601,6 +602,8 @@ def _check_flags(flags: Flags, error) -> None:
     raise error(f"--max_skips={flags.max_skips} is negative; give 0 (stop at the first NaN/Inf step) or more.")
   if flags.resume_step is not None and not flags.resume:
     raise error("--resume_step needs --resume=True; drop one of the two.")
+  if flags.ep > 1 and flags.tp > 1:
+    raise error(f"--ep={flags.ep} with --tp={flags.tp}: the presets shard experts over ep or tp, not both; drop one.")
   if flags.global_batch_size % flags.grad_accum:
     raise error(
       f"--global_batch_size={flags.global_batch_size} does not divide into --grad_accum={flags.grad_accum} "
@@ -618,7 +621,7 @@ def _model(flags: Flags, recipe: Recipe, mesh, abstract: bool):
   import torch_on_tpu as tot
   from torch_on_tpu import checkpoint, lora
 
-  sharding = "fsdp_tp" if flags.tp > 1 else "fsdp"
+  sharding = "fsdp_tp" if flags.tp > 1 else "ep" if flags.ep > 1 else "fsdp"
   attention = None if flags.attention == "none" else flags.attention
   layers = dict(scan=flags.scan, unroll=flags.unroll, remat=_remat(flags))
   common = dict(mesh=mesh, sharding=sharding, seed=flags.seed, attention=attention)

@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import sys
 import time
 
@@ -46,7 +47,11 @@ MODES = ("forward", "scan", "train", "scan_train", "tp", "ep", "spread")
 SEQ = 32
 BATCH = 8
 VOCAB = 256
-LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
+# AdamW's eps bounds how much a gradient's rounding moves an update (lr/eps per unit): at
+# torchtitan's 1e-8 a gradient within fp32 noise of zero flips Adam's first, sign-like step
+# (qwen3 debugmodel: gradients 2e-6 apart, one such element puts tok_embeddings 4.7e-4 off
+# after 5 steps); 1e-6 keeps the comparison about the gradients. `--eps` sets it.
+LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-6, 0.1
 
 
 def registry_config(spec: str, **registry_kwargs):
@@ -134,6 +139,52 @@ def eager_flex():
     attention.FlexAttention._compiled_flex_attn, attention._compiled_create_block_mask = saved
 
 
+@contextlib.contextmanager
+def eager_linear_attention():
+  """Qwen3.5's Gated DeltaNet on CPU for the eager reference: flash-linear-attention's
+  own pure-torch recurrence (`naive_recurrent_gated_delta_rule`, after its l2norm) and a
+  plain depthwise `F.conv1d`, each run document by document from torchtitan's offsets
+  (its Triton kernels need CUDA)."""
+  import torch
+  import torch.nn.functional as F
+
+  model = sys.modules.get("torchtitan.models.qwen3_5.model")
+  if model is None:
+    yield
+    return
+  from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+
+  def pieces(cu_seqlens, total):
+    bounds = [0, total] if cu_seqlens is None else cu_seqlens.tolist()
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+  def conv(x, weight, cu_seqlens, _host):
+    taps = weight.shape[-1]
+    outs = [
+      F.conv1d(F.pad(x[:, part].transpose(1, 2), [taps - 1, 0]), weight, groups=weight.shape[0]).transpose(1, 2)
+      for part in pieces(cu_seqlens, x.shape[1])
+    ]
+    return F.silu(torch.cat(outs, dim=1))
+
+  def kernel(self, q, k, v, g, beta, *, cu_seqlens=None, cu_seqlens_cpu=None):
+    if q.shape[2] != v.shape[2]:
+      q, k = (t.repeat_interleave(v.shape[2] // t.shape[2], dim=2) for t in (q, k))
+    l2 = lambda x: (x.float() / torch.sqrt((x.float() ** 2).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)  # noqa: E731
+    q, k = l2(q), l2(k)
+    outs = [
+      naive_recurrent_gated_delta_rule(q[:, p], k[:, p], v[:, p], beta[:, p], g[:, p])[0]
+      for p in pieces(cu_seqlens, q.shape[1])
+    ]
+    return torch.cat(outs, dim=1).to(v.dtype)
+
+  saved = model._causal_conv1d_varlen, model.GatedDeltaKernel.forward
+  model._causal_conv1d_varlen, model.GatedDeltaKernel.forward = conv, kernel
+  try:
+    yield
+  finally:
+    model._causal_conv1d_varlen, model.GatedDeltaKernel.forward = saved
+
+
 def _dense_flex_attention(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
                           return_aux=None, kernel_options=None):
   import torch
@@ -149,6 +200,28 @@ def _dense_flex_attention(q, k, v, *, score_mod=None, block_mask=None, scale=Non
   lse = torch.logsumexp(scores, dim=-1)
   out = torch.softmax(scores, dim=-1) @ v
   return out, AuxOutput(lse=lse if return_aux is not None and return_aux.lse else None)
+
+
+@contextlib.contextmanager
+def fp32_experts():
+  """torchtitan's GroupedExperts without its bf16 casts, for ours and the reference alike:
+  the MoE mechanics (routing, dispatch, combine, load balancing) checked at fp32 exactness,
+  apart from the bf16 numerics (measured by the `spread` mode)."""
+  import torch
+  import torch.nn.functional as F
+  from torchtitan.models.common.moe import GroupedExperts
+
+  def forward(self, x, counts):
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    mm = lambda a, w: self._grouped_mm(A=a, B_t=w.transpose(-2, -1), offs=offsets)  # noqa: E731
+    return mm(F.silu(mm(x, self.w1_EFD)) * mm(x, self.w3_EFD), self.w2_EDF).type_as(x)
+
+  original = GroupedExperts.forward
+  GroupedExperts.forward = forward
+  try:
+    yield
+  finally:
+    GroupedExperts.forward = original
 
 
 def packed_batch(vocab=VOCAB, batch=BATCH, seq=SEQ, seed=0):
@@ -208,8 +281,13 @@ def eager_reference(config, state):
 
 
 def eager_call(model, tokens, positions):
-  with eager_flex():
-    return model(tokens, positions=positions, attention_masks=model.get_attention_masks(positions))
+  from torch_on_tpu.models.torchtitan import TorchtitanFamily
+
+  extra = {}
+  if "special_tokens" in inspect.signature(model.forward).parameters:
+    extra["special_tokens"] = {"image_id": -1, "video_id": -1}  # text only, as the bridge calls it
+  with TorchtitanFamily().running(model), eager_flex(), eager_linear_attention():
+    return model(tokens, positions=positions, attention_masks=model.get_attention_masks(positions), **extra)
 
 
 def all_tensors(jm):
@@ -297,7 +375,9 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("specs", nargs="*", default=list(SPECS))
   p.add_argument("--modes", default=",".join(MODES))
+  p.add_argument("--eps", type=float, default=EPS, help="AdamW eps of both sides")
   args = p.parse_args(argv)
+  globals()["EPS"] = args.eps
   from torch_on_tpu import xla_flags
 
   xla_flags.simulate_cpu_devices(8, replace=False)

@@ -302,6 +302,7 @@ def register(env) -> list[str]:
   for packet in (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default):
     _compat.set_op(env, packet, _compat.make_operator(packet, _batch_norm, jax_function=False))
   TorchaxTensor.cpu = _to_host
+  TorchaxTensor.type_as = _type_as
   TorchaxTensor.item = _item
   TorchaxTensor.__float__ = lambda self: float(_item(self))
   TorchaxTensor.__int__ = lambda self: int(_item(self))
@@ -315,6 +316,12 @@ def register(env) -> list[str]:
 def _item(self):
   """`.item()` on a jax-backed tensor, inside torchax's environment or not."""
   return np.asarray(jax.device_get(self.jax())).item()
+
+
+def _type_as(self, other):
+  """torch's `type_as`: a copy in `other`'s dtype (torchax's own casts the tensor in place,
+  and fails when `other` is a view, as RoPE's output is in torchtitan's Qwen3.5)."""
+  return self.to(other.dtype)
 
 
 def _to_host(self, *args, **kwargs):

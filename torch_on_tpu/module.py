@@ -95,6 +95,7 @@ class ShardedModule:
     self.module = module
     self.family = models.family_of(module)
     self.family.prepare(module)
+    self._pre_step = self.family.optimizer_pre_step(module)  # by the original names, before any scan swap
     self.mesh = mesh if mesh is not None else mesh_lib.make_mesh(fsdp=-1)
     self.data_axes = tuple(data_axes) if data_axes is not None else mesh_lib.data_axes(self.mesh)
     for axis in self.data_axes:
@@ -153,7 +154,6 @@ class ShardedModule:
     is_param.update({e.name: e.is_param for e in entries})
     self.params: dict[str, jax.Array] = {n: a for n, a in arrays.items() if is_param[n]}
     self.buffers: dict[str, jax.Array] = {n: a for n, a in arrays.items() if not is_param[n]}
-    self._pre_step = self.family.optimizer_pre_step(module)
     self._rng = jax.random.key(seed + 1)
     self._compiled: dict = {}
     if not getattr(module, "_tot_wrapped", False):

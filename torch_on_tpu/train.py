@@ -295,6 +295,7 @@ class TrainStep:
     self._signature = None  # the signature the last step ran with
     self._eval_fns: dict = {}
     self._gradient_fns: dict = {}
+    self._untouched: frozenset = frozenset()  # params the loss does not read (per compiled signature)
 
   # ---- running ----------------------------------------------------------------------
 
@@ -399,6 +400,10 @@ class TrainStep:
       scale = jnp.minimum(1.0, self.clip_norm / (grad_norm + 1e-6))
       grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
     updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+    # Parameters the loss does not read get no update at all (torch's optimizers skip a
+    # parameter whose .grad is None: no weight decay either), e.g. a vision encoder in
+    # text-only training.
+    updates = {k: jnp.zeros_like(u) if k in self._untouched else u for k, u in updates.items()}
     new_params = optax.apply_updates(params, updates)
     # Keep every dtype as it came in: a promoted leaf would change the signature.
     new_params = jax.tree.map(lambda new, old: new.astype(old.dtype), new_params, params)
@@ -518,6 +523,7 @@ class TrainStep:
     model = self.model
     trained_shardings, frozen_shardings = self._split(model.param_shardings)
     trained, frozen = self._split(_abstract(model.params))
+    self._untouched = self._params_the_loss_does_not_read(trained, frozen, leaves, static)
     jitted = jax.jit(
       functools.partial(self._flat_step, static),
       in_shardings=(
@@ -548,6 +554,25 @@ class TrainStep:
     self.compile_seconds += self.last_compile.seconds
     logger.info("Train step %s", self.last_compile)
     return compiled
+
+  def _params_the_loss_does_not_read(self, trained, frozen, leaves, static) -> frozenset:
+    """Trained parameters no path leads from to the loss (torch would leave their .grad None)."""
+
+    def loss(params, frozen, buffers, leaves, rng):
+      inputs, labels = _merge_batch(leaves, static)
+      return self._loss({**frozen, **params}, buffers, inputs, labels, rng)[0]
+
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    closed = jax.make_jaxpr(loss)(trained, frozen, _abstract(self.model.buffers), leaves, rng)
+    _, used = _compat.dce_jaxpr(closed.jaxpr, [True])
+    keys = jax.tree_util.tree_flatten_with_path(trained)[0]
+    untouched = frozenset(path[0].key for (path, _), is_used in zip(keys, used[: len(keys)]) if not is_used)
+    if untouched:
+      logger.info(
+        "%d parameters take no part in the loss (%s...); like torch's optimizers, the step leaves them unchanged.",
+        len(untouched), ", ".join(sorted(untouched)[:3]),
+      )
+    return untouched
 
   # ---- batches ----------------------------------------------------------------------
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 import sys
 
 import jax
@@ -33,6 +35,9 @@ from torch.nn.attention.flex_attention import BlockMask
 from torch_on_tpu import _compat, extras
 from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.models.family import DecoderShape, Family, HFForm
+
+torchax = _compat.import_torchax()
+from torchax.interop import jax_view, torch_view  # noqa: E402
 
 FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
 
@@ -48,7 +53,6 @@ def parallel_plan(module: torch.nn.Module, *, ep: bool = False) -> dict[str, dic
   has no such plan."""
   import copy
   import importlib
-  import inspect
 
   package = type(module).__module__.rsplit(".", 1)[0]
   try:
@@ -97,6 +101,37 @@ def fsdp_tp_map(module: torch.nn.Module) -> dict | None:
       spec[next(d for d in range(param.ndim) if spec[d] is None)] = "fsdp"
     table[name] = tuple(spec)
   return table
+
+
+# The language-model families torchtitan 0.3.0 registers (flux, a diffusion model, takes no tokens).
+LANGUAGE_FAMILIES = ("llama3", "qwen3", "deepseek_v3", "kimi_k2_7", "qwen3_5", "gpt_oss", "muse_glimmer")
+
+
+def registry_config(spec: str, *, max_seq_len: int | None = None):
+  """torchtitan's own config for `"<family>:<flavor>"` (`torchtitan.models.<family>.model_registry`),
+  with RoPE tables sized to `max_seq_len` as torchtitan's trainer sizes them for its sequence length."""
+  import importlib
+
+  extras.require("torchtitan", "torchtitan's models")
+  family, _, flavor = spec.partition(":")
+  if family not in LANGUAGE_FAMILIES or not flavor:
+    raise TorchOnTpuError(f"'{spec}' is not <family>:<flavor> of torchtitan; families: {', '.join(LANGUAGE_FAMILIES)}.")
+  registry = importlib.import_module(f"torchtitan.models.{family}")
+  flavors = sorted({n for k, v in vars(registry).items() if k.endswith("_configs") and isinstance(v, dict) for n in v})
+  if flavor not in flavors:
+    raise TorchOnTpuError(f"torchtitan's {family} has no flavor '{flavor}'; choose one of {', '.join(flavors)}.")
+  config = registry.model_registry(flavor).model
+  for layer in config.layers if max_seq_len is not None else ():
+    attention = getattr(layer, "attention", None) or getattr(layer, "attn", None)
+    rope = getattr(attention, "rope", None)
+    if rope is None:
+      continue
+    if max_seq_len > rope.max_seq_len:
+      raise TorchOnTpuError(
+        f"seqlen {max_seq_len} exceeds {spec}'s maximum of {rope.max_seq_len} positions; use a shorter --seqlen."
+      )
+    attention.rope = dataclasses.replace(rope, max_seq_len=max_seq_len)
+  return config
 
 
 def llama3_config(flavor: str = "debugmodel", *, attention: str = "flex", max_seq_len: int | None = None):
@@ -204,7 +239,8 @@ def varlen_masks(segment_ids) -> "VarlenMasks":
       def __repr__(self) -> str:
         return f"VarlenMasks(document-causal, segment_ids {tuple(self.segment_ids.shape)})"
 
-    rebuild = lambda ids: _VarlenMasks(ids, ids, int(ids.shape[1]), int(ids.shape[1]), None)  # noqa: E731
+    # cu_seq_q_host (): torchtitan's Qwen3.5 demands host offsets; the bridge's kernels read the ids.
+    rebuild = lambda ids: _VarlenMasks(ids, ids, int(ids.shape[1]), int(ids.shape[1]), ())  # noqa: E731
     _compat.torch_pytree.register_pytree_node(
       _VarlenMasks, lambda m: ([m.segment_ids], None), lambda children, _: rebuild(children[0]),
       serialized_type_name="torch_on_tpu.models.torchtitan.VarlenMasks",
@@ -466,12 +502,20 @@ class TorchtitanFamily(Family):
     masks = attention_masks(module, positions, segments)  # where torchtitan's trainer calls get_attention_masks
     if masks is not None:
       inputs["attention_masks"] = masks
+    if "special_tokens" in inspect.signature(module.forward).parameters:
+      # A multimodal decoder called with text only (Qwen3.5 reads the ids even then): no
+      # pixels, and placeholder ids no token has.
+      inputs["special_tokens"] = {"image_id": -1, "video_id": -1}
     return inputs
 
   def decode_cache(self, module, max_len):
     return None, "torchtitan's Llama 3 has no KV cache"
 
   def hf_form(self, module):
+    """Llama 3 as HF Llama (its q/k rows permuted for HF's RoPE); the other families
+    through torchtitan's own `state_dict_adapter` (`hf_via_adapter`)."""
+    if type(module).__module__ != "torchtitan.models.llama3.model":
+      return hf_via_adapter(module)
     config, to_hf = hf_llama(module)
 
     def rename(name):
@@ -484,13 +528,15 @@ class TorchtitanFamily(Family):
   def running(self, module):
     """torchtitan's SPMD type annotations off while the model runs: the bridge runs it
     as single-device code and shards it from outside (its "partial_dtensor" backend,
-    which annotates nothing on plain tensors)."""
+    which annotates nothing on plain tensors); Qwen3.5's linear-attention kernels
+    (flash-linear-attention's Triton, which cannot run under jax) routed to the bridge's."""
     from torchtitan.distributed import utils as titan_distributed
 
     before = titan_distributed.get_spmd_backend()
     titan_distributed.set_spmd_backend("partial_dtensor")
     try:
-      yield
+      with _linear_attention_routed():
+        yield
     finally:
       titan_distributed.set_spmd_backend(before)
 
@@ -528,6 +574,173 @@ def _ffn_width(block) -> int:
       return width
   ff = getattr(block, "feed_forward", None)
   return ff.w1.out_features if ff is not None and hasattr(ff, "w1") else 0
+
+
+# ---- Qwen3.5's linear attention (Gated DeltaNet) ---------------------------------------------
+
+
+@contextlib.contextmanager
+def _linear_attention_routed():
+  """While active, torchtitan's Gated DeltaNet (Qwen3.5) runs its document-resetting causal
+  conv and its gated delta rule as the bridge's (`_causal_conv_by_document`,
+  `_gated_delta_rule`) instead of flash-linear-attention's Triton kernels, which run
+  only on CUDA torch tensors."""
+  qwen3_5 = sys.modules.get("torchtitan.models.qwen3_5.model")
+  if qwen3_5 is None:
+    yield
+    return
+  conv, kernel = qwen3_5._causal_conv1d_varlen, qwen3_5.GatedDeltaKernel.forward
+
+  def routed_kernel(self, q, k, v, g, beta, *, cu_seqlens=None, cu_seqlens_cpu=None):
+    if q.shape[2] != v.shape[2]:  # value heads share key heads, as torchtitan's forward expands them
+      q, k = (t.repeat_interleave(v.shape[2] // t.shape[2], dim=2) for t in (q, k))
+    documents = None if cu_seqlens is None else jax_view(_flat_documents(cu_seqlens))
+    return torch_view(_gated_delta_rule(*(jax_view(t) for t in (q, k, v, g, beta)), documents))
+
+  qwen3_5._causal_conv1d_varlen = lambda x, weight, ids, _host: _causal_conv_by_document(x, weight, _flat_documents(ids))
+  qwen3_5.GatedDeltaKernel.forward = routed_kernel
+  try:
+    yield
+  finally:
+    qwen3_5._causal_conv1d_varlen, qwen3_5.GatedDeltaKernel.forward = conv, kernel
+
+
+def _flat_documents(segment_ids: torch.Tensor) -> torch.Tensor:
+  """(B, L) document ids → (B·L,) ids unique across rows (the folded layout Gated DeltaNet runs)."""
+  rows, length = segment_ids.shape
+  offsets = torch.arange(rows, dtype=segment_ids.dtype, device=segment_ids.device)[:, None] * (length + 1)
+  return (segment_ids + offsets).reshape(-1)
+
+
+def _causal_conv_by_document(x: torch.Tensor, weight: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+  """flash-linear-attention's varlen `causal_conv1d` (depthwise, SiLU, restarted at each
+  document): x (1, T, D), weight (D, 1, K), documents (T,)."""
+  taps = weight.shape[-1]
+  w = weight.reshape(weight.shape[0], taps)
+  out = torch.zeros_like(x)
+  for back in range(taps):  # tap `back` reads the token `back` steps earlier, in the same document
+    earlier = torch.nn.functional.pad(x, (0, 0, back, 0))[:, : x.shape[1]]
+    same = documents == torch.nn.functional.pad(documents, (back, 0), value=-1)[: x.shape[1]]
+    out = out + earlier * same[None, :, None].to(x.dtype) * w[:, taps - 1 - back]
+  return torch.nn.functional.silu(out)
+
+
+def _gated_delta_rule(q, k, v, g, beta, documents=None):
+  """flash-linear-attention's `chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)`
+  as a sequential scan (jax arrays; q, k (1, T, H, K), v (1, T, H, V), g, beta (1, T, H)):
+  per head, the state S (K, V) decays by exp(g), is corrected toward v along k by beta,
+  and is read by q scaled by K^-1/2; S restarts at each document of `documents` (T,)
+  (one stream when None). fp32 inside, output in v's dtype."""
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  l2 = lambda x: (f32(x) / jnp.sqrt(jnp.sum(f32(x) ** 2, -1, keepdims=True) + 1e-6)).astype(x.dtype)  # noqa: E731
+  scale = q.shape[-1] ** -0.5
+  q, k = f32(l2(q))[0] * scale, f32(l2(k))[0]
+  v, g, beta = f32(v)[0], f32(g)[0], f32(beta)[0]
+  steps = q.shape[0]
+  starts = jnp.zeros(steps, bool).at[0].set(True)
+  if documents is not None:
+    starts = starts.at[1:].set(documents[1:] != documents[:-1])
+
+  def step(state, xs):
+    q_t, k_t, v_t, g_t, beta_t, start = xs
+    state = jnp.where(start, 0.0, state) * jnp.exp(g_t)[:, None, None]
+    delta = (v_t - jnp.einsum("hkv,hk->hv", state, k_t)) * beta_t[:, None]
+    state = state + k_t[:, :, None] * delta[:, None, :]
+    return state, jnp.einsum("hk,hkv->hv", q_t, state)
+
+  init = jnp.zeros((q.shape[1], q.shape[2], v.shape[2]), jnp.float32)
+  _, out = jax.lax.scan(step, init, (q, k, v, g, beta, starts))
+  return out[None].astype(v.dtype)
+
+
+# ---- export through torchtitan's own state_dict adapters ------------------------------------
+
+
+def hf_via_adapter(module: torch.nn.Module) -> HFForm | None:
+  """The model as transformers writes it: names and layouts from the family's own
+  `torchtitan.models.<name>.state_dict_adapter` (its `to_hf`, run entry by entry on the
+  device arrays: MoE experts split per expert, as torchtitan splits them), the config from
+  `_HF_CONFIGS`. None for a family without either."""
+  import importlib
+
+  family = type(module).__module__.split(".")[2] if is_torchtitan(module) else None
+  make_config = _HF_CONFIGS.get(family)
+  if make_config is None or getattr(module, "config", None) is None:
+    return None
+  adapters = importlib.import_module(f"torchtitan.models.{family}.state_dict_adapter")
+  from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
+
+  classes = [c for c in vars(adapters).values() if isinstance(c, type) and issubclass(c, BaseStateDictAdapter) and c.__module__ == adapters.__name__]
+  if len(classes) != 1:
+    return None
+  adapter = classes[0](module.config, None)
+  config, check = make_config(module.config)
+  shapes = module.state_dict()  # on meta: names and shapes only
+
+  def rename(name):
+    return [(hf, functools.partial(_to_hf, adapter, name, hf)) for hf in adapter.to_hf({name: shapes[name]})]
+
+  return HFForm(config, rename, check)
+
+
+def _to_hf(adapter, name: str, hf_name: str, array: jax.Array) -> jax.Array:
+  with torchax.default_env():
+    return jax_view(adapter.to_hf({name: torch_view(array)})[hf_name])
+
+
+def _qwen3_hf_config(config):
+  """HF's Qwen3 (dense) or Qwen3-MoE config for torchtitan's Qwen3; refuses what HF cannot express."""
+  import transformers
+
+  first = config.layers[0]
+  qkv, rope = first.attention.qkv_linear, first.attention.rope
+  moes = [layer.moe for layer in config.layers if layer.moe is not None]
+  problem = None
+  if rope.scaling != "none":
+    problem = f"its RoPE scaling is '{rope.scaling}'"
+  elif moes and len(moes) != len(config.layers):
+    problem = "it mixes dense and MoE layers"
+  elif moes and (moes[0].shared_experts is not None or moes[0].router.score_func != "softmax" or moes[0].router.route_scale != 1.0):
+    problem = "its MoE router or shared experts differ from HF Qwen3-MoE's"
+  if problem is not None:
+    raise TorchOnTpuError(f"This torchtitan Qwen3 cannot be written as HF Qwen3: {problem}; export_safetensors writes its own names.")
+  common = dict(
+    vocab_size=config.vocab_size, hidden_size=config.dim, num_hidden_layers=len(config.layers),
+    num_attention_heads=qkv.n_heads, num_key_value_heads=qkv.n_kv_heads, head_dim=qkv.head_dim,
+    rms_norm_eps=config.norm.eps, max_position_embeddings=rope.max_seq_len,
+    tie_word_embeddings=bool(config.enable_weight_tying), attention_bias=False,
+    rope_parameters=dict(rope_type="default", rope_theta=float(rope.theta)),
+  )
+  if not moes:
+    hf = transformers.Qwen3Config(intermediate_size=first.feed_forward.w1.out_features, architectures=["Qwen3ForCausalLM"], **common)
+    return hf, None
+  moe = moes[0]
+  hf = transformers.Qwen3MoeConfig(
+    intermediate_size=moe.routed_experts.inner_experts.hidden_dim, moe_intermediate_size=moe.routed_experts.inner_experts.hidden_dim,
+    num_experts=moe.num_experts, num_experts_per_tok=moe.router.top_k, norm_topk_prob=bool(moe.router.route_norm),
+    decoder_sparse_step=1, mlp_only_layers=[], architectures=["Qwen3MoeForCausalLM"], **common,
+  )
+  return hf, _no_expert_bias(len(config.layers)) if moe.load_balance_coeff is not None else None
+
+
+def _no_expert_bias(layers: int):
+  """HF's Qwen3-MoE routes without torchtitan's load-balancing bias: a trained (nonzero) one is refused."""
+
+  def check(read):
+    for i in range(layers):
+      bias = read(f"layers.{i}.moe.expert_bias_E")
+      if bool(jnp.any(bias != 0)):
+        raise TorchOnTpuError(
+          f"layers.{i}.moe.expert_bias_E is nonzero (torchtitan's MoE load balancing moved it) and HF's "
+          f"Qwen3-MoE routes without an expert bias, so its logits would differ; export_safetensors writes "
+          f"the model with it."
+        )
+
+  return check
+
+
+# torchtitan family → (its config → (the transformers config, a check of the values or None)).
+_HF_CONFIGS = {"qwen3": _qwen3_hf_config}
 
 
 # ---- as HF's Llama (export) ---------------------------------------------------------------
