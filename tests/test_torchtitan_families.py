@@ -103,3 +103,49 @@ def test_gpt_oss_sliding_window_is_refused_in_one_sentence_not_dropped():
   inputs = jm.family.model_inputs(jm.module, {"input_ids": tokens, "positions": positions})
   with pytest.raises(tot.TorchOnTpuError, match="window_size"):
     jm(**inputs)
+
+
+def _export_and_load(jm, tmp_path):
+  import transformers
+
+  from torch_on_tpu import export
+
+  export.export(jm, tmp_path / "hf")
+  model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+  return model.eval()
+
+
+@pytest.mark.parametrize("spec", ["qwen3:debugmodel", "qwen3:debugmodel_moe"])
+def test_export_through_torchtitans_state_dict_adapter_gives_our_logits(spec, tmp_path):
+  """torchtitan's own Qwen3StateDictAdapter names and splits the tensors; transformers loads
+  the directory and computes our logits (the MoE with the experts' bf16 casts out on our
+  side: HF's experts run in the weights' fp32), and the adapter's from_hf gives back our
+  state_dict exactly (read from the files: transformers fuses the experts it loads)."""
+  from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+  config = tiny(spec)
+  jm = tp.wrap(config, "forward")
+  hf = _export_and_load(jm, tmp_path)
+  tokens, _, _ = tp.packed_batch(batch=2, seq=16)
+  positions = torch.arange(16).repeat(2, 1)  # one document per row: HF's causal LM sees the same
+  with tp.fp32_experts():
+    jm.module.eval()
+    ours = tot.to_cpu(jm(**jm.family.model_inputs(jm.module, {"input_ids": tokens, "positions": positions})))
+  with torch.no_grad():
+    assert h.rel(ours, hf(tokens).logits) < 1e-5
+  from safetensors.torch import load_file
+
+  written = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+  back = Qwen3StateDictAdapter(config, None).from_hf(written)
+  state = jm.state_dict()
+  for name, value in back.items():
+    assert torch.equal(value, state[name]), name
+
+
+def test_a_trained_expert_bias_hf_qwen3_moe_cannot_hold_is_refused(tmp_path):
+  import jax.numpy as jnp
+
+  jm = tp.wrap(tiny("qwen3:debugmodel_moe", layers=1), "forward")
+  jm.buffers["layers.0.moe.expert_bias_E"] = jnp.full(8, 1e-3)
+  with pytest.raises(tot.TorchOnTpuError, match="expert_bias_E is nonzero.*export_safetensors"):
+    _export_and_load(jm, tmp_path)
