@@ -19,8 +19,9 @@ A map is a dict `{pattern: spec}`:
 Parameters no pattern covers are replicated and listed once (a `strict=True`
 resolution makes that an error). Presets: `"fsdp"`, `"replicated"`, `"ep"`
 (expert parallel: the leading expert dim of every stacked expert tensor, a
-parameter under a module named `experts`, over the `ep` mesh axis, or over
-`fsdp` where the mesh has no `ep`; everything else as `"fsdp"`), and the
+parameter under a module named `experts` or those the model's family names,
+over the `ep` mesh axis, or over `fsdp` where the mesh has no `ep`; everything
+else as `"fsdp"`), and the
 FSDP+TP maps for known model families (`"fsdp_tp"`, see `torch_on_tpu.models`).
 In a glob map the same is `{"**.experts.*": ("ep", None, None)}`.
 """
