@@ -1,22 +1,26 @@
-"""torchtitan's Llama 3: built from torchtitan's own config registry, and its FSDP+TP map.
+"""torchtitan's models, every family its registries build: configs, inputs, shape, sharding, export.
 
-    model = build_llama3("debugmodel")            # on meta, exactly torchtitan's config
+    config = registry_config("qwen3:debugmodel_moe", max_seq_len=2048)   # torchtitan's own
+    with torch.device("meta"):
+      model = config.build()
     jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp")
+    logits = jm(**jm.family.model_inputs(model, {"input_ids": tokens, "positions": positions}))
 
-torchtitan 0.3.0 uses FlexAttention for language models. `attention="sdpa"`
-swaps each layer's inner attention for torchtitan's own
-`ScaledDotProductAttention` (plain causal attention, no document masking):
-the config change torchtitan itself makes for models that use SDPA.
+`TorchtitanFamily` answers for all of them by rules read from torchtitan's own
+code (docs/torchtitan.md): the model is called by name (`tokens=`,
+`positions=`, `attention_masks=`) with the masks its own `get_attention_masks`
+chooses, built as the bridge's stand-ins (`FlexMasks`, `VarlenMasks`: the
+compiled BlockMask builder cannot run beside jax); while ShardedModule's
+attention kernels are active, flex and varlen attention run them. The TP and
+EP maps come from each family's own sharding plan; MoE load balancing is the
+family's `optimizer_pre_step`; Qwen3.5's linear attention runs the bridge's
+kernels; export goes through each family's `state_dict_adapter`.
 
-The default flex config runs as configured: pass `flex_masks(positions)` where
-torchtitan's trainer passes `model.get_attention_masks(positions)` (a BlockMask
-built by a compiled function, which cannot run under jax):
-
-    logits = jm(tokens, positions=positions, attention_masks=flex_masks(positions))
-
-While ShardedModule's attention kernels are active, FlexAttention's compiled
-call is routed to them (document-causal from the positions, or plain causal
-for `flex_masks()`).
+`build_llama3(flavor, attention="sdpa")` keeps Llama 3's builder: "sdpa" swaps
+each layer's inner attention for torchtitan's own `ScaledDotProductAttention`
+(plain causal attention, no document masking), the config change torchtitan
+itself makes for models that use SDPA; `flex_masks(positions)` is Llama 3's
+document-causal mask alone.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
 
 FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
+
 
 def is_torchtitan(module: torch.nn.Module) -> bool:
   return type(module).__module__.startswith("torchtitan.")
@@ -209,8 +214,7 @@ def flex_masks(positions: torch.Tensor | None = None) -> FlexMasks:
   """
   if positions is None:
     return FlexMasks()
-  starts = (positions == 0).to(torch.int32)
-  return FlexMasks(torch.cumsum(starts, dim=1, dtype=torch.int32))
+  return FlexMasks(document_ids(positions).to(torch.int32))
 
 
 class VarlenMasks:
