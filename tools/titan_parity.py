@@ -132,7 +132,7 @@ def eager_flex():
 
   saved = attention.FlexAttention._compiled_flex_attn, attention._compiled_create_block_mask
   attention.FlexAttention._compiled_flex_attn = _dense_flex_attention
-  attention._compiled_create_block_mask = lambda *a, **k: create_block_mask(*a, **k, _compile=False)
+  attention._compiled_create_block_mask = create_block_mask  # uncompiled by default
   try:
     yield
   finally:
@@ -329,6 +329,12 @@ def check(spec: str, mode: str, *, steps: int = 5, config=None) -> dict:
     return {"forward": rel(got, want)}
   if mode == "spread":
     other, other_optimizer = eager_reference(config, state)
+    ref.eval(), other.eval()  # the forward's spread (eval: no token counted): one call, two halves
+    with torch.no_grad():
+      whole = eager_call(ref, tokens, positions)
+      halves = torch.cat([eager_call(other, tokens[p], positions[p]) for p in (slice(0, BATCH // 2), slice(BATCH // 2, BATCH))])
+    forward_spread = rel(halves, whole)
+    ref.train(), other.train()
 
     def step(inputs, labels):  # the second reference: two half batches, gradients accumulated
       tokens, positions = inputs
@@ -366,6 +372,7 @@ def check(spec: str, mode: str, *, steps: int = 5, config=None) -> dict:
     n: rel(torch.as_tensor(trained[n]).detach(), want[n]) for n in want if n not in params and want[n].is_floating_point()
   }
   return {
+    **({"forward": forward_spread} if mode == "spread" else {}),
     "losses": max(losses), "weights": max(per_weight.values()), "buffers": max(buffers.values(), default=0.0),
     "_buffers": buffers, "_weights": per_weight,
   }

@@ -513,7 +513,7 @@ class TorchtitanFamily(Family):
     return inputs
 
   def decode_cache(self, module, max_len):
-    return None, "torchtitan's Llama 3 has no KV cache"
+    return None, "torchtitan's decoders have no KV cache"
 
   def hf_form(self, module):
     """Llama 3 as HF Llama (its q/k rows permuted for HF's RoPE); the other families
