@@ -18,9 +18,10 @@ Modes: `forward` (fsdp=8), `scan` (scan=True, fsdp=8), `train` (5 AdamW steps:
 every step's loss, then every parameter and buffer, persistent or not),
 `scan_train`, `tp` (fsdp=4 x tp=2 from torchtitan's TP plan), `ep`
 (ep=8, experts placed by torchtitan's EP plan; MoE families), `spread` (two
-valid eager references against each other, the same 5 steps: the batch in one
-call, and in two halves with the gradients accumulated; the yardstick where
-torchtitan computes in bf16, as its MoE experts do).
+valid eager references against each other, forward and the same 5 steps: the
+second with every fp32 `F.linear` accumulated in fp64, as tools/bf16_sweep.py
+defines it on the precision branch; the yardstick where torchtitan computes in
+bf16, as its MoE experts do).
 """
 
 from __future__ import annotations
@@ -224,6 +225,28 @@ def fp32_experts():
     GroupedExperts.forward = original
 
 
+@contextlib.contextmanager
+def fp64_linears():
+  """The second valid eager reference: every fp32 `F.linear` accumulated in fp64 and rounded
+  to fp32 (a more exact matmul path). Where torchtitan computes in bf16 (MoE experts), an
+  fp32-level difference upstream moves some bf16 inputs by one unit: the spread any valid
+  bf16 computation has."""
+  import torch
+  import torch.nn.functional as F
+
+  class Fp64Linears(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+      kwargs = kwargs or {}
+      if func is F.linear and args[0].dtype == torch.float32:
+        x, w, *rest = args
+        b = rest[0] if rest else kwargs.get("bias")
+        return F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+      return func(*args, **kwargs)
+
+  with Fp64Linears():
+    yield
+
+
 def packed_batch(vocab=VOCAB, batch=BATCH, seq=SEQ, seed=0):
   """(tokens, labels, positions): every row holds 2-3 documents (positions restart at 0)."""
   import torch
@@ -307,8 +330,8 @@ def wrap(config, mode):
 
 def check(spec: str, mode: str, *, steps: int = 5, config=None) -> dict:
   """One family in one mode: {forward | losses, weights, buffers: worst rel error}.
-  Mode `spread` compares two valid eager references instead (the batch in one call, and
-  in two halves with the gradients accumulated): the noise floor of the computation."""
+  Mode `spread` compares two valid eager references instead (`fp64_linears`): the noise
+  floor of the computation."""
   import optax
   import torch
 
@@ -329,23 +352,22 @@ def check(spec: str, mode: str, *, steps: int = 5, config=None) -> dict:
     return {"forward": rel(got, want)}
   if mode == "spread":
     other, other_optimizer = eager_reference(config, state)
-    ref.eval(), other.eval()  # the forward's spread (eval: no token counted): one call, two halves
+    ref.eval(), other.eval()  # the forward's spread (eval: no token counted)
     with torch.no_grad():
       whole = eager_call(ref, tokens, positions)
-      halves = torch.cat([eager_call(other, tokens[p], positions[p]) for p in (slice(0, BATCH // 2), slice(BATCH // 2, BATCH))])
-    forward_spread = rel(halves, whole)
+      with fp64_linears():
+        more_exact = eager_call(other, tokens, positions)
+    forward_spread = rel(more_exact, whole)
     ref.train(), other.train()
 
-    def step(inputs, labels):  # the second reference: two half batches, gradients accumulated
+    def step(inputs, labels):  # the second reference: every fp32 F.linear accumulated in fp64
       tokens, positions = inputs
       other_optimizer.zero_grad()
-      total = 0.0
-      for half in (slice(0, BATCH // 2), slice(BATCH // 2, BATCH)):
-        loss = ce(eager_call(other, tokens[half], positions[half]), labels[half]) / 2
+      with fp64_linears():
+        loss = ce(eager_call(other, tokens, positions), labels)
         loss.backward()
-        total += loss.item()
       other_optimizer.step()
-      return total
+      return loss.item()
 
     trained_of = lambda: {**dict(other.named_parameters()), **dict(other.named_buffers())}  # noqa: E731
   else:
