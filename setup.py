@@ -34,9 +34,10 @@ setup(
     "data": ["tokenizers", "datasets", "pyarrow"],  # tokenizer training, HF datasets, parquet
     "logging": ["tensorboard", "matplotlib"],  # TensorBoard scalars, the training plot
     "recipes": ["fire"],
+    "float8": ["torchao==0.18.0"],  # float8 training (torch_on_tpu.float8): torchao's Float8Linear
     "all": [
       "torchtitan==0.3.0", "triton", "fla-core==0.6.0", "transformers>=5", "peft", "tokenizers", "datasets", "pyarrow",
-      "tensorboard", "matplotlib", "fire",
+      "tensorboard", "matplotlib", "fire", "torchao==0.18.0",
     ],
     "cpu": ["jax[cpu]"],
     "tpu": ["jax[tpu]"],

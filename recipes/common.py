@@ -1,14 +1,19 @@
-"""What both recipes share: flags → resolved config → mesh, model, plan, data, step,
-checkpoints, the Trainer.
+"""What both recipes share: flags → start-up checks → resolved config → mesh, model, plan,
+data, step, checkpoints, the Trainer.
 
-`run(flags, recipe)` is the whole recipe, top to bottom. Nothing here imports
+`run(flags, recipe_for)` is the whole recipe, top to bottom. Nothing here imports
 jax at module level: `--cpu_devices` must set `XLA_FLAGS`, and a TPU run its
 `LIBTPU_INIT_ARGS`, before jax starts a backend (`setup_platform`).
 
 A recipe is a `Recipe`: a name for its run directory and a builder of the
 torch model on meta (called once for the plan and once for the run; twice
 more for LoRA). The CLI's `--help` comes from the flags dataclass: each
-field's default and help text (`cli`).
+field's default and help text (`cli`). A flag says what values it takes
+(`flag(choices=, minimum=, check=)`) and which library argument it sets when
+the names differ (`flag(argument=)`): the first drives the start-up checks
+(`check_flags`, with the `@startup_check`s across flags), the second how errors
+name it (`flag_spelling`, for `errors.spoken_as_flags`). A new flag needs no
+other code for either.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import glob
 import importlib.util
 import inspect
 import json
+import math
 import os
 import shutil
 import sys
@@ -45,45 +51,95 @@ STATE_FLAGS = ("model", "model_impl", "config", "dtype", "lora_rank", "lora_targ
 ATTENTION = ("auto", "xla", "splash", "cudnn", "none")
 
 
-def flag(default, help: str):
-  return dataclasses.field(default=default, metadata={"help": help})
+def flag(default, help: str, *, choices=None, minimum=None, check=None, argument: str | None = None):
+  """A recipe flag: its default and `--help` text, the values it takes, and the call argument it sets.
+
+  What it takes is checked at start-up, before any device or model (`check_flags`):
+  `choices` (a tuple, or a function returning one, e.g. names another module defines),
+  `minimum` (for numbers; None always passes) and `check` (`(value, flags) → None`, raising
+  `TorchOnTpuError` with a sentence about the value; the flag's name is put in front), for
+  what needs a look at the machine (files).
+  `argument`: the library call argument this flag sets when its name differs (`--data_field`
+  sets `field=`), so that errors from the library name the flag (`errors.spoken_as_flags`).
+  """
+  metadata = {"help": help, "choices": choices, "minimum": minimum, "check": check, "argument": argument}
+  return dataclasses.field(default=default, metadata=metadata)
+
+
+def _remat_names() -> tuple[str, ...]:
+  from torch_on_tpu import remat as remat_lib
+
+  return ("auto", *remat_lib.NAMES)
+
+
+def _float8_recipes() -> tuple[str, ...]:
+  from torch_on_tpu.float8 import RECIPES
+
+  return RECIPES
+
+
+def _existing_data(spec, flags) -> None:
+  """--data names files that exist (listed; of JSONL or Parquet the first record is read, for --data_field)."""
+  if spec is not None:
+    from torch_on_tpu.data import sources
+
+    sources.source(spec, field=flags.data_field)
+
+
+def existing_path(path, flags) -> None:
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  if path is not None and not os.path.exists(path):
+    raise TorchOnTpuError(f"{path!r} does not exist; pass an existing file or directory.")
+
+
+def _profile_format(spec, flags) -> None:
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  try:
+    _profile_steps(spec)
+  except ValueError:
+    raise TorchOnTpuError(f"{spec!r} is not FIRST,LAST step numbers; write e.g. --profile=10,12.") from None
 
 
 @dataclasses.dataclass
 class Flags:
   """Flags both recipes take (the recipes add their model flags)."""
 
-  seqlen: int = flag(128, "tokens per sequence")
-  global_batch_size: int = flag(8, "sequences per optimizer step, over all devices")
-  steps: int = flag(100, "optimizer steps to train to")
+  seqlen: int = flag(128, "tokens per sequence", minimum=1)
+  global_batch_size: int = flag(8, "sequences per optimizer step, over all devices", minimum=1)
+  steps: int = flag(100, "optimizer steps to train to", minimum=1)
   lr: float = flag(3e-3, "peak learning rate of the warmup-cosine schedule (AdamW)")
-  warmup_steps: int = flag(10, "linear warmup steps; then cosine decay to lr/10 at --steps")
-  weight_decay: float = flag(0.1, "AdamW weight decay")
-  clip_norm: float = flag(1.0, "gradient clipping by global norm (0: off)")
-  max_skips: int = flag(5, "skip a step whose loss, gradient or update is NaN/Inf (state kept); stop after this many in a row (0: stop at the first)")
-  fsdp: int = flag(-1, "devices on the fsdp mesh axis (-1: all that --tp leaves)")
-  tp: int = flag(1, "devices on the tensor-parallel mesh axis")
-  ep: int = flag(1, "devices on the expert-parallel mesh axis (MoE experts sharded over it, the batch too; not with --tp)")
+  warmup_steps: int = flag(10, "linear warmup steps; then cosine decay to lr/10 at --steps", minimum=0)
+  weight_decay: float = flag(0.1, "AdamW weight decay", minimum=0)
+  clip_norm: float = flag(1.0, "gradient clipping by global norm (0: off)", minimum=0)
+  max_skips: int = flag(5, "skip a step whose loss, gradient or update is NaN/Inf (state kept); stop after this many in a row (0: stop at the first)", minimum=0)
+  fsdp: int = flag(-1, "devices on the fsdp mesh axis (-1: all that --tp leaves)", minimum=-1)
+  tp: int = flag(1, "devices on the tensor-parallel mesh axis", minimum=1)
+  cp: int = flag(1, "devices on the context-parallel mesh axis: each sequence split into cp pieces (long context; params shard over fsdp and cp)", minimum=1)
+  ep: int = flag(1, "devices on the expert-parallel mesh axis (MoE experts sharded over it, the batch too; not with --tp)", minimum=1)
   scan: bool = flag(True, "run the layer stack as one lax.scan (compile time flat in depth)")
-  unroll: int = flag(1, "layers per scan iteration")
-  remat: str = flag("auto", "per-layer remat: auto (scanned: dots_and_attention; loop: none), none, full, dots_saveable, dots_with_no_batch_dims_saveable, dots_and_attention, offload_dots")
-  attention: str = flag("auto", "attention kernel: auto (splash on TPU, cuDNN on GPU, blocked XLA on CPU), xla, splash, cudnn, none (torchax's own SDPA lowering)")
-  dtype: str = flag("float32", "float32; bfloat16 (bf16 compute, fp32 master weights and Adam); bfloat16-all")
-  grad_accum: int = flag(1, "microbatches per step (activations shrink by this factor)")
-  data: str | None = flag(None, "text/JSONL/Parquet files, a glob, a directory or a datasets dir (default: built-in corpus)")
-  data_field: str = flag("text", "the JSONL/Parquet/datasets field holding the text")
-  tokenizer: str | None = flag(None, "tokenizer.json or HF tokenizer dir (default: byte-level BPE trained on the data)")
+  unroll: int = flag(1, "layers per scan iteration", minimum=1)
+  remat: str = flag("auto", "per-layer remat: auto (scanned: dots_and_attention; loop: none), none, full, dots_saveable, dots_with_no_batch_dims_saveable, dots_and_attention, offload_dots", choices=_remat_names)
+  attention: str = flag("auto", "attention kernel: auto (splash on TPU, cuDNN on GPU, blocked XLA on CPU), xla, splash, cudnn, none (torchax's own SDPA lowering)", choices=ATTENTION)
+  dtype: str = flag("float32", "float32; bfloat16 (bf16 compute, fp32 master weights and Adam); bfloat16-all", choices=DTYPES)
+  float8: str | None = flag(None, "float8 matmuls (torchao's Float8Linear, torchtitan's filter): rowwise, tensorwise or rowwise_with_gw_hp; weights and checkpoints stay in --dtype (default: off)", choices=_float8_recipes)
+  float8_skip: str = flag("lm_head", "with --float8: comma-separated names of linears kept in high precision (linears with a dim not a multiple of 16 always are)")
+  grad_accum: int = flag(1, "microbatches per step (activations shrink by this factor)", minimum=1)
+  data: str | None = flag(None, "text/JSONL/Parquet files, a glob, a directory or a datasets dir (default: built-in corpus)", check=_existing_data)
+  data_field: str = flag("text", "the JSONL/Parquet/datasets field holding the text", argument="field")
+  tokenizer: str | None = flag(None, "tokenizer.json or HF tokenizer dir (default: byte-level BPE trained on the data)", check=existing_path)
   ckpt_dir: str | None = flag(None, "checkpoint directory (default: runs/<run>/ckpt)")
-  save_every: int = flag(50, "save a checkpoint every N steps (and at the end)")
+  save_every: int = flag(50, "save a checkpoint every N steps (and at the end)", minimum=1)
   resume: bool = flag(True, "continue from the newest good checkpoint in --ckpt_dir; False: set its checkpoints aside as <step>.replaced (nothing deleted) and start afresh")
-  resume_step: int | None = flag(None, "resume from this saved step instead of the newest (newer steps are set aside as <step>.superseded)")
-  eval_every: int = flag(25, "eval loss on held-out data every N steps (0: never)")
-  eval_batches: int = flag(4, "held-out batches per eval")
-  profile: str | None = flag(None, "steps to trace with jax.profiler, 'FIRST,LAST' (into <log_dir>/profile)")
+  resume_step: int | None = flag(None, "resume from this saved step instead of the newest (newer steps are set aside as <step>.superseded)", minimum=0)
+  eval_every: int = flag(25, "eval loss on held-out data every N steps (0: never)", minimum=0)
+  eval_batches: int = flag(4, "held-out batches per eval", minimum=1)
+  profile: str | None = flag(None, "steps to trace with jax.profiler, 'FIRST,LAST' (into <log_dir>/profile)", check=_profile_format)
   log_dir: str | None = flag(None, "metrics.jsonl, TensorBoard and training.png (default: runs/<run>)")
-  cpu_devices: int | None = flag(None, "simulate N CPU devices (sets XLA_FLAGS before jax starts)")
+  cpu_devices: int | None = flag(None, "simulate N CPU devices (sets XLA_FLAGS before jax starts)", minimum=1)
   dry_run: bool = flag(False, "plan memory and compile on abstract params, print both, allocate nothing, exit")
-  memory_gib: float | None = flag(None, "plan against this much memory per device (default: the device's own)")
+  memory_gib: float | None = flag(None, "plan against this much memory per device (default: the device's own)", minimum=0)
   seed: int = flag(0, "init, data order and dropout seed")
   sample: str | None = flag(None, "after training, print a greedy completion of this prompt from the final weights")
   compile_cache: str | None = flag(None, "jax's persistent compilation cache, so a relaunch skips the compile (default: $XDG_CACHE_HOME/torch_on_tpu/jax; off or none: no cache)")
@@ -116,7 +172,7 @@ def cli(flags_cls, run_fn: Callable, summary: str) -> Callable:
     try:
       run_fn(flags_cls(**kwargs))
     except Exception as e:
-      from torch_on_tpu.errors import TorchOnTpuError  # not earlier: it starts jax
+      from torch_on_tpu.errors import TorchOnTpuError
 
       if isinstance(e, TorchOnTpuError):  # one sentence, not a traceback
         raise SystemExit(f"error: {e}") from None
@@ -304,33 +360,44 @@ def resolve(flags: Flags, recipe: Recipe) -> dict:
   return config
 
 
-def run(flags: Flags, recipe: Recipe) -> dict:
-  """Trains (or with `dry_run` plans and compiles) one recipe; returns a summary dict."""
-  setup_platform(flags.cpu_devices)
-  _initialize_distributed()
+def run(flags: Flags, recipe_for: Callable[[Flags], Recipe]) -> dict:
+  """Trains (or with `dry_run` plans and compiles) the recipe `recipe_for(flags)`; returns a summary dict.
 
-  import jax
+  In this order, so that a mistyped or impossible flag stops the run within seconds: the
+  flags' own checks, the platform, the mesh and the checks that need its devices
+  (`check_flags`), and only then the recipe's model. Throughout, errors from the library
+  name the flags that set their arguments (`errors.spoken_as_flags`).
+  """
+  from torch_on_tpu import errors
 
-  from torch_on_tpu.errors import TorchOnTpuError
+  with errors.spoken_as_flags(flag_spelling(type(flags))):
+    setup_platform(flags.cpu_devices)
+    check_flags(flags)
+    _initialize_distributed()
 
-  _check_flags(flags, TorchOnTpuError)
-  config = resolve(flags, recipe)
-  main = jax.process_index() == 0
-  latest = None if flags.dry_run else _latest_checkpoint(flags, config, TorchOnTpuError)
-  if latest is not None and latest >= flags.steps and flags.sample is None and flags.resume_step is None:
+    import jax
+
+    import torch_on_tpu as tot
+
+    mesh = tot.make_mesh(**mesh_axes(flags))
+    check_flags(flags, mesh)
+    recipe = recipe_for(flags)
+    config = resolve(flags, recipe)
+    main = jax.process_index() == 0
+    latest = None if flags.dry_run else _latest_checkpoint(flags, config)
+    if latest is not None and latest >= flags.steps and flags.resume_step is None:
+      if main:
+        then = "sampling from it" if flags.sample is not None else "raise --steps to train further or pass another --ckpt_dir"
+        print(f"Nothing to train: {config['ckpt_dir']} already holds step {latest} of --steps={flags.steps}; {then}.", flush=True)
+      if flags.sample is None:
+        return {"finished": True, "steps": 0, "last_step": latest, "ckpt_dir": config["ckpt_dir"], "log_dir": config["log_dir"]}
+    config["compile_cache"] = _use_compile_cache(config["compile_cache"])
     if main:
-      print(
-        f"Nothing to train: {config['ckpt_dir']} already holds step {latest} of --steps={flags.steps}; "
-        f"raise --steps to train further or pass another --ckpt_dir.", flush=True,
-      )
-    return {"finished": True, "steps": 0, "last_step": latest, "ckpt_dir": config["ckpt_dir"], "log_dir": config["log_dir"]}
-  config["compile_cache"] = _use_compile_cache(config["compile_cache"])
-  if main:
-    print("Run config:\n" + json.dumps(config, indent=1), flush=True)
-  return _run(flags, recipe, config, main)
+      print("Run config:\n" + json.dumps(config, indent=1), flush=True)
+    return _run(flags, recipe, config, mesh, main)
 
 
-def _latest_checkpoint(flags: Flags, config: dict, error) -> int | None:
+def _latest_checkpoint(flags: Flags, config: dict) -> int | None:
   """The newest step in --ckpt_dir the run would resume from, read before anything is
   built (a finished run has nothing to do); None for a fresh start (--resume=False
   sets the old steps aside later, deleting nothing)."""
@@ -353,7 +420,7 @@ def _use_compile_cache(directory: str | None) -> str | None:
   return jax.config.jax_compilation_cache_dir
 
 
-def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
+def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   import jax
   import jax.numpy as jnp
   import optax
@@ -363,7 +430,6 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   from torch_on_tpu import remat as remat_lib
   from torch_on_tpu.trainer import default_split
 
-  mesh = tot.make_mesh(fsdp=flags.fsdp, tp=flags.tp, **({"ep": flags.ep} if flags.ep > 1 else {}))
   if main:
     devices = mesh.devices.flat[0]
     print(f"Mesh {dict(mesh.shape)} over {mesh.size} {devices.platform} devices ({devices.device_kind})", flush=True)
@@ -401,6 +467,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   )
   if main:
     print(memory, flush=True)
+    print(_parameter_count(abstract_step), flush=True)
   spec = jax.ShapeDtypeStruct((flags.global_batch_size, flags.seqlen), jnp.int32)
   documents = ("positions", "segment_ids") if recipe.family == "titan" else ()  # what data.batches yields
   abstract_batch = {key: spec for key in ("input_ids", "labels", *documents)}
@@ -437,19 +504,43 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   except BaseException:
     ckpt.close()
     raise
-  train = data.batches(source, tokenizer, state=restored.data if restored else None, **data_kwargs)
-  evals = (
-    data.eval_batches(source, tokenizer, num_batches=flags.eval_batches, **data_kwargs)
-    if flags.eval_every and flags.eval_batches else None
+  first_step = step.step_count
+  if first_step >= flags.steps:  # a finished run relaunched with --sample: nothing to compile or train
+    ckpt.close()
+    summary = {"steps": first_step, "preempted": False, "records": []}
+  else:
+    summary = _train(step, flags, config, ckpt, restored, source, tokenizer, data_kwargs, split, abstract_batch, memory, mesh, main)
+  summary.update(
+    ckpt_dir=config["ckpt_dir"], log_dir=config["log_dir"], tokenizer_dir=tokenizer_dir, plan=memory, train_step=step,
+    last_checkpoint=os.path.join(config["ckpt_dir"], str(summary["steps"])),
   )
-  to_global = lambda batch: data.to_global(batch, mesh)  # noqa: E731 (each process's rows → global arrays)
-
-  # 3. Compile ahead (the report comes before the first step), then train.
-  report = step.compile(*split(abstract_batch))
+  if flags.sample is not None:
+    summary["sample"] = _sample(step, tokenizer, split, flags, recipe)  # every process runs the program
+    if main:
+      print(f"Sample: {flags.sample!r} → {summary['sample']!r}", flush=True)
   if main:
-    print(f"Compiled step: {report}", flush=True)
+    print(where_things_are(summary, recipe), flush=True)
+  return summary
+
+
+def _train(step, flags: Flags, config: dict, ckpt, restored, source, tokenizer, data_kwargs, split, abstract_batch, memory, mesh, main) -> dict:
+  """3. Compile ahead (the report comes before the first step), then the Trainer; its summary."""
+  import torch_on_tpu as tot
+  from torch_on_tpu import checkpoint, data
+
+  try:
+    evals = _eval_batches(flags, source, tokenizer, data_kwargs, main)
+    train = data.batches(source, tokenizer, state=restored.data if restored else None, **data_kwargs)
+  except BaseException:
+    ckpt.close()
+    raise
+  to_global = lambda batch: data.to_global(batch, mesh)  # noqa: E731 (each process's rows → global arrays)
+  report = None
   first_step = step.step_count
   try:
+    report = step.compile(*split(abstract_batch))
+    if main:
+      print(f"Compiled step: {report}", flush=True)
     with checkpoint.PreemptionGuard() as guard:
       trainer = tot.Trainer(
         step,
@@ -459,7 +550,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
         split_batch=split,
         to_global=to_global,
         eval_data=evals,
-        eval_every=flags.eval_every,
+        eval_every=flags.eval_every if evals else 0,
         eval_batches=flags.eval_batches,
         profile_steps=_profile_steps(flags.profile),
         checkpointer=ckpt,
@@ -480,17 +571,35 @@ def _run(flags: Flags, recipe: Recipe, config: dict, main: bool) -> dict:
   start_eval = [r["eval_loss"] for r in trainer.records if r["step"] == first_step and "eval_loss" in r]
   summary.update(
     start={"step": first_step, "eval_loss": start_eval[0] if start_eval else None},
-    first_loss=losses[0] if losses else None, records=trainer.records,
-    ckpt_dir=config["ckpt_dir"], log_dir=config["log_dir"], tokenizer_dir=tokenizer_dir, plan=memory, compile=report, train_step=step,
-    last_checkpoint=os.path.join(config["ckpt_dir"], str(summary["steps"])),
+    first_loss=losses[0] if losses else None, records=trainer.records, compile=report,
   )
-  if flags.sample is not None:
-    summary["sample"] = _sample(step, tokenizer, split, flags, recipe)  # every process runs the program
-    if main:
-      print(f"Sample: {flags.sample!r} → {summary['sample']!r}", flush=True)
-  if main:
-    print(where_things_are(summary, recipe), flush=True)
   return summary
+
+
+def _eval_batches(flags: Flags, source, tokenizer, data_kwargs: dict, main: bool) -> list | None:
+  """The held-out batches every eval reads; None when --eval_every=0, or when the data is too
+  small to hold any document out (then the run goes on without eval, and says so)."""
+  from torch_on_tpu import data
+
+  if not flags.eval_every:
+    return None
+  try:
+    return data.eval_batches(source, tokenizer, num_batches=flags.eval_batches, **data_kwargs)
+  except data.EmptySplit:
+    if main:
+      print(
+        f"No eval: {source.name} is too small to hold out any document for eval (a small hashed share of "
+        f"the documents is held out); training on all of it without eval (--eval_every=0 skips this look).",
+        flush=True,
+      )
+    return None
+
+
+def _parameter_count(step) -> str:
+  """peft's line, for every run: what trains of what the model holds."""
+  sizes = {name: math.prod(array.shape) for name, array in step.model.params.items()}
+  trainable, total = sum(sizes[n] for n in step.trainable), sum(sizes.values())
+  return f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {100 * trainable / total:.4f}"
 
 
 SAMPLE_TOKENS = 32  # what --sample adds to the prompt (fewer if --seqlen leaves less room)
@@ -584,31 +693,131 @@ def _check_same_state(saved: dict | None, config: dict, where) -> None:
       )
 
 
-def _check_flags(flags: Flags, error) -> None:
-  from torch_on_tpu import remat as remat_lib
+# ---- start-up checks: no model, no data read ---------------------------------------------
 
-  if flags.remat not in ("auto", *remat_lib.NAMES):
-    choices = ", ".join(("auto", *remat_lib.NAMES))
-    raise error(f"--remat={flags.remat!r} is not a remat policy; choose one of {choices}.")
-  if flags.dtype not in DTYPES:
-    raise error(f"--dtype={flags.dtype!r} is not one of {', '.join(DTYPES)}; pick one of those.")
-  if flags.attention not in ATTENTION:
-    raise error(f"--attention={flags.attention!r} is not one of {', '.join(ATTENTION)}; pick one of those.")
-  try:
-    _profile_steps(flags.profile)
-  except ValueError:
-    raise error(f"--profile={flags.profile!r} is not FIRST,LAST step numbers; write e.g. --profile=10,12.") from None
-  if flags.max_skips < 0:
-    raise error(f"--max_skips={flags.max_skips} is negative; give 0 (stop at the first NaN/Inf step) or more.")
+STARTUP_CHECKS: list[Callable] = []  # (flags, mesh | None) → None, raising TorchOnTpuError
+
+
+def startup_check(fn: Callable) -> Callable:
+  """Registers a check across flags, run at start-up by `check_flags`: `fn(flags, mesh)` is
+  called once without devices (mesh None) and once with the run's mesh; it checks what it
+  can and raises one sentence naming the flags."""
+  STARTUP_CHECKS.append(fn)
+  return fn
+
+
+def check_flags(flags: Flags, mesh=None, *, read_files: bool = True) -> None:
+  """Every flag's own values (its `flag(choices=, minimum=, check=)`), then the checks across
+  flags (`STARTUP_CHECKS`); with `mesh`, the checks that need the devices. Runs before the
+  model is built, so a mistyped or impossible flag stops the run within seconds of start.
+  `read_files=False` skips the `check=`s, which look at files (a command for another machine)."""
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  if mesh is None:
+    for field in dataclasses.fields(flags):
+      _check_value(field, flags, TorchOnTpuError, read_files)
+  for check in STARTUP_CHECKS:
+    check(flags, mesh)
+
+
+def _check_value(field, flags: Flags, error, read_files: bool) -> None:
+  meta, name, value = field.metadata, field.name, getattr(flags, field.name)
+  choices = meta.get("choices")
+  choices = choices() if callable(choices) else choices
+  if choices and value is not None and value not in choices:  # None: an optional flag left off
+    by_case = {str(c).lower(): str(c) for c in choices}
+    near = difflib.get_close_matches(str(value).lower(), list(by_case), n=1)
+    fix = f"did you mean --{name}={by_case[near[0]]}?" if near else "pick one of those."
+    raise error(f"--{name}={value!r} is not one of {', '.join(map(str, choices))}; {fix}")
+  minimum = meta.get("minimum")
+  if minimum is not None and value is not None and value < minimum:
+    raise error(f"--{name}={value} is below its minimum of {minimum}; give {minimum} or more.")
+  if read_files and meta.get("check") is not None:
+    try:
+      meta["check"](value, flags)
+    except error as e:
+      raise error(f"--{name}: {e}") from None
+
+
+def flag_spelling(flags_cls) -> dict[str, str]:
+  """call argument → the flag that sets it, for `errors.spoken_as_flags`: every flag sets the
+  call argument of its own name, and the one its `flag(argument=)` names."""
+  spelling = {}
+  for field in dataclasses.fields(flags_cls):
+    spelling[field.name] = field.name
+    if field.metadata.get("argument"):
+      spelling[field.metadata["argument"]] = field.name
+  return spelling
+
+
+@startup_check
+def _resume_step_needs_resume(flags: Flags, mesh) -> None:
+  from torch_on_tpu.errors import TorchOnTpuError
+
   if flags.resume_step is not None and not flags.resume:
-    raise error("--resume_step needs --resume=True; drop one of the two.")
+    raise TorchOnTpuError("--resume_step needs --resume=True; drop one of the two.")
+
+
+@startup_check
+def _experts_over_one_axis(flags: Flags, mesh) -> None:
+  """The presets shard experts over ep or over tp, never both."""
+  from torch_on_tpu.errors import TorchOnTpuError
+
   if flags.ep > 1 and flags.tp > 1:
-    raise error(f"--ep={flags.ep} with --tp={flags.tp}: the presets shard experts over ep or tp, not both; drop one.")
-  if flags.global_batch_size % flags.grad_accum:
-    raise error(
-      f"--global_batch_size={flags.global_batch_size} does not divide into --grad_accum={flags.grad_accum} "
-      f"microbatches; make the batch a multiple of grad_accum."
+    raise TorchOnTpuError(f"--ep={flags.ep} with --tp={flags.tp}: the presets shard experts over ep or tp, not both; drop one.")
+
+
+@startup_check
+def _batch_splits(flags: Flags, mesh) -> None:
+  """The global batch splits into --grad_accum microbatches, and over the data devices."""
+  from torch_on_tpu import mesh as mesh_lib
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  batch = flags.global_batch_size
+  if mesh is None:
+    if batch % flags.grad_accum:
+      raise TorchOnTpuError(
+        f"--global_batch_size={batch} does not divide into --grad_accum={flags.grad_accum} "
+        f"microbatches; make the batch a multiple of {flags.grad_accum}."
+      )
+    return
+  axes = mesh_lib.data_axes(mesh)
+  ways = mesh_lib.batch_ways(mesh, axes)
+  if batch % ways:
+    over = " × ".join(f"{a}={mesh.shape[a]}" for a in axes)
+    raise TorchOnTpuError(
+      f"--global_batch_size={batch} does not split over the {ways} data devices ({over}); "
+      f"use a multiple of {ways}, e.g. --global_batch_size={ways * -(-batch // ways)}."
     )
+
+
+@startup_check
+def _sequence_splits(flags: Flags, mesh) -> None:
+  """The sequence cuts into 2·cp equal chunks (context parallelism's causal balance)."""
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  if mesh is None and flags.seqlen % (2 * flags.cp):
+    raise TorchOnTpuError(
+      f"--seqlen={flags.seqlen} does not split into 2*cp={2 * flags.cp} equal chunks (causal load balance); "
+      f"make --seqlen a multiple of {2 * flags.cp} or pick another --cp."
+    )
+
+
+def mesh_axes(flags: Flags) -> dict:
+  """The recipe's mesh: fsdp, then cp (only when asked for: a cp-free run keeps its mesh), tp innermost;
+  ep only when asked for."""
+  cp = {"cp": flags.cp} if flags.cp > 1 else {}
+  ep = {"ep": flags.ep} if flags.ep > 1 else {}
+  return {"fsdp": flags.fsdp, **cp, "tp": flags.tp, **ep}
+
+
+def float8_converted(target, flags: Flags):
+  """`target` (a torchtitan model config or a built model) with `--float8` applied; as is without it."""
+  if flags.float8 is None:
+    return target
+  from torch_on_tpu import float8
+
+  return float8.convert(target, flags.float8, skip=tuple(n for n in flags.float8_skip.split(",") if n))
 
 
 def _remat(flags: Flags) -> str | None:

@@ -19,28 +19,40 @@ import os
 from recipes import common
 
 
+def _local_config(path, flags) -> None:
+  """--config is a local config.json or a directory holding one: hub names are not fetched."""
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  if path is None:
+    raise TorchOnTpuError("recipes.hf needs it: a config.json or a model directory holding one.")
+  if not os.path.exists(path):
+    hub = "" if os.sep in path or path.endswith(".json") else (
+      f" (recipes.hf reads local files and fetches no hub names: download the model first, e.g. "
+      f"`hf download {path} --local-dir models/{path.replace('/', '--')}`, and pass that directory)"
+    )
+    raise TorchOnTpuError(f"{path!r} does not exist{hub}; pass a config.json or a directory holding one.")
+  if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+    raise TorchOnTpuError(f"directory {path!r} has no config.json; point at the file or its directory.")
+
+
 @dataclasses.dataclass
 class HFFlags(common.Flags):
-  config: str | None = common.flag(None, "config.json of the model, or a directory holding one (required)")
-  weights: str | None = common.flag(None, "safetensors file or directory to start from (default: the config's init)")
-  lora_rank: int = common.flag(0, "LoRA rank (0: train every parameter)")
+  config: str | None = common.flag(None, "config.json of the model, or a directory holding one (required)", check=_local_config)
+  weights: str | None = common.flag(
+    None, "safetensors file or directory to start from (default: the config's init)", check=common.existing_path
+  )
+  lora_rank: int = common.flag(0, "LoRA rank (0: train every parameter)", minimum=0)
   lora_alpha: float | None = common.flag(None, "LoRA alpha (default: 2 x rank)")
-  lora_targets: str = common.flag("all-linear", "modules that get adapters: peft's 'all-linear' or comma-separated names")
+  lora_targets: str = common.flag(
+    "all-linear", "modules that get adapters: peft's 'all-linear' or comma-separated names", argument="targets"
+  )
 
 
 def load_config(path: str):
   """An HF config from a config.json or a model directory, offline."""
   import transformers
 
-  from torch_on_tpu.errors import TorchOnTpuError
-
-  if path is None:
-    raise TorchOnTpuError("recipes.hf needs --config=PATH: a config.json or a model directory holding one.")
-  if not os.path.exists(path):
-    raise TorchOnTpuError(f"--config={path!r} does not exist; pass a config.json or a directory holding one.")
   directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
-  if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
-    raise TorchOnTpuError(f"--config directory {path!r} has no config.json; point at the file or its directory.")
   if os.path.isdir(path) or os.path.basename(path) == "config.json":
     config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
   else:
@@ -57,8 +69,11 @@ def recipe(flags: HFFlags) -> common.Recipe:
   limit = getattr(config, "max_position_embeddings", None)
   if limit is not None and flags.seqlen > limit:
     raise TorchOnTpuError(f"--seqlen={flags.seqlen} exceeds the model's maximum of {limit} positions; use a shorter --seqlen.")
-  if flags.lora_rank < 0:
-    raise TorchOnTpuError(f"--lora_rank must be 0 (off) or positive, got {flags.lora_rank}.")
+  if flags.lora_rank and flags.float8 is not None:
+    raise TorchOnTpuError(
+      "--float8 with --lora_rank is not supported: peft's adapters wrap the linears torchao swaps; "
+      "drop one of the two."
+    )
   lora = None
   if flags.lora_rank:
     from torch_on_tpu.lora import parse_targets
@@ -68,7 +83,7 @@ def recipe(flags: HFFlags) -> common.Recipe:
   name = os.path.basename(os.path.normpath(directory))
   return common.Recipe(
     name=f"hf-{name or config.model_type}" + ("-lora" if lora else ""),
-    build=lambda: build_causal_lm(config),
+    build=lambda: common.float8_converted(build_causal_lm(config), flags),
     family="hf",
     weights=flags.weights,
     lora=lora,
@@ -78,11 +93,10 @@ def recipe(flags: HFFlags) -> common.Recipe:
 
 def run(flags: HFFlags) -> dict:
   """The recipe for parsed flags (tests call this in-process); returns the run's summary."""
-  common.setup_platform(flags.cpu_devices)  # before the model builders import jax
   if flags.tokenizer is None and flags.config and os.path.isdir(flags.config):
     if any(os.path.exists(os.path.join(flags.config, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
       flags = dataclasses.replace(flags, tokenizer=flags.config)  # the model's own tokenizer
-  return common.run(flags, recipe(flags))
+  return common.run(flags, recipe)
 
 
 main = common.cli(HFFlags, run, "Train or LoRA fine-tune an HF causal LM with torch_on_tpu.")

@@ -20,10 +20,13 @@ MODELS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
 
 @dataclasses.dataclass
 class Llama3Flags(common.Flags):
-  model: str = common.flag("debugmodel", f"torchtitan Llama 3 flavor: {', '.join(MODELS)}")
-  model_impl: str = common.flag("titan", "titan (torchtitan's model) or hf (transformers' Llama, same numbers)")
+  model: str = common.flag("debugmodel", f"torchtitan Llama 3 flavor: {', '.join(MODELS)}", choices=MODELS)
+  model_impl: str = common.flag(
+    "titan", "titan (torchtitan's model) or hf (transformers' Llama, same numbers)", choices=("titan", "hf")
+  )
   titan_attention: str = common.flag(
-    "flex", "the attention module torchtitan builds: flex (document-causal over packed documents) or sdpa (plain causal)"
+    "flex", "the attention module torchtitan builds: flex (document-causal over packed documents) or sdpa (plain causal)",
+    choices=("flex", "sdpa"),
   )
 
 
@@ -63,39 +66,41 @@ def hf_config(flavor: str):
 def recipe(flags: Llama3Flags) -> common.Recipe:
   from torch_on_tpu.errors import TorchOnTpuError
 
-  if flags.model not in MODELS:
-    raise TorchOnTpuError(f"--model={flags.model!r} is not a Llama 3 flavor; choose one of {', '.join(MODELS)}.")
   if flags.model_impl == "titan":
-    from torch_on_tpu.models.torchtitan import build_llama3
+    import torch
 
-    if flags.titan_attention not in ("flex", "sdpa"):
-      raise TorchOnTpuError(f"--titan_attention={flags.titan_attention!r} is not flex or sdpa; pick one of those.")
+    from torch_on_tpu.models.torchtitan import llama3_config
+
     if flags.titan_attention == "flex" and flags.attention == "none":
       raise TorchOnTpuError(
         "--attention=none leaves attention to torchax's own SDPA lowering, which cannot run torchtitan's "
         "flex attention; add --titan_attention=sdpa (plain causal attention) or pick an --attention kernel."
       )
-    build = lambda: build_llama3(flags.model, attention=flags.titan_attention, max_seq_len=flags.seqlen)  # noqa: E731
+
+    def build():
+      config = llama3_config(flags.model, attention=flags.titan_attention, max_seq_len=flags.seqlen)
+      with torch.device("meta"):
+        return common.float8_converted(config, flags).build()  # torchtitan converts its config
+
     return common.Recipe(
       name=f"llama3-{flags.model}", build=build, family="titan", convert_model=f"--model=llama3:{flags.model}"
     )
-  if flags.model_impl == "hf":
-    from torch_on_tpu.models.hf import build_causal_lm
+  from torch_on_tpu.models.hf import build_causal_lm
 
-    config = hf_config(flags.model)
-    if flags.seqlen > config.max_position_embeddings:
-      raise TorchOnTpuError(
-        f"--seqlen={flags.seqlen} exceeds Llama 3 {flags.model}'s maximum of "
-        f"{config.max_position_embeddings} positions; use a shorter --seqlen."
-      )
-    return common.Recipe(name=f"llama3-{flags.model}-hf", build=lambda: build_causal_lm(config), family="hf")
-  raise TorchOnTpuError(f"--model_impl={flags.model_impl!r} is not titan or hf; pick one of those.")
+  config = hf_config(flags.model)  # --model_impl=hf
+  if flags.seqlen > config.max_position_embeddings:
+    raise TorchOnTpuError(
+      f"--seqlen={flags.seqlen} exceeds Llama 3 {flags.model}'s maximum of "
+      f"{config.max_position_embeddings} positions; use a shorter --seqlen."
+    )
+  return common.Recipe(
+    name=f"llama3-{flags.model}-hf", build=lambda: common.float8_converted(build_causal_lm(config), flags), family="hf"
+  )
 
 
 def run(flags: Llama3Flags) -> dict:
   """The recipe for parsed flags (tests call this in-process); returns the run's summary."""
-  common.setup_platform(flags.cpu_devices)  # before the model builders import jax
-  return common.run(flags, recipe(flags))
+  return common.run(flags, recipe)
 
 
 main = common.cli(Llama3Flags, run, "Train torchtitan's Llama 3 (or its HF twin) with torch_on_tpu.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import jax
@@ -27,6 +28,7 @@ def load_module(path):
   """A script (tools/*.py) imported as a module, without running its main."""
   spec = importlib.util.spec_from_file_location(Path(path).stem, path)
   module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses look their module up there
   spec.loader.exec_module(module)
   return module
 
@@ -134,3 +136,59 @@ def random_batch(vocab, batch=BATCH, seq=SEQ, seed=0):
   tokens = torch.randint(0, vocab, (batch, seq), generator=g)
   labels = torch.randint(0, vocab, (batch, seq), generator=g)
   return tokens, labels
+
+
+def dense_flex_attention(q, k, v, *, score_mod=None, block_mask, scale=None, enable_gqa=False, return_aux=None,
+                         kernel_options=None):
+  """torch's `flex_attention` by its definition, in plain differentiable torch (torch's own
+  eager flex has no backward on CPU): the mask is the BlockMask's `mask_mod` evaluated
+  on every (batch, query, key) at once, by broadcasting (torch's `create_mask` vmaps it,
+  slowly); rows that see nothing give 0."""
+  from torch.nn.attention import flex_attention as flex
+
+  batch, heads, length, dim = q.shape
+  index = lambda n, axis: torch.arange(n).view([n if a == axis else 1 for a in range(4)])  # noqa: E731
+  mask = block_mask.mask_mod(index(batch, 0), torch.zeros(1, 1, 1, 1, dtype=torch.long), index(length, 2), index(k.shape[2], 3))
+  mask = mask.expand(batch, 1, length, k.shape[2])
+  if enable_gqa:
+    k, v = (t.repeat_interleave(heads // t.shape[1], 1) for t in (k, v))
+  scores = (q @ k.transpose(-1, -2)) * (dim**-0.5 if scale is None else scale)
+  scores = scores.masked_fill(~mask, float("-inf"))
+  lse = torch.logsumexp(scores, -1)
+  weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+  return weights @ v, flex.AuxOutput(lse=lse if return_aux is not None and return_aux.lse else None)
+
+
+class eager_torchtitan:  # noqa: N801 (a context manager, named for what it does)
+  """While active, torchtitan's models run in eager CPU torch as its own code says, with
+  its compiled pieces (BlockMask builder, flex attention) swapped for eager torch's: the
+  reference the bridge is compared with. Also selects a SPMD backend that needs no mesh, and
+  runs torch on one thread: on the shared 2-core machine, two OpenMP threads spin-waiting on
+  each other made these tiny models' eager steps 50 × slower (8 s a step instead of 0.16 s)."""
+
+  def __enter__(self):
+    from torch.nn.attention import flex_attention as flex
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.common import attention
+
+    self._saved = (
+      attention.__dict__["_compiled_create_block_mask"],
+      attention.FlexAttention.__dict__["_compiled_flex_attn"],
+      dist_utils.get_spmd_backend(),
+      torch.get_num_threads(),
+    )
+    attention._compiled_create_block_mask = flex.create_block_mask
+    attention.FlexAttention._compiled_flex_attn = dense_flex_attention
+    dist_utils.set_spmd_backend("partial_dtensor")
+    torch.set_num_threads(1)
+    return self
+
+  def __exit__(self, *exc):
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.common import attention
+
+    create, flex_attn, backend, threads = self._saved
+    attention._compiled_create_block_mask = create
+    attention.FlexAttention._compiled_flex_attn = flex_attn
+    dist_utils.set_spmd_backend(backend)
+    torch.set_num_threads(threads)

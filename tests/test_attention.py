@@ -351,6 +351,79 @@ def test_splash_document_segments_match_xla():
     assert rel(a, b) < TOL
 
 
+# ---- sliding windows and attention sinks (torchtitan's muse_glimmer, gpt-oss) ------------------
+
+
+def windowed_reference(t, cotangent, *, window, sinks=None, segment_ids=None, causal=True, scale=0.3):
+  """torch by definition: a query at row r sees keys r - window < col (<= r when causal),
+  within its document; each head's sink joins every row's softmax as a logit with no value."""
+  leaves = {k: x.clone().requires_grad_() for k, x in {**t, **({} if sinks is None else {"sinks": sinks})}.items()}
+  q, k, v = leaves["q"], leaves["k"], leaves["v"]
+  groups = q.shape[1] // k.shape[1]
+  k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+  rows, cols = torch.arange(q.shape[2])[:, None], torch.arange(k.shape[2])[None]
+  allowed = (rows - cols < window) & ((cols <= rows) if causal else True)
+  if segment_ids is not None:
+    allowed = allowed & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+  scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+  if sinks is not None:
+    sink = leaves["sinks"][None, :, None, None].expand(*scores.shape[:3], 1)
+    scores = torch.cat([scores, sink], -1)
+  weights = torch.softmax(scores, -1)[..., : k.shape[2]]
+  out = weights @ v
+  (out * cotangent).sum().backward()
+  return out.detach().numpy(), {name: x.grad.numpy() for name, x in leaves.items()}
+
+
+@pytest.mark.parametrize("mode", ["xla", "splash", "cudnn"])
+def test_sliding_window_sinks_and_documents_match_their_definition(mode, mesh, fresh_notices, caplog):
+  """Sequence 100 past the window 24, GQA, tiles of 16 (the XLA kernel skips the key tiles
+  outside each window), heads and their sinks split over tp=2, the batch over fsdp=4.
+  cuDNN takes the window (its XLA plumbing here) but not sinks or documents: the XLA kernel."""
+  t = qkv(b=4, hq=4, hkv=2, length=100, dim=16)
+  w = randn(4, 4, 100, 16, seed=9)
+  sinks = randn(4, seed=5)
+  segs = torch.stack([torch.cat([torch.zeros(n), torch.ones(100 - n)]).int() for n in (37, 100, 80, 1)])
+  want = windowed_reference(t, w, window=24, sinks=sinks, segment_ids=segs)
+  att = attention.Attention(mode, mesh=mesh, data_axes=data_axes(mesh), block_sizes=dict(block_q=16, block_kv=16) if mode == "xla" else None)
+  arrays = {**{k: jnp.asarray(x.numpy()) for k, x in t.items()}, "sinks": jnp.asarray(sinks.numpy())}
+  seg = jnp.asarray(segs.numpy())
+
+  def loss(a):
+    out = att(a["q"], a["k"], a["v"], causal=True, window=24, sinks=a["sinks"], scale=0.3, enable_gqa=True,
+              segment_ids=(seg, seg))
+    return jnp.sum(out * jnp.asarray(w.numpy())), out
+
+  with caplog.at_level(logging.WARNING, logger="torch_on_tpu.attention"):
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(arrays)
+  assert_close((np.asarray(out), {k: np.asarray(g) for k, g in grads.items()}), want)
+  assert ("cudnn kernel cannot express attention sinks" in caplog.text) == (mode == "cudnn")
+  assert "splash kernel cannot" not in caplog.text
+
+
+def test_non_causal_window_and_sinks_in_the_xla_kernel():
+  t = qkv(b=2, hq=2, hkv=2, length=40, dim=8)
+  w, sinks = randn(2, 2, 40, 8, seed=9), randn(2, seed=5)
+  want = windowed_reference(t, w, window=5, sinks=sinks, causal=False)
+  arrays = {**{k: jnp.asarray(x.numpy()) for k, x in t.items()}, "sinks": jnp.asarray(sinks.numpy())}
+
+  def loss(a):
+    out = attention.xla_attention(a["q"], a["k"], a["v"], window=5, sinks=a["sinks"], scale=0.3, block_q=8, block_kv=16)
+    return jnp.sum(out * jnp.asarray(w.numpy())), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(arrays)
+  assert_close((np.asarray(out), {k: np.asarray(g) for k, g in grads.items()}), want)
+
+
+def test_window_and_sinks_errors_name_the_problem():
+  t = {k: jnp.asarray(x.numpy()) for k, x in qkv(b=1, hq=2, hkv=2, length=8).items()}
+  att = attention.Attention("xla")
+  with pytest.raises(tot.TorchOnTpuError, match="window must be a positive int"):
+    att(t["q"], t["k"], t["v"], causal=True, window=0)
+  with pytest.raises(tot.TorchOnTpuError, match="one logit per query head"):
+    att(t["q"], t["k"], t["v"], sinks=jnp.zeros(3))
+
+
 def test_splash_falls_back_for_what_it_cannot_express(mesh, fresh_notices, caplog):
   t = qkv(b=2, hq=2, hkv=2, length=16, kv_length=24)
   t["mask"] = randn(16, 24, seed=4) > 0
@@ -481,6 +554,28 @@ def test_hf_llama_sdpa_through_jittable_module(mesh):
   model_parity(jm, ref, (tokens,), {"use_cache": False}, logits=lambda out: out.logits)
 
 
+def test_hf_sliding_window_sdpa_masks_stay_exact(mesh):
+  """HF builds a sliding-window causal mask for SDPA; it reaches the kernel as an explicit mask
+  (the gradients of explicit masks: test_xla_kernel_masks_match_torch)."""
+  import transformers
+
+  from torch_on_tpu.models.hf import build_causal_lm
+
+  config = transformers.MistralConfig(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64, sliding_window=8, attn_implementation="sdpa",
+  )
+  jm = tot.ShardedModule(build_causal_lm(config), mesh=mesh, sharding="fsdp_tp", attention="xla")
+  ref = build_causal_lm(config, device="cpu")
+  ref.load_state_dict(jm.state_dict())
+  tokens = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(0))
+  full = build_causal_lm(transformers.MistralConfig(**{**config.to_dict(), "sliding_window": None}), device="cpu")
+  full.load_state_dict(jm.state_dict())
+  want = ref(tokens, use_cache=False).logits.detach()
+  assert rel(full(tokens, use_cache=False).logits.detach(), want) > 1e-3  # the window matters
+  assert rel(tot.to_cpu(jm(tokens, use_cache=False).logits), want) < TOL
+
+
 def two_layers(model):
   """debugmodel cut to two layers: every attention path is exercised, compiles stay short."""
   model.layers = torch.nn.ModuleDict({k: model.layers[k] for k in ("0", "1")})
@@ -581,13 +676,13 @@ def test_flex_rejects_what_it_cannot_route():
   from torchtitan.models.common.attention import FlexAttention
 
   q = torch.zeros(1, 2, 8, 4)
-  call = FlexAttention._compiled_flex_attn
+  call = FlexAttention.forward
   with titan.flex_routed_to(lambda *a, **k: q):
-    with pytest.raises(tot.TorchOnTpuError, match="flex_masks"):
-      FlexAttention._compiled_flex_attn(q, q, q, block_mask=BlockMask.__new__(BlockMask))
+    with pytest.raises(tot.TorchOnTpuError, match=r"attention_masks\(model, positions\)"):
+      FlexAttention.forward(None, q, q, q, attention_masks=BlockMask.__new__(BlockMask))
     with pytest.raises(tot.TorchOnTpuError, match="score_mod"):
-      FlexAttention._compiled_flex_attn(q, q, q, score_mod=lambda s, *i: s, block_mask=titan.flex_masks())
-  assert FlexAttention._compiled_flex_attn is call  # restored
+      FlexAttention.forward(None, q, q, q, score_mod=lambda s, *i: s, attention_masks=titan.flex_masks())
+  assert FlexAttention.forward is call  # restored
 
 
 class _Attend(torch.nn.Module):

@@ -132,6 +132,7 @@ def test_bad_flags_are_named(argv, message, capsys):
     (["--attention=flash"], "is not a kernel"),
     (["--json=/nonexistent-dir/bench.json"], "its directory does not exist"),
     (["--json=/tmp"], "is a directory; name a file in it"),
+    (["--float8=mxfp8"], "float8 recipe 'mxfp8' is not one the bridge runs"),
   ],
 )
 def test_flags_the_workers_would_fail_on_stop_the_driver_first(argv, message, monkeypatch):

@@ -304,6 +304,85 @@ def _check_op_kernels():
   assert torch.equal(got, torch.full((2,), 3.0))
 
 
+def _check_torchax_modes():
+  from torchax.interop import torch_view
+
+  x = torch_view(jnp.arange(3.0))
+  with pytest.raises(AssertionError, match="only do math within the torchax environment"):
+    x + 1
+  with _compat.torchax_modes(_compat.torchax_env()):
+    assert float((x + 1).jax().sum()) == 6.0
+    with _compat.torchax_modes(_compat.torchax_env()):  # nothing pushed twice
+      assert torch.overrides._get_current_function_mode_stack().count(_compat.torchax_env()._function_mode) == 1
+
+
+class _SignGradient(torch.autograd.Function):
+  """x ↦ 2x whose backward passes the gradient's sign: jax differentiating the forward would give 2."""
+
+  @staticmethod
+  def forward(ctx, x, scale):
+    ctx.scale = scale
+    ctx.save_for_backward(x)
+    return x * 2
+
+  @staticmethod
+  def backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return torch.sign(grad) * ctx.scale + x * 0, None
+
+
+def _check_function_apply():
+  from torchax.interop import torch_view
+
+  routed = torch.autograd.Function.__dict__["apply"].__func__
+  assert routed.routed_by_torch_on_tpu  # setup() routed it, once for every subclass
+  _compat.route_function_apply(lambda *a, **k: None)  # idempotent: the router stays
+  assert torch.autograd.Function.__dict__["apply"].__func__ is routed
+  x = torch.randn(3, requires_grad=True)
+  _SignGradient.apply(x, 0.5).sum().backward()  # eager torch: torch's own apply, its own graph node
+  assert torch.equal(x.grad, torch.full((3,), 0.5))
+
+  def f(a):
+    with _compat.torchax_env(), _compat.torchax_env().override_property(prng=jax.random.PRNGKey(0)):
+      return _SignGradient.apply(torch_view(a), 0.5).sum().jax()
+
+  assert np.allclose(jax.grad(f)(jnp.ones(3) * 3), 0.5)  # its backward ran, not jax's derivative (2)
+  assert np.allclose(jax.jit(f)(jnp.ones(3)), 6.0)
+
+
+def _check_differentiation_tracers():
+  seen = []
+
+  def f(x):
+    seen.append(_compat.is_differentiated(x))
+    return x * 2
+
+  jax.grad(f)(1.0)
+  jax.jit(jax.grad(f))(1.0)
+  jax.jit(f)(1.0)
+  assert seen == [True, True, False] and not _compat.is_differentiated(jnp.ones(2))
+
+
+def _check_float8_dispatch():
+  from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+  from torchao.float8.float8_training_tensor import LinearMMConfig
+  from torchax.interop import torch_view
+
+  from torch_on_tpu import float8
+
+  float8.prepare(float8.convert(torch.nn.Linear(16, 16), "tensorwise"))
+
+  def roundtrip(a):
+    # grad mode off, as inside torchao's float8 matmul Function (its casts are Functions too)
+    with _compat.torchax_env(), torch.no_grad():
+      f8 = hp_tensor_to_float8_dynamic(torch_view(a), torch.float8_e4m3fn, LinearMMConfig())
+      return f8._data.jax(), f8.reshape(-1).to_original_precision().jax()
+
+  data, back = jax.jit(roundtrip)(jnp.linspace(-3.0, 3.0, 16).reshape(4, 4))
+  assert data.dtype == jnp.float8_e4m3fn and back.shape == (16,)
+  np.testing.assert_allclose(np.asarray(back), np.linspace(-3.0, 3.0, 16), rtol=2**-3)
+
+
 _INTERNAL_API_CHECKS = {
   "torchax.tensor.XLADispatchMode": _check_dispatch_mode,
   "torchax.tensor.Environment._dispatch_mode": _check_dispatch_mode,
@@ -326,6 +405,10 @@ _INTERNAL_API_CHECKS = {
   "jax._src.interpreters.partial_eval.dce_jaxpr": _check_dce_jaxpr,
   "jax._src.xla_bridge.backends_are_initialized": _check_backend_started,
   "jax._src.clusters.ClusterEnv": _check_clusters,
+  "torchax.tensor.Environment._function_mode/_dispatch_mode, torch's mode stacks": _check_torchax_modes,
+  "torch.autograd.Function.apply": _check_function_apply,
+  "jax._src.interpreters.ad.JVPTracer/LinearizeTracer": _check_differentiation_tracers,
+  "torchao.float8.float8_training_tensor.Float8TrainingTensor.__torch_dispatch__": _check_float8_dispatch,
 }
 
 

@@ -373,7 +373,7 @@ def test_model_fit_errors():
 
 def test_batch_shard_and_state_mismatches(src, tok):
   message = _error(data.batches, src, tok, seqlen=16, global_batch_size=3, process_count=2, process_index=0)
-  assert "global_batch_size 3" in message
+  assert "global_batch_size=3 does not divide over 2 processes" in message
   message = _error(data.batches, src, tok, seqlen=16, global_batch_size=8, num_shards=3)
   assert "num_shards 3" in message and "global_batch_size 8" in message
   tiny = data.JsonLines([src.paths[0]])

@@ -49,6 +49,20 @@ def test_top_k_samples_among_the_k_likeliest_reproducibly(llama):
 # ---- the KV cache (HF models) ---------------------------------------------------------
 
 gen = importlib.import_module("torch_on_tpu.generation")
+
+
+def test_a_call_of_a_shape_already_seen_compiles_nothing(llama, monkeypatch):
+  jm, _ = llama
+  prompt = torch.tensor([[4, 5, 6, 7]])
+  first = tot.generate(jm, prompt, max_new_tokens=3)
+  compiled = gen._compiled
+  calls = []
+  monkeypatch.setattr(gen, "_compiled", lambda *a, **k: calls.append(a) or compiled(*a, **k))
+  again = tot.generate(jm, prompt + 1, max_new_tokens=3)  # same shapes, other tokens: the same program
+  assert calls == [] and torch.equal(again[:, :4], prompt + 1)
+  assert torch.equal(tot.generate(jm, prompt, max_new_tokens=3), first)
+  tot.generate(jm, prompt, max_new_tokens=4)  # another length: one compile
+  assert len(calls) == 1
 PROMPT = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
 
 

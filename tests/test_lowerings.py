@@ -97,3 +97,16 @@ def test_type_as_returns_a_cast_copy_even_against_a_view():
     view = torch_view(jnp.zeros((3, 2), jnp.bfloat16)).transpose(0, 1)
     cast = x.type_as(view)
     assert cast.dtype == torch.bfloat16 and x.dtype == torch.float32  # x itself unchanged
+
+
+def test_bf16_ops_round_where_torch_rounds():
+  """A slice of tools/bf16_sweep.py: bf16 outputs and input gradients, jitted, bit for bit
+  against torch eager on CPU (torch computes these in fp32 and rounds once)."""
+  from tests import helpers as h
+
+  sweep = h.load_module("tools/bf16_sweep.py").sweep
+  rows = {r["op"]: r for r in sweep(["silu", "sigmoid", "tanh", "leaky_relu", "softmax", "swiglu", "gelu", "layer_norm"], n=4096)}
+  for op in ("silu", "sigmoid", "tanh", "leaky_relu", "softmax", "swiglu"):
+    assert rows[op]["forward"] == 1.0 and rows[op]["backward"] == 1.0, rows[op]
+  assert rows["gelu"]["forward"] > 0.97 and rows["gelu"]["backward"] > 0.95, rows["gelu"]  # erf's last bit
+  assert rows["layer_norm"]["forward"] == 1.0, rows["layer_norm"]

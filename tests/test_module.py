@@ -100,14 +100,15 @@ def test_state_dict_has_the_models_own_names(case):
 
 
 def test_hf_output_is_a_model_output_and_flags_are_static():
-  jm = tot.ShardedModule(h.hf(), mesh=tot.make_mesh(fsdp=8))
+  jm = tot.ShardedModule(h.hf(), mesh=tot.make_mesh(fsdp=8))  # scan=False: as with scan=True, no KV cache by default
   tokens, _ = h.random_batch(256)
-  out = jm(input_ids=tokens, use_cache=False)
+  out = jm(input_ids=tokens)
   assert type(out).__name__ == "CausalLMOutputWithPast"
   assert out.past_key_values is None
+  assert torch.equal(tot.to_cpu(jm(input_ids=tokens, use_cache=False).logits), tot.to_cpu(out.logits))
   hidden = jm(input_ids=tokens, use_cache=False, output_hidden_states=True)
   assert len(hidden.hidden_states) == 3  # embeddings + 2 layers: the flag reached the model
-  assert len(jm._compiled) == 2  # one program per distinct set of static flags
+  assert len(jm._compiled) == 3  # one program per distinct set of static flags
 
 
 def test_output_holding_a_cache_is_refused_with_a_clear_message():
@@ -115,6 +116,22 @@ def test_output_holding_a_cache_is_refused_with_a_clear_message():
   tokens, _ = h.random_batch(256)
   with pytest.raises(tot.TorchOnTpuError, match="use_cache=False"):
     jm(input_ids=tokens, use_cache=True)
+
+
+def test_train_and_eval_switch_the_mode_as_on_a_torch_module():
+  torch.manual_seed(0)
+  model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5))
+  reference = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5)).eval()
+  reference.load_state_dict(model.state_dict())
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8), sharding="replicated")
+  x = torch.randn(8, 16)
+  assert jm.training and jm.eval() is jm and not jm.training and not model[1].training
+  assert h.rel(tot.to_cpu(jm(x)).numpy(), reference(x).detach().numpy()) < 1e-6  # eval: eager's eval output
+  dropped = tot.to_cpu(jm.train()(x))
+  assert jm.training and 0.3 < (dropped == 0).float().mean() < 0.7  # train: dropout, as torch
+  evaluated = jm.eval()(x)  # its own program again: no dropout
+  assert h.rel(tot.to_cpu(evaluated).numpy(), reference(x).detach().numpy()) < 1e-6
+  assert repr(evaluated).startswith("tensor([[") and repr(evaluated).endswith("device='jax')")
 
 
 def test_to_cpu_and_dot_cpu_give_plain_tensors():

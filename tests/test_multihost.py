@@ -11,6 +11,7 @@ launcher's own behaviour is tested with tiny scripts that start in a moment.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -162,7 +164,9 @@ def script(tmp_path: Path, body: str) -> Path:
 
 def run_launcher(*args: str, timeout: int = 60) -> subprocess.CompletedProcess:
   cmd = [sys.executable, "-m", "torch_on_tpu.launch", *args]
-  return subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+  done = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, timeout=timeout)
+  done.stdout, done.stderr = done.stdout.decode(), done.stderr.decode()  # a progress bar's \r kept as it is
+  return done
 
 
 def test_launcher_prefixes_output_and_describes_each_process(tmp_path):
@@ -173,12 +177,19 @@ def test_launcher_prefixes_output_and_describes_each_process(tmp_path):
     keys = ("TOT_COORDINATOR", "TOT_NUM_PROCESSES", "TOT_PROCESS_ID", "XLA_FLAGS", "JAX_PLATFORMS")
     print(" ".join(os.environ[k] for k in keys), sys.argv[1:])
     print("second line", file=sys.stderr)
+    print("[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1", file=sys.stderr)
+    sys.stderr.write("\\r 50%|#    | 1/2")  # a progress bar's redraw, then tqdm.write clearing it for a line
+    sys.stderr.write("\\r          \\rstep 1: eval loss 1.0\\n\\r100%|#####| 2/2\\n")
     """,
   )
   out = run_launcher("--nproc", "2", "--cpu_devices", "3", str(target), "--model=x", "-m", "y")
   assert out.returncode == 0, out.stderr
+  assert "Gloo" not in out.stdout
+  shown = [line.split("\r")[-1] for line in out.stdout.splitlines()]  # what a terminal shows of each line
+  for i in range(2):
+    assert shown.count(f"[p{i}] second line") == shown.count(f"[p{i}] step 1: eval loss 1.0") == 1
+    assert shown.count(f"[p{i}] 100%|#####| 2/2") == 1 and f"\r[p{i}]  50%|#    | 1/2" in out.stdout
   lines = out.stdout.splitlines()
-  assert sorted(lines.count(f"[p{i}] second line") for i in range(2)) == [1, 1]
   described = sorted(line for line in lines if "TOT" not in line and "127.0.0.1" in line)
   assert len(described) == 2
   for i, line in enumerate(described):
@@ -187,6 +198,28 @@ def test_launcher_prefixes_output_and_describes_each_process(tmp_path):
       rf"--xla_force_host_platform_device_count=3 cpu \['--model=x', '-m', 'y'\]",
       line,
     ), line
+
+
+def test_launcher_relays_a_progress_bar_as_it_is_drawn_not_at_its_line_end():
+  read, write = os.pipe()
+  out = io.StringIO()
+  console = launch._Console(out)
+  relay = threading.Thread(target=console.relay, args=(0, os.fdopen(read, "rb")), daemon=True)
+  relay.start()
+  os.write(write, "\r 10%|█         | 1/10".encode())  # no newline: a bar waiting for its next redraw
+  deadline = time.monotonic() + 10
+  while "[p0]  10%|█" not in out.getvalue() and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert out.getvalue() == "\r[p0]  10%|█         | 1/10"
+  console._write(1, "[p1] a line\n")  # another process writes: the bar's line is ended first
+  os.write(write, "\r 15%|█▌        | 1/10[Gl".encode())  # gloo's notice after the open bar, in pieces
+  os.write(write, b"oo] Rank 0 is connected to 1 peer ranks.\n")
+  os.write(write, "\r 20%|██        | 2/10\n".encode())
+  os.close(write)
+  relay.join(timeout=10)
+  assert out.getvalue() == (
+    "\r[p0]  10%|█         | 1/10\n[p1] a line\n\r[p0]  15%|█▌        | 1/10\r[p0]  20%|██        | 2/10\n"
+  )
 
 
 def test_launcher_stops_the_others_and_fails_when_one_process_fails(tmp_path):

@@ -360,13 +360,33 @@ def _squeezed(shape) -> tuple:
   return tuple(d for d in shape if d != 1)
 
 
-def test_a_layer_called_without_a_positional_hidden_state_is_refused_in_one_sentence():
+def test_layers_called_by_keyword_carry_their_leading_keyword_states():
+  """Flux's form, `img, txt = block(img=img, txt=txt, vec=vec)`: the leading keywords
+  the layer hands back are carried (here x; the aux loss leaves per layer)."""
+
+  class KeywordCalls(AuxStack):
+    def forward(self, x, mask):
+      aux = []
+      for layer in self.layers:
+        x, loss, _ = layer(x=x, mask=mask)
+        aux.append(loss)
+      return x + torch.stack(aux).sum()
+
+  torch.manual_seed(0)
+  ref = KeywordCalls()
+  x, mask = torch.randn(8, 32), torch.rand(32)
+  jm = tot.ShardedModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=8), sharding="replicated", scan=True)
+  assert h.rel(tot.to_cpu(jm(x, mask)), ref(x, mask).detach()) < 1e-6
+  assert jm.module.layers._modules["scan"]._state_names == ("x",)
+
+
+def test_a_keyword_layer_that_hands_back_no_keyword_state_is_refused_in_one_sentence():
   class KeywordCalls(AuxStack):
     def forward(self, x, mask):
       for layer in self.layers:
-        x, _, _ = layer(x=x, mask=mask)
+        x, _, _ = layer(mask=mask, x=x)
       return x
 
   jm = tot.ShardedModule(KeywordCalls(), mesh=tot.make_mesh(fsdp=8), sharding="replicated", scan=True)
-  with pytest.raises(tot.TorchOnTpuError, match="without a positional argument"):
+  with pytest.raises(tot.TorchOnTpuError, match="does not start with its first keyword tensor"):
     jm(torch.randn(8, 32), torch.ones(32))

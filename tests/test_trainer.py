@@ -11,6 +11,7 @@ import torch
 
 import torch_on_tpu as tot
 from torch_on_tpu import metrics
+from torch_on_tpu import trainer as trainer_lib
 
 VOCAB = 512
 
@@ -237,22 +238,24 @@ def test_resume_through_the_checkpoint_module_continues_exactly(tmp_path):
   assert [json.loads(x)["step"] for x in (log / "metrics.jsonl.after-2").read_text().splitlines()] == [1, 2, 3, 4]
 
 
-def test_cpu_mfu_above_100_percent_remeasures_the_peak_once(monkeypatch):
-  calls = []
-
-  def peak(devices, refresh=False):  # a peak cached while the host was busy, then a quiet one
-    calls.append(refresh)
-    return 1e9 if refresh else 1e8
-
-  monkeypatch.setattr(metrics, "peak_flops", peak)
+def test_mfu_is_shown_against_a_datasheet_peak_never_against_a_cpu_guess(monkeypatch):
   step = types.SimpleNamespace(model=types.SimpleNamespace(mesh=tot.make_mesh(fsdp=8)), step_count=0)
-  trainer = tot.Trainer(step, [], steps=1, flops_per_token=1e6, progress=False)
-  assert trainer._mfu(tokens_per_second=200, seqlen=16) == pytest.approx(0.2)  # 2e8 / 1e9, not 200%
-  assert trainer._mfu(tokens_per_second=2000, seqlen=16) == pytest.approx(2.0)  # remeasured once only
-  assert calls == [False, True]
-  given = tot.Trainer(step, [], steps=1, flops_per_token=1e6, peak_flops=1e8, progress=False)
-  assert given._mfu(tokens_per_second=200, seqlen=16) == pytest.approx(2.0)  # a given peak is kept
-  assert calls == [False, True]
+  monkeypatch.setattr(metrics, "cpu_matmul_peak", lambda **k: pytest.fail("measured a CPU peak"))
+  assert tot.Trainer(step, [], steps=1, flops_per_token=1e6, progress=False)._mfu(200, 16) is None
+  given = tot.Trainer(step, [], steps=1, flops_per_token=1e6, peak_flops=1e9, progress=False)
+  assert given._mfu(tokens_per_second=200, seqlen=16) == pytest.approx(0.2)  # a given peak is used as given
+  tpu = types.SimpleNamespace(platform="tpu", device_kind="TPU v6 lite")
+  on_tpu = types.SimpleNamespace(model=types.SimpleNamespace(mesh=types.SimpleNamespace(devices=np.array([tpu] * 8))), step_count=0)
+  trainer = tot.Trainer.__new__(tot.Trainer)  # only the MFU bookkeeping: no devices of that kind here
+  trainer.train_step, trainer.flops_per_token, trainer.peak_flops = on_tpu, 1e6, None
+  assert trainer._mfu(tokens_per_second=1e8, seqlen=16) == pytest.approx(1e14 / (8 * metrics.peak_flops_for_kind("TPU v6 lite")))
+
+
+def test_a_preempted_run_does_not_report_an_older_eval_as_its_eval_loss():
+  summary = {"steps": 3, "preempted": True, "final_loss": 5.0, "final_eval_loss": None,
+             "last_eval": {"step": 0, "loss": 8.1}, "median_tokens_per_second": None, "median_mfu": None,
+             "compile_seconds": 1.0}
+  assert trainer_lib.summary_line(summary) == "preempted after 3 steps, final loss 5.0000, last eval loss 8.1000 (step 0), compile 1.0 s"
 
 
 def test_a_token_id_outside_the_vocabulary_is_named_before_the_step():

@@ -41,7 +41,7 @@ class ToyFamily(models.Family):
 
     return init
 
-  def call_defaults(self, module, *, layer_stack):
+  def call_defaults(self, module):
     return {"temperature": 2.0}
 
   def model_inputs(self, module, batch):

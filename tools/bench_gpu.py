@@ -5,6 +5,7 @@
     python tools/bench_gpu.py --remat=dots_saveable --shapes=8192x2
     python tools/bench_gpu.py --profile                                     # + traces, time by kernel class
     python tools/bench_gpu.py --smoke --profile                             # the whole table on CPU, tiny, in a minute
+    python tools/bench_gpu.py --float8=rowwise                              # + each runner with float8 linears
 
 One model for every runner: torchtitan's own Llama 3 config for `--model` (optionally
 cut to `--layers`), SDPA attention, RoPE sized to the sequence. Training as torchtitan
@@ -20,6 +21,12 @@ so the losses of the first step agree to bf16 rounding.
   uses when there is no FSDP to do mixed precision), each block and the loss
   `torch.compile`d as torchtitan's `--compile` does, fused AdamW.
 - `eager`: the same without `torch.compile`.
+
+`--float8=RECIPE` runs each runner a second time (`<runner>+float8`) with the model's
+linears converted to torchao's `Float8Linear` for that recipe by torchtitan's converter
+(`torch_on_tpu.float8.convert`: the output head stays bf16), ours lowered to XLA's fp8
+dots, PyTorch's on `torch._scaled_mm`; "vs bf16" is a run's speed over the same runner's
+without float8, "vs compile" over `compile` of the same precision.
 
 Every runner uses one device (the first), as torchtitan's single-GPU numbers do.
 Each (runner, shape) runs in its own process, one after another, so JAX and PyTorch
@@ -75,6 +82,7 @@ def parse_args(argv=None):
   p.add_argument("--remat", default="auto", help="torch_on_tpu per-layer remat: auto (the recipe's) or torch_on_tpu.remat.NAMES")
   p.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True, help="torch_on_tpu: the layer stack as a scan (the recipe's default)")
   p.add_argument("--attention", default="auto", help="torch_on_tpu attention kernel: auto (cuDNN on GPU), cudnn, xla")
+  p.add_argument("--float8", default=None, help="also run each runner with float8 linears: rowwise, tensorwise, rowwise_with_gw_hp")
   p.add_argument("--xla_flags", default="", help="extra XLA_FLAGS for the torch_on_tpu runner")
   p.add_argument("--timeout", type=float, default=600, help="seconds a run may take before it is stopped")
   p.add_argument("--json", default=None, help="also write every run's numbers here")
@@ -139,11 +147,12 @@ def torchtitan_on_older_torch() -> list[str]:
   raise ImportError(f"torchtitan still does not import after placeholders for {', '.join(filled)}")
 
 
-def llama3_config(model: str, *, layers: int | None, seqlen: int):
-  """torchtitan's config for the flavor: SDPA attention, RoPE for `seqlen`, first `layers` layers.
+def llama3_config(model: str, *, layers: int | None, seqlen: int, float8: str | None = None):
+  """torchtitan's config for the flavor: SDPA attention, RoPE for `seqlen`, first `layers` layers,
+  linears in `float8` (a torchao recipe) when given.
 
-  Built from torchtitan alone (no torch_on_tpu import) so the PyTorch workers never
-  load torchax, whose `jax` device makes torch.compile refuse to run.
+  Built from torchtitan (and `torch_on_tpu.float8`'s converter, which imports no torchax)
+  so the PyTorch workers never load torchax, whose `jax` device makes torch.compile refuse to run.
   """
   import dataclasses
 
@@ -163,6 +172,10 @@ def llama3_config(model: str, *, layers: int | None, seqlen: int):
       raise SystemExit(f"seq {seqlen} exceeds Llama 3 {model}'s {layer.attention.rope.max_seq_len} positions; use a shorter one.")
     layer.attention.inner_attention = ScaledDotProductAttention.Config()
     layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=seqlen)
+  if float8 is not None:
+    from torch_on_tpu.float8 import convert
+
+    config = convert(config, float8)
   return config
 
 
@@ -239,7 +252,7 @@ def trace_dir(args, runner: str, seqlen: int, batch: int) -> str:
 # ---- the workers: one (runner, shape) per process -------------------------------------------
 
 
-def ours_worker(args, seqlen: int, batch: int) -> dict:
+def ours_worker(args, seqlen: int, batch: int, float8: str | None) -> dict:
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
   import torch
 
@@ -248,7 +261,7 @@ def ours_worker(args, seqlen: int, batch: int) -> dict:
   import jax.numpy as jnp
   import optax
 
-  config = llama3_config(args.model, layers=args.layers, seqlen=seqlen)
+  config = llama3_config(args.model, layers=args.layers, seqlen=seqlen, float8=float8)
   with torch.device("meta"):
     model = config.build()
   start = time.perf_counter()
@@ -274,7 +287,7 @@ def ours_worker(args, seqlen: int, batch: int) -> dict:
     os.replace(args.state + ".partial", args.state)
   profile = None
   if args.profile:
-    where = trace_dir(args, "torch_on_tpu", seqlen, batch)
+    where = trace_dir(args, "torch_on_tpu" + ("+float8" if float8 else ""), seqlen, batch)
     profile = lambda: jax.profiler.trace(where, create_perfetto_trace=True)  # noqa: E731
   result = timed_steps(step, batches, args.warmup, sync=float, profile=profile)
   if args.profile:
@@ -291,13 +304,13 @@ def ours_worker(args, seqlen: int, batch: int) -> dict:
   )
 
 
-def torch_worker(args, seqlen: int, batch: int, *, compiled: bool) -> dict:
+def torch_worker(args, seqlen: int, batch: int, float8: str | None, *, compiled: bool) -> dict:
   import torch
 
   cuda = torch.cuda.is_available()
   device = torch.device("cuda" if cuda else "cpu")
   torch.manual_seed(0)
-  config = llama3_config(args.model, layers=args.layers, seqlen=seqlen)
+  config = llama3_config(args.model, layers=args.layers, seqlen=seqlen, float8=float8)
   start = time.perf_counter()
   with device:
     model = config.build()
@@ -342,7 +355,7 @@ def torch_worker(args, seqlen: int, batch: int, *, compiled: bool) -> dict:
     profiler = torch.profiler.profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
   result = timed_steps(step, batches, args.warmup, sync, profile=profiler and (lambda: profiler))
   if profiler:
-    where = trace_dir(args, "compile" if compiled else "eager", seqlen, batch)
+    where = trace_dir(args, ("compile" if compiled else "eager") + ("+float8" if float8 else ""), seqlen, batch)
     os.makedirs(where, exist_ok=True)
     path = os.path.join(where, "trace.json")
     profiler.export_chrome_trace(path)
@@ -355,12 +368,14 @@ def torch_worker(args, seqlen: int, batch: int, *, compiled: bool) -> dict:
 
 
 def worker(args) -> None:
-  runner, shape = args.worker.split(":")
+  run, shape = args.worker.split(":")
+  runner, _, precision = run.partition("+")
+  float8 = args.float8 if precision == "float8" else None
   seqlen, batch = parse_shape(shape)
   if runner == "torch_on_tpu":
-    result = ours_worker(args, seqlen, batch)
+    result = ours_worker(args, seqlen, batch, float8)
   else:
-    result = torch_worker(args, seqlen, batch, compiled=runner == "compile")
+    result = torch_worker(args, seqlen, batch, float8, compiled=runner == "compile")
   print(RESULT + json.dumps(result), flush=True)
 
 
@@ -406,7 +421,7 @@ def failure_reason(lines: list[str], returncode: int) -> str:
 
 def table(rows: list[dict]) -> str:
   headers = [
-    "shape", "runner", "step s", "tokens/s", "vs compile", "MFU (titan)", "MFU (causal)",
+    "shape", "runner", "step s", "tokens/s", "vs compile", "vs bf16", "MFU (titan)", "MFU (causal)",
     "peak mem GiB", "loss first→last", "init s", "to first step s",
   ]
   lines = []
@@ -414,11 +429,16 @@ def table(rows: list[dict]) -> str:
     if "error" in r:
       lines.append([r["shape"], r["runner"], r["error"]] + [""] * (len(headers) - 3))
       continue
-    base = next((o for o in rows if o["shape"] == r["shape"] and o["runner"] == "compile" and "error" not in o), None)
+    precision = r["runner"].partition("+")[2]
+    compile_run = "compile" + (f"+{precision}" if precision else "")
+    base = next((o for o in rows if o["shape"] == r["shape"] and o["runner"] == compile_run and "error" not in o), None)
+    bf16_run = r["runner"].partition("+")[0]
+    bf16 = next((o for o in rows if o["shape"] == r["shape"] and o["runner"] == bf16_run and "error" not in o), None)
     mfu = lambda key: f"{100 * r[key] * r['tokens_per_s'] / r['peak_flops']:.1f}%" if r.get("peak_flops") else "-"  # noqa: E731
     lines.append([
       r["shape"], r["runner"], f"{r['step_s']:.3f}", f"{r['tokens_per_s']:,.0f}",
       f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-",
+      f"{r['tokens_per_s'] / bf16['tokens_per_s']:.2f}x" if bf16 and precision else "-",
       mfu("flops_torchtitan"), mfu("flops_causal"),
       f"{r['peak_memory'] / 2**30:.1f}" if r.get("peak_memory") else "-",
       f"{r['first_loss']:.3f}→{r['last_loss']:.3f}", f"{r['init_s']:.1f}", f"{r['first_step_total_s']:.1f}",
@@ -461,6 +481,14 @@ def check_flags(args) -> None:
     raise SystemExit(f"--json={args.json} is a directory; name a file in it, e.g. {os.path.join(args.json, 'bench.json')}.")
   if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
     raise SystemExit(f"--json={args.json}: its directory does not exist; create it or pick another path.")
+  if args.float8 is not None:
+    from torch_on_tpu.float8 import check_recipe
+    from torch_on_tpu.errors import TorchOnTpuError
+
+    try:
+      check_recipe(args.float8)
+    except TorchOnTpuError as e:
+      raise SystemExit(f"--float8: {e}") from None
   for shape in args.shapes.split(","):
     llama3_config(args.model, layers=args.layers, seqlen=parse_shape(shape)[0])  # flavor, layers, RoPE length
 
@@ -504,7 +532,8 @@ def main(argv=None) -> int:
   argv = [*argv, f"--state={os.path.join(workdir.name, 'init.safetensors')}"]
   for shape in args.shapes.split(","):
     seqlen, batch = parse_shape(shape)
-    for runner in args.runners:
+    runs = [r + suffix for r in args.runners for suffix in ("", "+float8") if suffix == "" or args.float8]
+    for runner in runs:
       print(f"== {runner} {shape}", flush=True)
       result = run_one(args, argv, runner, shape)
       result.update(runner=runner, shape=f"{seqlen}x{batch}", tokens=seqlen * batch)
@@ -519,6 +548,7 @@ def main(argv=None) -> int:
   print(
     f"\nLlama 3 {args.model}" + (f" (first {args.layers} layers)" if args.layers else "")
     + f", bf16 compute / fp32 master + AdamW; ours: {'scan' if args.scan else 'layer loop'}, remat {args.remat}, attention {args.attention}"
+    + (f"; +float8: {args.float8} (torchao Float8Linear, lm_head bf16)" if args.float8 else "")
     + f"; {', '.join(devices)}; {', '.join(stacks)}; {args.steps} timed steps after {args.warmup}\n"
   )
   save(args, rows)

@@ -23,11 +23,12 @@ restores with `Checkpointer(..., model=jm).restore({"params": ...}, partial=True
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 
 import torch_on_tpu as tot
-from torch_on_tpu import checkpoint, export, lora
+from torch_on_tpu import checkpoint, errors, export, lora
 from torch_on_tpu.errors import TorchOnTpuError
 
 
@@ -167,11 +168,17 @@ def to_orbax(
   print(f"wrote {weights} to {out_dir} as step {step}")
 
 
+COMMANDS = {"to_hf": to_hf, "to_safetensors": to_safetensors, "to_orbax": to_orbax}
+
+
 def main(argv=None) -> int:
   import fire
 
+  # each command's keyword arguments are its flags: errors name them as --flags
+  flags = {name: name for command in COMMANDS.values() for name in inspect.signature(command).parameters}
   try:
-    fire.Fire({"to_hf": to_hf, "to_safetensors": to_safetensors, "to_orbax": to_orbax}, command=argv)
+    with errors.spoken_as_flags(flags):
+      fire.Fire(COMMANDS, command=argv)
   except TorchOnTpuError as e:
     print(f"convert: {e}", file=sys.stderr)
     return 1

@@ -147,6 +147,10 @@ INTERNAL_APIS = {
   "torchax.tensor.Environment._dispatch_mode": "the mode instance an environment enters, replaced to route other namespaces",
   "torch._decomp.decomposition_table": "the decompositions torch registers for ops (custom ops included)",
   "torch._ops.OpOverload._op_dk": "calling one dispatch key's kernel of an op (a custom op's composite implementation)",
+  "torchax.tensor.Environment._function_mode/_dispatch_mode, torch's mode stacks": "torchax's modes, re-entered where torch popped them",
+  "jax._src.interpreters.ad.JVPTracer/LinearizeTracer": "a Function's forward that reads a tensor it was not given (autograd_functions)",
+  "torch.autograd.Function.apply": "routed for every subclass, so a Function on jax-backed tensors runs its own backward (autograd_functions)",
+  "torchao.float8.float8_training_tensor.Float8TrainingTensor.__torch_dispatch__": "runs inside torchax's modes when it wraps jax-backed tensors",
 }
 
 def torchax_env():
@@ -321,3 +325,75 @@ def managed_cluster_size() -> int:
     if not env.opt_in_only_method and env.is_env_present():
       return int(env.get_process_count())
   return 0
+
+
+@contextlib.contextmanager
+def torchax_modes(env):
+  """Context: torchax's function and dispatch modes are active (each pushed only if it is not).
+
+  torch pops a mode while its own handler runs, so code reached from inside a
+  handler (a tensor subclass's `__torch_dispatch__`, a Function's backward run
+  by jax) would otherwise compute outside torchax.
+  """
+  import torch.overrides
+  import torch.utils._python_dispatch as python_dispatch
+
+  with contextlib.ExitStack() as stack:
+    if env._function_mode not in torch.overrides._get_current_function_mode_stack():
+      stack.enter_context(env._function_mode)
+    if env._dispatch_mode not in python_dispatch._get_current_dispatch_mode_stack():
+      stack.enter_context(env._dispatch_mode)
+    yield
+
+
+def route_function_apply(router) -> None:
+  """`torch.autograd.Function.apply`, for every subclass that does not define its own, becomes
+  `router(cls, torch_apply, *args, **kwargs)` (idempotent); `torch_apply` is torch's own."""
+  function = torch.autograd.Function
+  torch_apply = function.__dict__["apply"].__func__
+  if getattr(torch_apply, "routed_by_torch_on_tpu", False):
+    return
+
+  def apply(cls, *args, **kwargs):
+    return router(cls, lambda *a, **k: torch_apply(cls, *a, **k), *args, **kwargs)
+
+  apply.routed_by_torch_on_tpu = True
+  apply.torch_apply = torch_apply
+  function.apply = classmethod(apply)
+
+
+def is_differentiated(array) -> bool:
+  """`array` is being differentiated by jax here (a tracer of a JVP or linearize transformation)."""
+  from jax._src.interpreters import ad
+
+  return isinstance(array, (ad.JVPTracer, ad.LinearizeTracer))
+
+
+def dispatch_inside_torchax(subclass) -> None:
+  """A wrapper tensor subclass whose inner tensors are jax-backed runs its
+  `__torch_dispatch__` inside torchax's modes (idempotent).
+
+  torchax's dispatch mode hands an op whose tensors are all of another class to
+  that class with the modes popped; the subclass's handler then computes on
+  its inner torchax tensors, which only works inside the modes.
+  """
+  original = subclass.__dict__["__torch_dispatch__"].__func__
+  if getattr(original, "inside_torchax", False):
+    return
+  from torchax.tensor import Tensor as TorchaxTensor
+
+  def wraps_jax(x) -> bool:
+    if not isinstance(x, subclass):
+      return False
+    names, _ = x.__tensor_flatten__()
+    return any(isinstance(getattr(x, n), TorchaxTensor) for n in names)
+
+  def dispatch(cls, func, types, args=(), kwargs=None):
+    leaves = torch_pytree.tree_leaves((args, kwargs))
+    if not any(wraps_jax(x) for x in leaves):
+      return original(cls, func, types, args, kwargs)
+    with torchax_modes(torchax_env()):
+      return original(cls, func, types, args, kwargs)
+
+  dispatch.inside_torchax = True
+  subclass.__torch_dispatch__ = classmethod(dispatch)

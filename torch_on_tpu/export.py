@@ -37,7 +37,7 @@ from jax.experimental import multihost_utils
 
 from torch_on_tpu import data, lora, models
 from torch_on_tpu.checkpoint import state_entries
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, arg
 
 MODES = ("full", "merged", "adapter")
 _CHUNK_BYTES = 64 * 2**20  # host memory one exported array chunk may take
@@ -268,7 +268,7 @@ def _check_target(directory: Path, overwrite: bool) -> None:
     taken = bool(multihost_utils.broadcast_one_to_all(np.int32(taken)))
   if taken:
     raise TorchOnTpuError(
-      f"Export directory {directory} already exists and is not empty; pick a new path or pass overwrite=True."
+      f"Export directory {directory} already exists and is not empty; pick a new path or pass {arg('overwrite', True)}."
     )
 
 

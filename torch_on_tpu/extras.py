@@ -16,6 +16,7 @@ from torch_on_tpu.errors import TorchOnTpuError
 # The import name → the extra that installs it (setup.py's extras_require).
 EXTRA_OF = {
   "torchtitan": "torchtitan",
+  "torchao": "float8",
   "transformers": "hf",
   "peft": "hf",
   "tokenizers": "data",

@@ -96,7 +96,11 @@ def generate(
   was_training = module.training
   module.eval()  # traced once: dropout off
   try:
-    program = _compiled(model, inputs_fn, length, max_new_tokens, top_k, cache, tokens, key)
+    # compiled once per model and call shape, then reused (a call is then only the run)
+    program = model.program(
+      ("generate", inputs_fn, tuple(tokens.shape), length, top_k, cache),
+      lambda: _compiled(model, inputs_fn, length, max_new_tokens, top_k, cache, tokens, key),
+    )
     out, _ = program(model.params, model.buffers, tokens, key)
   finally:
     module.train(was_training)

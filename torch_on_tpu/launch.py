@@ -9,7 +9,8 @@ Each process gets `TOT_COORDINATOR` (a free port on 127.0.0.1),
 `torch_on_tpu.distributed`), and torch_on_tpu's XLA flag defaults; `--cpu_devices K` gives each
 process K simulated CPU devices (`JAX_PLATFORMS=cpu` and
 `--xla_force_host_platform_device_count=K` appended to `XLA_FLAGS`). Output
-lines are prefixed `[p0]`, `[p1]`, .... When one process fails the others get
+is relayed as it arrives, each line prefixed `[p0]`, `[p1]`, ... (a progress bar
+redrawn in place too), without gloo's connection notices. When one process fails the others get
 SIGTERM, then SIGKILL after `--grace` seconds, and the launcher exits with the
 failed process's code and one line naming it, how it ended and its last line
 of output. SIGTERM/SIGINT to the launcher go to every process (a preemption:
@@ -26,8 +27,10 @@ save can finish without it.
 from __future__ import annotations
 
 import argparse
+import codecs
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -129,18 +132,90 @@ def process_env(base: dict, index: int, count: int, port: int, cpu_devices: int 
   return env
 
 
-def _pump(index: int, stream, out, lock: threading.Lock, last_lines: dict) -> None:
-  """Copies one process's output to `out`, each line prefixed with `[p<index>]`;
-  keeps its last non-empty line in `last_lines[index]`."""
-  prefix = f"[p{index}] "
-  for raw in iter(stream.readline, b""):
-    line = raw.decode("utf-8", errors="replace").rstrip("\n")
-    if line.strip():
-      last_lines[index] = line.strip()
-    with lock:
-      out.write(prefix + line + "\n")
-      out.flush()
-  stream.close()
+# Lines the processes print that say nothing to the user: jax's CPU collectives (gloo)
+# announce every connection between processes.
+NOISE_PREFIXES = ("[Gloo] ",)
+
+
+class _Console:
+  r"""Where every process's output goes, as it arrives: each line, and each redraw of a
+  progress bar (which starts with `\r`, not a newline), prefixed `[p<index>] `; notices
+  starting with a `NOISE_PREFIXES` entry dropped. A line one process left open (a bar) is
+  ended before another process writes."""
+
+  def __init__(self, out):
+    self.out = out
+    self.lock = threading.Lock()
+    self.open_line = None  # the process whose line is on screen without its end
+    self.last_lines: dict[int, str] = {}  # each process's last non-empty line, for the failure message
+
+  def relay(self, index: int, stream) -> None:
+    """Copies one process's output stream until it closes (run in a thread per process)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    line = _Line(index)
+    for chunk in iter(lambda: stream.read1(65536), b""):
+      for piece in re.split(r"([\r\n])", decoder.decode(chunk)):
+        if piece in ("\r", "\n"):
+          self._write(index, line.end(piece))
+          if line.visible.strip():
+            self.last_lines[index] = line.visible.strip()
+          line = _Line(index)
+        elif piece:
+          self._write(index, line.add(piece))
+    self._write(index, line.end(""))
+    stream.close()
+
+  def _write(self, index: int, text: str) -> None:
+    if not text:
+      return
+    with self.lock:
+      if self.open_line not in (None, index):
+        self.out.write("\n")
+      self.out.write(text)
+      self.out.flush()
+      self.open_line = None if text.endswith(("\n", "\r")) else index
+
+
+class _Line:
+  """One line of one process's output as it arrives: what to write of it, when. A noise notice
+  may start mid-line (C++ writes it after a progress bar that has no line end yet): the line is
+  written up to it, and the notice dropped with its own line end."""
+
+  def __init__(self, index: int):
+    self.prefix = f"[p{index}] "
+    self.text = ""
+    self.written = 0  # characters of `text` already written
+    self.noise_at = None  # where a noise notice starts in `text`
+
+  @property
+  def visible(self) -> str:
+    return self.text if self.noise_at is None else self.text[: self.noise_at]
+
+  def add(self, piece: str) -> str:
+    """The text to write now that `piece` arrived (held back while it may still turn out to be noise)."""
+    self.text += piece
+    if self.noise_at is None:
+      hits = [i for i in (self.text.find(p, self.written) for p in NOISE_PREFIXES) if i >= 0]
+      self.noise_at = min(hits) if hits else None
+    if self.noise_at is not None:
+      return self._upto(self.noise_at)
+    maybe = max((n for p in NOISE_PREFIXES for n in range(1, len(p)) if self.text.endswith(p[:n])), default=0)
+    return self._upto(len(self.text) - maybe)
+
+  def end(self, terminator: str) -> str:
+    r"""The text to write as the line ends with `terminator` (`\n`, `\r`, or "" at the stream's end)."""
+    if self.noise_at is not None:
+      return self._upto(self.noise_at)  # the notice's line end is its own: a bar before it stays open
+    if not self.text:  # an empty line; or the start of a bar's redraw, whose text gets the prefix
+      return (self.prefix if terminator == "\n" else "") + terminator
+    return self._upto(len(self.text)) + terminator
+
+  def _upto(self, end: int) -> str:
+    if end <= self.written:
+      return ""
+    rest = ("" if self.written else self.prefix) + self.text[self.written : end]
+    self.written = end
+    return rest
 
 
 def describe_exit(code: int) -> str:
@@ -158,15 +233,14 @@ def run(args: argparse.Namespace, out=None) -> int:
   port = args.port or free_port()
   target = ["-m", args.module] if args.module else [args.script]
   command = [sys.executable, *target, *args.target_args]
-  lock = threading.Lock()
-  last_lines: dict[int, str] = {}
+  console = _Console(out)
   procs, pumps = [], []
   base = {**os.environ, "XLA_FLAGS": xla_flags.with_defaults(os.environ.get("XLA_FLAGS", ""))}  # torch_on_tpu's defaults
   for index in range(args.nproc):
     env = process_env(base, index, args.nproc, port, args.cpu_devices)
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     procs.append(proc)
-    pump = threading.Thread(target=_pump, args=(index, proc.stdout, out, lock, last_lines), daemon=True)
+    pump = threading.Thread(target=console.relay, args=(index, proc.stdout), daemon=True)
     pump.start()
     pumps.append(pump)
 
@@ -194,7 +268,7 @@ def run(args: argparse.Namespace, out=None) -> int:
     pump.join(timeout=5)
 
   def why(index, code):
-    last = last_lines.get(index)
+    last = console.last_lines.get(index)
     return f"process {index} {describe_exit(code)}" + (f" (its last line: {last[:300]!r})" if last else "")
 
   if interrupted is not None:

@@ -18,11 +18,13 @@ zeros, so training starts from exactly the base model.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 
 from torch_on_tpu import module_state
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, arg
 from torch_on_tpu.module import ShardedModule
 
 # `make_train_step(trainable=...)` patterns for the adapters (peft names them
@@ -77,9 +79,11 @@ def wrap(
     lora_dropout=dropout,
   )
   try:
-    model = peft.get_peft_model(module, config)
+    with warnings.catch_warnings():  # peft asks transformers 5 for a property it deprecated: not the user's to fix
+      warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+      model = peft.get_peft_model(module, config)
   except ValueError as e:
-    raise TorchOnTpuError(f"peft cannot put LoRA adapters on targets={targets!r} ({e}); name modules the model has.") from None
+    raise TorchOnTpuError(f"peft cannot put LoRA adapters on {arg('targets', targets)} ({e}); name modules the model has.") from None
   specs = {**base.param_shardings, **base.buffer_shardings}
   sharding = {name: tuple(specs[base.canonical_name(base_name(name))].spec) for name in _original_names(model) if not is_adapter(name)}
   sharding.update({pattern: (None, None) for pattern in TRAINABLE})  # adapters are small: replicated

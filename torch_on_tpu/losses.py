@@ -124,9 +124,10 @@ def cross_entropy(
 ):
   """`torch.nn.functional.cross_entropy` (torch tensors in and out), chunked when it can be exact.
 
-  The rows are pinned to the data axes where they divide them: a loop over
-  vocabulary slices of logits sharded any other way (over the vocabulary, say)
-  would gather them whole on every device."""
+  The rows are pinned to the data axes (and `cp`: rows are flattened batch ×
+  sequence positions) where they divide them: a loop over vocabulary slices of
+  logits sharded any other way (over the vocabulary, say) would gather them
+  whole on every device."""
   exact = (
     weight is None
     and size_average is None
@@ -146,7 +147,7 @@ def cross_entropy(
   loss = chunked_cross_entropy(
     jax_view(input if low is None else low), jax_view(target), ignore_index=int(ignore_index), reduction=reduction,
     label_smoothing=float(label_smoothing),
-    sharding=model.batch_sharding(2, rows) if model.data_axes and rows % model.batch_ways == 0 else None,
+    sharding=model.token_sharding(rows),
   )
   return torch_view(loss)
 

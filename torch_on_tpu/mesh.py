@@ -14,12 +14,18 @@ import jax
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from torch_on_tpu import runtime
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, call
 
 # Mesh axes that carry the batch, in the order a batch dim is split over them.
 # Expert-parallel devices take their share of the batch too (tokens reach the
 # experts on other devices through XLA's collectives).
 DATA_AXIS_NAMES = ("data", "dp", "fsdp", "ep", "batch")
+
+# Context parallelism: the axis that splits dim 1 (the sequence) of every batch tensor
+# with one. It is not a data axis; its devices shard the parameters FSDP-style
+# together with `fsdp` (`param_axes`), so CP costs no parameter memory.
+SEQUENCE_AXIS = "cp"
+PARAM_AXIS_NAMES = ("fsdp", SEQUENCE_AXIS)
 
 
 def make_mesh(devices=None, **axes: int) -> Mesh:
@@ -42,18 +48,18 @@ def make_mesh(devices=None, **axes: int) -> Mesh:
     )
   bad = [n for n, s in zip(names, sizes) if s == 0 or s < -1]
   if bad:
-    raise TorchOnTpuError(f"make_mesh axis sizes must be positive or -1; got {axes}.")
+    raise TorchOnTpuError(f"{call('make_mesh', axes)}: mesh axis sizes must be positive or -1.")
   known = math.prod(s for s in sizes if s != -1)
   if fill:
     if count % known:
       raise TorchOnTpuError(
-        f"make_mesh({_fmt(axes)}): the fixed axes multiply to {known}, which does not divide "
+        f"{call('make_mesh', axes)}: the fixed axes multiply to {known}, which does not divide "
         f"the {count} available devices; pick sizes whose product divides {count}."
       )
     sizes[names.index(fill[0])] = count // known
   if math.prod(sizes) != count:
     raise TorchOnTpuError(
-      f"make_mesh({_fmt(axes)}) needs {math.prod(sizes)} devices but {count} are available; "
+      f"{call('make_mesh', axes)} needs {math.prod(sizes)} devices but {count} are available; "
       f"make the axis sizes multiply to {count} or use -1 on one axis."
     )
   return jax.make_mesh(
@@ -70,17 +76,33 @@ def data_axes(mesh: Mesh) -> tuple[str, ...]:
   return tuple(a for a in mesh.axis_names if a in DATA_AXIS_NAMES)
 
 
+def param_axes(mesh: Mesh) -> tuple[str, ...]:
+  """The mesh axes parameters are FSDP-sharded over: `fsdp` and `cp`, those the mesh has."""
+  return tuple(a for a in PARAM_AXIS_NAMES if a in mesh.shape)
+
+
+def sequence_ways(mesh: Mesh) -> int:
+  """How many pieces the `cp` axis splits a sequence into (1 without one)."""
+  return mesh.shape.get(SEQUENCE_AXIS, 1)
+
+
 def batch_ways(mesh: Mesh, axes) -> int:
   """How many pieces the mesh axes `axes` split a batch into."""
   return math.prod(mesh.shape[a] for a in axes)
 
 
-def batch_spec(axes, ndim: int) -> PartitionSpec:
-  """Dim 0 over the mesh axes `axes` (none: replicated), the other `ndim - 1` dims replicated."""
+def batch_spec(axes, ndim: int, sequence: bool = False) -> PartitionSpec:
+  """Dim 0 over the mesh axes `axes` (none: replicated); with `sequence`, dim 1 over
+  `cp` (context parallelism); the other dims replicated."""
   axes = tuple(axes)
   lead = None if not axes else axes[0] if len(axes) == 1 else axes
+  if sequence and ndim >= 2:
+    return PartitionSpec(lead, SEQUENCE_AXIS, *([None] * (ndim - 2)))
   return PartitionSpec(lead, *([None] * (ndim - 1)))
 
 
-def _fmt(axes: dict) -> str:
-  return ", ".join(f"{k}={v}" for k, v in axes.items())
+def splits_sequence(mesh: Mesh, shape) -> bool:
+  """Whether a batch tensor of `shape` has its dim 1 (the sequence) split over `cp`:
+  the mesh has a `cp` axis of more than one device and it divides dim 1."""
+  ways = sequence_ways(mesh)
+  return ways > 1 and len(shape) >= 2 and shape[1] % ways == 0

@@ -99,6 +99,23 @@ def flops_per_token(model, seqlen: int) -> FlopsPerToken:
   )
 
 
+def causal_attention_pairs(seqlen: int, cp: int, *, balanced: bool = True) -> list[int]:
+  """(query, key) pairs each of `cp` devices scores under a causal mask, from the chunk
+  layout of context parallelism: the sequence in 2·cp chunks, device i computing the
+  queries of chunks i and 2·cp-1-i (`balanced`: the zig-zag) or 2i and 2i+1 (contiguous).
+  Times 12·layers·heads·head_dim, a device's attention FLOPs of a training step (the
+  per-token attention term of the `causal` convention, summed over its queries)."""
+  chunk = seqlen // (2 * cp)
+
+  def pairs(c: int) -> int:  # rows c·chunk … (c+1)·chunk-1 each see their position + 1 keys
+    return chunk * c * chunk + chunk * (chunk + 1) // 2
+
+  def chunks(i: int) -> tuple[int, int]:
+    return (i, 2 * cp - 1 - i) if balanced else (2 * i, 2 * i + 1)
+
+  return [sum(pairs(c) for c in chunks(i)) for i in range(cp)]
+
+
 def flops_per_token_from_config(config, seqlen: int) -> FlopsPerToken:
   """From a torchtitan model config or an HF `PretrainedConfig` (builds the model on meta)."""
   if hasattr(config, "num_hidden_layers"):

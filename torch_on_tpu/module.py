@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from torch_on_tpu import _compat, lowerings, materialize, models, module_state, ops, runtime, xla_flags
+from torch_on_tpu import _compat, float8, lowerings, materialize, models, module_state, ops, runtime, xla_flags
 from torch_on_tpu import attention as attention_lib
 from torch_on_tpu import scan as scan_lib
 from torch_on_tpu import mesh as mesh_lib
@@ -61,6 +61,9 @@ class ShardedModule:
       torchtitan's flex attention): `"auto"` (by platform), `"splash"`,
       `"cudnn"`, `"xla"`, or `None` (torchax's default lowering).
     attention_block_sizes: splash kernel block sizes (see `attention`).
+    context_parallel: how attention's K/V cross a `cp` mesh axis (the sequence
+      split, `torch_on_tpu.attention.context`): `"auto"` (K/V gathered under
+      GQA, at cp=2 and for splash; the ring otherwise), `"all_gather"` or `"ring"`.
     scan: run the model's stack of identical blocks as one `lax.scan`
       (compile time flat in depth); names stay the original per-layer ones.
     remat: per-layer rematerialisation policy (`torch_on_tpu.remat.NAMES`).
@@ -82,6 +85,7 @@ class ShardedModule:
     data_axes: tuple[str, ...] | None = None,
     attention: str | None = "auto",
     attention_block_sizes: Mapping | None = None,
+    context_parallel: str = "auto",
     scan: bool = False,
     remat: str | None = None,
     unroll: int = 1,
@@ -92,6 +96,7 @@ class ShardedModule:
         f"ShardedModule wraps a torch.nn.Module, got {type(module).__name__}."
       )
     runtime.setup()
+    float8.prepare(module)  # torchao's float8 linears; low-precision formats the bridge does not lower
     self.module = module
     self.family = models.family_of(module)
     self.family.prepare(module)
@@ -103,12 +108,20 @@ class ShardedModule:
         raise TorchOnTpuError(
           f"data_axes names '{axis}', which the mesh {dict(self.mesh.shape)} lacks."
         )
+    if attention is None and mesh_lib.sequence_ways(self.mesh) > 1:
+      raise TorchOnTpuError(
+        f"attention=None leaves SDPA to torchax's own lowering, which cannot split the sequence over "
+        f"the mesh's {mesh_lib.SEQUENCE_AXIS}={mesh_lib.sequence_ways(self.mesh)}; pick an attention kernel "
+        f"('auto') or use a mesh without {mesh_lib.SEQUENCE_AXIS} (cp=1)."
+      )
     self.attention = attention
+    self.context_parallel = context_parallel
     self._attention = (
       None
       if attention is None
       else attention_lib.Attention(
-        attention, mesh=self.mesh, data_axes=self.data_axes, block_sizes=attention_block_sizes
+        attention, mesh=self.mesh, data_axes=self.data_axes, block_sizes=attention_block_sizes,
+        context_parallel=context_parallel,
       )
     )
 
@@ -118,7 +131,7 @@ class ShardedModule:
     self._state_dict_names = list(module.state_dict(keep_vars=True))
     self._hooked_modules = _outermost_hooked_modules(module)
     self._resolved = sharding_lib.resolve(
-      _sharding_map_for(module, sharding),
+      _sharding_map_for(module, sharding, self.mesh),
       [sharding_lib.TensorInfo(e.name, e.shape, e.is_param) for e in entries],
       [name for name, _ in module.named_modules() if name],
       self.mesh,
@@ -180,19 +193,32 @@ class ShardedModule:
     """How many ways the data axes split a batch."""
     return mesh_lib.batch_ways(self.mesh, self.data_axes)
 
-  def batch_sharding(self, ndim: int, batch_size: int | None = None) -> NamedSharding:
+  def batch_sharding(self, ndim: int, batch_size: int | None = None, seq_len: int | None = None) -> NamedSharding:
     """Dim 0 over the data axes (replicated where they do not divide it: the
-    forward takes any batch; the train step refuses one that does not split)."""
+    forward takes any batch; the train step refuses one that does not split);
+    dim 1, the sequence, over `cp` where the mesh has one that divides `seq_len`."""
     splits = batch_size is None or batch_size % self.batch_ways == 0
-    return NamedSharding(self.mesh, mesh_lib.batch_spec(self.data_axes if splits else (), ndim))
+    sequence = seq_len is not None and mesh_lib.splits_sequence(self.mesh, (batch_size, seq_len))
+    return NamedSharding(self.mesh, mesh_lib.batch_spec(self.data_axes if splits else (), ndim, sequence))
+
+  def token_sharding(self, rows: int) -> NamedSharding | None:
+    """(rows, ...) of flattened batch × sequence positions over the data axes and `cp`
+    (each device its tokens: their order is the batch's, batch-major); over the data axes
+    alone where those do not divide `rows`; None where neither does."""
+    axes = self.data_axes + ((mesh_lib.SEQUENCE_AXIS,) if mesh_lib.sequence_ways(self.mesh) > 1 else ())
+    for candidate in (axes, self.data_axes):
+      if candidate and rows % mesh_lib.batch_ways(self.mesh, candidate) == 0:
+        return NamedSharding(self.mesh, mesh_lib.batch_spec(candidate, 2))
+    return None
 
   def place(self, tensor: torch.Tensor) -> jax.Array:
-    """A host tensor → a global array, batch dim sharded over the data axes."""
+    """A host tensor → a global array, batch dim sharded over the data axes (and its
+    sequence, dim 1, over `cp`)."""
     if isinstance(tensor, TorchaxTensor):
       return tensor.jax()
     if tensor.ndim == 0:
       return jnp.asarray(materialize.torch_to_numpy(tensor))
-    sharding = self.batch_sharding(tensor.ndim, tensor.shape[0])
+    sharding = self.batch_sharding(tensor.ndim, *tensor.shape[:2])
     return materialize.to_global_array(tensor, sharding)
 
   # ---- the torch world ---------------------------------------------------------------
@@ -221,9 +247,10 @@ class ShardedModule:
     # Random ops rotate the env's key; scoping the key keeps a traced key from
     # leaking into torchax's global state (pass a fresh key with
     # `env.override_property(prng=key)` around the call for per-step randomness).
-    kwargs = {**self.family.call_defaults(self.module, layer_stack=bool(self._layout)), **kwargs}
+    kwargs = {**self.family.call_defaults(self.module), **kwargs}
     with env, env.override_property(prng=env.param.prng):
-      with self._activation_constraints(), self._attention_kernels(), lowerings.cpu_linear(self.mesh), self.family.running(self.module):
+      with self._activation_constraints(), self._sequence_split(args, kwargs), self._attention_kernels(), \
+          lowerings.cpu_linear(self.mesh), self.family.running(self.module):
         with _compat.reparametrized(self.module, tensors), _running_wrapped():
           out = self.module(*args, **kwargs)
           after = {n: jax_view(self.module.get_buffer(n)) for n in before}
@@ -258,7 +285,14 @@ class ShardedModule:
     return jax.lax.with_sharding_constraint(new.astype(old.dtype), sharding)
 
   def _attention_kernels(self):
-    return attention_lib.installed(self._attention) if self._attention else contextlib.nullcontext()
+    if not self._attention:
+      return contextlib.nullcontext()
+    self._attention.splits.clear()  # what this trace's calls do across `cp`
+    return attention_lib.installed(self._attention)
+
+  def attention_splits(self) -> tuple[str, ...]:
+    """How the last trace's attention calls crossed the `cp` axis (strategy, layout)."""
+    return tuple(sorted(self._attention.splits)) if self._attention else ()
 
   def __call__(self, *args, **kwargs):
     """Jitted forward. Tensors are traced (CPU ones placed on the mesh); every
@@ -269,21 +303,47 @@ class ShardedModule:
     statics = tuple(None if t else x for x, t in zip(leaves, is_tensor))
     dynamic = [self.place(x) for x, t in zip(leaves, is_tensor) if t]
     try:
-      key = (treedef, is_tensor, statics, ops.generation())
+      key = (treedef, is_tensor, statics)
       hash(key)
     except TypeError as e:
       raise TorchOnTpuError(
         f"A non-tensor argument to the model is unhashable ({e}); pass tensors for data "
         f"and hashable Python values (bools, ints, strings, tuples) for flags."
       ) from None
-    entry = self._compiled.get(key)
-    if entry is None:
-      entry = self._compiled[key] = self._build_forward(treedef, is_tensor, statics)
-    jitted, out_spec = entry
+    jitted, out_spec = self.program(key, lambda: self._build_forward(treedef, is_tensor, statics))
     self._rng, rng = jax.random.split(self._rng)
     out_leaves, changed = jitted(self.params, self.buffers, dynamic, rng)
     self.buffers.update(changed)
     return _unflatten_output(out_spec, out_leaves)
+
+  # ---- as a torch module: train / eval ------------------------------------------------
+
+  def train(self, mode: bool = True) -> ShardedModule:
+    """As `nn.Module.train`: the wrapped module's mode (dropout, BatchNorm's statistics).
+    Each mode gets its own compiled forward."""
+    self.module.train(mode)
+    return self
+
+  def eval(self) -> ShardedModule:
+    """As `nn.Module.eval`: `train(False)`."""
+    return self.train(False)
+
+  @property
+  def training(self) -> bool:
+    return self.module.training
+
+  def _modes(self) -> tuple[bool, ...]:
+    return tuple(m.training for m in self.module.modules())
+
+  def program(self, key, build: Callable):
+    """The program compiled for this model under `key` (its forward per call signature,
+    `generate`'s loop per shape): `build()` once, then the same one. The op overrides in
+    force (`ops.generation()`) and every submodule's train/eval mode are part of the key,
+    so either change compiles afresh (a program traced in train mode runs dropout)."""
+    key = (key, ops.generation(), self._modes())
+    if key not in self._compiled:
+      self._compiled[key] = build()
+    return self._compiled[key]
 
   def _build_forward(self, treedef, is_tensor, statics):
     out_spec = {}
@@ -325,6 +385,40 @@ class ShardedModule:
     finally:
       for h in handles:
         h.remove()
+
+  @contextlib.contextmanager
+  def _sequence_split(self, args, kwargs):
+    """With a `cp` axis: every module output shaped like the batch (B, L, ...) keeps its
+    batch over the data axes and its sequence over `cp`, other dims left to GSPMD.
+
+    Unpinned, GSPMD follows the parameters' FSDP sharding (over `cp` too) onto the
+    matmuls' feature dims and gathers the whole sequence on every device."""
+    lead = next(
+      (tuple(x.shape[:2]) for x in _compat.torch_pytree.tree_leaves((args, kwargs))
+       if isinstance(x, torch.Tensor) and mesh_lib.splits_sequence(self.mesh, x.shape)),
+      None,
+    )
+    if lead is None:
+      yield
+      return
+    batch_axes = self.data_axes if lead[0] % self.batch_ways == 0 else ()
+
+    def pin(module, inputs, output):
+      first = output[0] if isinstance(output, tuple) and output else output
+      if not isinstance(first, torch.Tensor) or tuple(first.shape[:2]) != lead:
+        return output
+      spec = mesh_lib.batch_spec(batch_axes, 2, sequence=True)
+      spec = PartitionSpec(*spec, *([PartitionSpec.UNCONSTRAINED] * (first.ndim - 2)))
+      pinned = torch_view(jax.lax.with_sharding_constraint(jax_view(first), NamedSharding(self.mesh, spec)))
+      return (pinned, *output[1:]) if isinstance(output, tuple) else pinned
+
+    name_of = self._layout.original_module_name if self._layout else (lambda name: name)
+    handle = torch.nn.modules.module.register_module_forward_hook(pin)
+    try:
+      with attention_lib.unsplit.refused(self.module, lead[1], name_of):
+        yield
+    finally:
+      handle.remove()
 
   # ---- inspection and export ---------------------------------------------------------
 
@@ -459,7 +553,7 @@ def to_cpu(tree):
     if isinstance(x, jax.Array):
       host = np.asarray(jax.device_get(x))
       if host.dtype.name == "bfloat16":
-        return torch.from_numpy(host.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(np.array(host.view(np.uint16))).view(torch.bfloat16)
       return torch.from_numpy(np.array(host))
     return x
 
@@ -535,9 +629,11 @@ def _refuse_direct_call(module, args):
     )
 
 
-def _sharding_map_for(module, sharding):
+def _sharding_map_for(module, sharding, mesh):
+  """A preset name as resolution takes it; a family's map (`"fsdp_tp"`) with its
+  `fsdp` entries over all the parameter axes (`cp` too: CP costs no parameter memory)."""
   if isinstance(sharding, str) and sharding not in ("fsdp", "replicated", "ep"):
-    return models.sharding_map(module, sharding)
+    return sharding_lib.with_param_axes(models.sharding_map(module, sharding), mesh)
   return sharding
 
 

@@ -28,6 +28,10 @@ Per device, it counts:
   | `offload_dots` | the layer input d on the device; the matmul outputs go to host memory |
   | `full` | the layer input d |
 
+* with a `cp` axis (context parallelism), the tokens of a device are its share
+  of the batch's rows times its 1/cp of their sequence, and one layer's backward
+  also holds the K/V attention gathers across `cp` (the whole sequence's K and V,
+  or two ring blocks);
 * the params cast to the compute dtype when it is narrower than theirs (bf16
   compute over fp32 master weights);
 * the backward pass at its busiest, the largest of: the loss head's (the
@@ -56,9 +60,11 @@ import jax
 import numpy as np
 import psutil
 
+from torch_on_tpu import mesh as mesh_lib
 from torch_on_tpu import scan as scan_lib
 from torch_on_tpu import models
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.attention import context
+from torch_on_tpu.errors import TorchOnTpuError, arg, named
 from torch_on_tpu.models import DecoderShape
 from torch_on_tpu.module import _human_bytes
 
@@ -208,7 +214,8 @@ def plan_memory(
   return plan
 
 
-def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum) -> MemoryPlan:
+def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, split=None) -> MemoryPlan:
+  """The plan; `split` = (data ways, cp ways) plans the same devices laid out otherwise."""
   model = step.model
   mesh = model.mesh
   params = _sharded_bytes(model.params, model.param_shardings)
@@ -222,9 +229,11 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum) -> Memo
   narrower = {k: v for k, v in model.params.items() if _is_float(v) and np.dtype(v.dtype).itemsize > compute}
   compute_params = _sharded_bytes(narrower, {k: shardings[k] for k in narrower}, itemsize=compute)
 
-  data_ways = math.prod(mesh.shape[a] for a in model.data_axes)
+  data_ways, cp = split or (math.prod(mesh.shape[a] for a in model.data_axes), mesh_lib.sequence_ways(mesh))
   rows = global_batch_size // grad_accum
-  tokens = rows * seqlen / (data_ways if rows % data_ways == 0 else 1)
+  local_rows = rows / (data_ways if rows % data_ways == 0 else 1)
+  cp = cp if seqlen % cp == 0 else 1
+  tokens = local_rows * seqlen / cp
   tp = mesh.shape.get("tp", 1)
   # XLA CPU runs sub-fp32 matmuls in fp32: the input of the lm_head's backward dots is an
   # fp32 copy of the logits' gradient, and a scan's saved bf16 residuals are each converted
@@ -244,9 +253,17 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum) -> Memo
   if policy == "offload_dots" and not offloaded:
     kept = s.dim + dots  # no host memory apart from the device's: kept in place
   per_token = compute * tokens
+  kv_across = 0
+  if cp > 1:  # attention's K/V across the sequence split, held during one layer
+    strategy, _ = context.choose(
+      model.context_parallel, heads=s.heads, kv_heads=s.kv_heads, ways=cp, plain=True
+    )
+    held = seqlen if strategy == "all_gather" else 2 * seqlen / cp
+    kv_across = int(local_rows * held * 2 * s.kv_heads * s.head_dim / tp * compute)
   description = (
     f"mesh {dict(mesh.shape)}, {global_batch_size} x {seqlen} tokens"
     + (f" in {grad_accum} microbatches" if grad_accum > 1 else "")
+    + (f", each sequence over cp={cp}" if cp > 1 else "")
     + f", remat {policy}, compute {_dtype_name(step, model)}"
   )
   saved = int(s.layers * kept * per_token)
@@ -257,7 +274,7 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum) -> Memo
     optimizer=optimizer,
     compute_params=compute_params,
     saved_activations=saved,
-    layer_backward=int(0 if policy == "none" else everything * per_token),
+    layer_backward=int(0 if policy == "none" else everything * per_token) + kv_across,
     logits=logits,
     logits_grad=logits + (logits * 4 // compute if cpu_upcast else 0),
     cpu_upcasts=saved * (4 - compute) // compute if cpu_upcast and scanned else 0,
@@ -274,7 +291,7 @@ def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
   if policy not in ("full", "offload_dots"):
     alternative = _estimate(step, shape, global_batch_size, seqlen, "full", step.grad_accum)
     if alternative.total <= limit:
-      return f"use remat='full' (recompute each layer in the backward pass: about {_human_bytes(alternative.total)})"
+      return f"use {arg('remat', 'full')} (recompute each layer in the backward pass: about {_human_bytes(alternative.total)})"
   mesh = step.model.mesh
   data_ways = math.prod(mesh.shape[a] for a in step.model.data_axes)
   best = "full" if policy == "none" else policy
@@ -283,24 +300,56 @@ def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
     accum *= 2
     alternative = _estimate(step, shape, global_batch_size, seqlen, best, accum)
     if alternative.total <= limit:
-      extra = "" if best == policy else f" with remat='{best}'"
+      extra = "" if best == policy else f" with {arg('remat', best)}"
       return (
-        f"use grad_accum={accum}{extra} (or a global batch {accum // step.grad_accum}x smaller: "
+        f"use {arg('grad_accum', accum)}{extra} (or a global batch {accum // step.grad_accum}x smaller: "
         f"about {_human_bytes(alternative.total)})"
       )
+  split = _sequence_split(step, shape, global_batch_size, seqlen, best, policy, limit)
+  if split:
+    return split
   state = plan.params + plan.grads + plan.optimizer
   floor = _estimate(step, shape, global_batch_size, seqlen, best, accum).activations
   if limit > floor:
     factor = math.ceil(state / (limit - floor))
     fsdp = mesh.shape.get("fsdp", 1)
     return (
-      f"shard the params over about {factor}x more devices on fsdp (fsdp={fsdp * factor} or more), "
+      f"shard the params over about {factor}x more devices on fsdp ({arg('fsdp', fsdp * factor)} or more), "
       f"since params, gradients and optimizer state alone take {_human_bytes(state)}"
     )
   return (
-    f"even one sequence per device with remat='{best}' needs {_human_bytes(floor)} of activations; "
-    f"use a shorter seqlen or shard activations with tp"
+    f"even one sequence per device with {arg('remat', best)} needs {_human_bytes(floor)} of activations; "
+    f"use a shorter {named('seqlen')} or shard activations with {named('tp')}"
   )
+
+
+def _sequence_split(step, shape, global_batch_size, seqlen, remat, policy, limit) -> str | None:
+  """The smallest `cp` (devices taken from the data axes, with the grad_accum that
+  leaves each device less than a sequence; `remat`, else 'full') under `limit`, as a
+  suggestion; None if none."""
+  mesh = step.model.mesh
+  data_ways = math.prod(mesh.shape[a] for a in step.model.data_axes)
+  cp_now = mesh_lib.sequence_ways(mesh)
+  devices = data_ways * cp_now
+  for candidate in dict.fromkeys((remat, "full")):
+    cp = cp_now * 2
+    while cp <= devices and devices % cp == 0 and seqlen % (2 * cp) == 0:
+      data = devices // cp
+      accum = step.grad_accum
+      while accum <= global_batch_size:
+        rows = global_batch_size // accum
+        if global_batch_size % accum == 0 and rows % data == 0:
+          alternative = _estimate(step, shape, global_batch_size, seqlen, candidate, accum, split=(data, cp))
+          if alternative.total <= limit:
+            extra = f" and {arg('grad_accum', accum)}" if accum != step.grad_accum else ""
+            where = f"{arg('remat', candidate)}, " if candidate != policy else ""
+            return (
+              f"split each sequence over more devices: {arg('cp', cp)} with {data} data devices{extra} "
+              f"({where}about {_human_bytes(alternative.total)})"
+            )
+        accum *= 2
+      cp *= 2
+  return None
 
 
 def _sharded_bytes(tree, shardings, itemsize: int | None = None) -> int:

@@ -30,7 +30,7 @@ import torch
 from jax.sharding import PartitionSpec
 
 from torch_on_tpu import _compat, models, module_state, remat as remat_lib
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, arg
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
@@ -62,7 +62,9 @@ class StackedLayers(torch.nn.Module):
   position ids, HF's `position_embeddings` tuple). A layer returns the hidden
   state, or a tuple whose first element is the hidden state (its other
   elements, an aux loss say, leave the scan per layer); called directly it
-  returns the last layer's output.
+  returns the last layer's output. A model that calls its layers by keyword
+  only (Flux's `img, txt = block(img=img, txt=txt, vec=vec, pe=pe)`) carries
+  several states: the leading tensor keywords, as many as the layer returns.
 
   Same class and same tensors do not make the same function: a layer may
   steer its control flow by its own attributes (rotary embedding on some
@@ -120,6 +122,8 @@ class StackedLayers(torch.nn.Module):
     self._layers = tuple(layers)
     self._said_unrolled = False
     self._stack_cache: _StackCache | None = None
+    # The keywords that carry the hidden states from layer to layer; () = the first positional argument.
+    self._state_names: tuple[str, ...] = ()
 
   def __getattr__(self, name):
     # Used directly as one module, it answers for its template layer's attributes.
@@ -147,9 +151,16 @@ class StackedLayers(torch.nn.Module):
     template = self._modules[LAYER]
     with torchax.default_env().override_property(prng=key), _swapped(layer, tensors):
       with self._family.deferred_layer_outputs(layer, template) as records:
-        out = layer(torch_view(h), *args, **kwargs)
+        if self._state_names:
+          out = layer(*args, **kwargs, **dict(zip(self._state_names, torch_view(h))))
+        else:
+          out = layer(torch_view(h), *args, **kwargs)
       updates = _buffer_updates(layer, tensors)
-    hidden, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
+    if self._state_names:
+      states = len(self._state_names)
+      hidden, rest = tuple(out[:states]), tuple(out[states:]) or None
+    else:
+      hidden, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
     rest_leaves, extras.setdefault("rest", {})[index] = _split_tree(rest)
     record_leaves = []
     if records:
@@ -160,7 +171,10 @@ class StackedLayers(torch.nn.Module):
     """(layer `index`'s output in its own form, its recorded capture calls)."""
     record_leaves, rest_leaves, _ = produced
     rest = _rebuild_tree(extras["rest"][index], rest_leaves)
-    out = torch_view(hidden) if rest is None else (torch_view(hidden), *rest)
+    if self._state_names:
+      out = (*torch_view(hidden), *(rest or ()))
+    else:
+      out = torch_view(hidden) if rest is None else (torch_view(hidden), *rest)
     records = _rebuild_records(extras["records"][index], record_leaves) if record_leaves else []
     return out, records
 
@@ -235,7 +249,7 @@ class StackedLayers(torch.nn.Module):
     signatures = [
       _jaxpr_signature(
         jax.make_jaxpr(functools.partial(self._run_one, i, extras, args, kwargs))(
-          abstract(h), per_layer, abstract(keys[i])
+          jax.tree.map(abstract, h), per_layer, abstract(keys[i])
         )
       )
       for i in range(self.num_layers)
@@ -254,6 +268,34 @@ class StackedLayers(torch.nn.Module):
     if not self._said_unrolled:
       self._said_unrolled = True
       logger.warning("scan: %s.", why)
+
+  def keyword_states(self, kwargs) -> tuple[str, ...]:
+    """The keywords a layer called by keyword only hands on to the next: its leading tensor
+    keywords that its output's leading tensors match in shape and dtype (traced once,
+    abstractly; the rest of its output leaves the scan per layer); a refusal when none do.
+    Layer 1 must then get exactly those outputs, or the layers run one at a time."""
+    layer = self._layers[0]
+    per_layer = {n: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for n, a in self._stacked().items()}
+
+    def returned(tensors):
+      with torchax.default_env().override_property(prng=jax.random.key(0)), _swapped(layer, tensors):
+        return jax_view(layer(**kwargs))
+
+    out = jax.eval_shape(returned, per_layer)
+    out = out if isinstance(out, tuple) else (out,)
+    names = []
+    for name, o in zip((n for n, v in kwargs.items() if isinstance(v, torch.Tensor)), out):
+      given = jax_view(kwargs[name])
+      if not isinstance(o, jax.ShapeDtypeStruct) or (o.shape, o.dtype) != (given.shape, given.dtype):
+        break
+      names.append(name)
+    if not names:
+      raise TorchOnTpuError(
+        f"The model calls its scanned {type(layer).__name__} layers by keyword, and a layer's output does not "
+        f"start with its first keyword tensor (the state scan would carry); pass the hidden state as the "
+        f"first positional argument or use {arg('scan', False)}."
+      )
+    return tuple(names)
 
   def call_layer(self, index: int, hidden, args, kwargs):
     """What the model's own loop calls for layer `index` (through `_LayerView`).
@@ -283,7 +325,11 @@ class StackedLayers(torch.nn.Module):
     cache = self._stack_cache
     out, records = cache.outputs[index]
     self._family.replay_layer_outputs(self._modules[LAYER], records)
-    cache.returned[index] = out[0] if isinstance(out, tuple) else out
+    states = len(self._state_names)
+    if states:
+      cache.returned[index] = tuple(out[:states])
+    else:
+      cache.returned[index] = out[0] if isinstance(out, tuple) else out
     if index == self.num_layers - 1:
       self._stack_cache = None  # the pass is over; keep no traced values
     return out
@@ -313,7 +359,12 @@ class _StackCache:
     self.returned: dict[int, object] = {}
 
   def serves(self, index: int, hidden, args, kwargs) -> bool:
-    return hidden is self.returned.get(index - 1) and _same_arguments((args, kwargs), (self.args, self.kwargs))
+    before = self.returned.get(index - 1)
+    if isinstance(hidden, tuple):  # several states, by keyword
+      same = isinstance(before, tuple) and len(before) == len(hidden) and all(a is b for a, b in zip(hidden, before))
+    else:
+      same = hidden is before
+    return same and _same_arguments((args, kwargs), (self.args, self.kwargs))
 
 
 def _same_arguments(a, b) -> bool:
@@ -366,14 +417,17 @@ class _LayerView:
     if self._path:
       raise TorchOnTpuError(
         f"The model calls '{self._path}' of one scanned layer on its own; scan runs whole layers, "
-        f"so use scan=False."
+        f"so use {arg('scan', False)}."
       )
-    if not args:
-      raise TorchOnTpuError(
-        "The model calls a scanned layer without a positional argument; scan carries the first "
-        "positional argument as the hidden state, so pass it positionally or use scan=False."
-      )
-    return self._scanned.call_layer(self._index, args[0], args[1:], kwargs)
+    scanned = self._scanned
+    if args:
+      scanned._state_names = ()
+      return scanned.call_layer(self._index, args[0], args[1:], kwargs)
+    if self._index == 0 or not scanned._state_names:
+      scanned._state_names = scanned.keyword_states(kwargs)
+    names = scanned._state_names
+    others = {k: v for k, v in kwargs.items() if k not in names}
+    return scanned.call_layer(self._index, tuple(kwargs[n] for n in names), (), others)
 
 
 class ScanContainer(torch.nn.Module):
@@ -518,7 +572,7 @@ class ScanLayout:
     aliased = [a for e in entries for a in e.aliases if a in self._where or e.name in self._where]
     if aliased:
       raise TorchOnTpuError(
-        f"Cannot scan '{stack.path}': its tensor '{aliased[0]}' is tied to another tensor; use scan=False."
+        f"Cannot scan '{stack.path}': its tensor '{aliased[0]}' is tied to another tensor; use {arg('scan', False)}."
       )
     missing = [o for o in self._where if o not in names]
     if missing:
@@ -544,7 +598,7 @@ class ScanLayout:
           raise TorchOnTpuError(
             f"Scanned layers need one sharding per stacked tensor, but '{orig}' resolves to "
             f"{tuple(specs[orig])} and '{group[0]}' to {tuple(first)}; write the map with '*' for "
-            f"the layer index or use scan=False."
+            f"the layer index or use {arg('scan', False)}."
           )
       out[internal] = PartitionSpec(None, *first)
     return out

@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from torch_on_tpu import mesh as mesh_lib
 from torch_on_tpu.errors import TorchOnTpuError
 
 logger = logging.getLogger(__name__)
@@ -141,17 +142,37 @@ def check_spec(name: str, shape: Sequence[int], spec, mesh: Mesh) -> PartitionSp
   return PartitionSpec(*spec)
 
 
-def fsdp_spec(shape: Sequence[int], mesh: Mesh, axis: str = "fsdp") -> tuple:
-  """The "fsdp" preset for one tensor: its largest dim the axis divides, else replicated."""
-  ways = mesh.shape[axis]
+def fsdp_spec(shape: Sequence[int], mesh: Mesh) -> tuple:
+  """The "fsdp" preset for one tensor: its largest dim the parameter axes
+  (`mesh.param_axes`: `fsdp` and `cp`) divide together, else replicated."""
+  axes = mesh_lib.param_axes(mesh)
+  ways = math.prod(mesh.shape[a] for a in axes)
   spec = [None] * len(shape)
   if ways == 1 or math.prod(shape) < FSDP_MIN_ELEMENTS:
     return tuple(spec)
   candidates = [d for d, n in enumerate(shape) if n % ways == 0]
   if candidates:
     best = max(candidates, key=lambda d: (shape[d], -d))
-    spec[best] = axis
+    spec[best] = axes[0] if len(axes) == 1 else axes
   return tuple(spec)
+
+
+def with_param_axes(table: Mapping[str, Spec], mesh: Mesh) -> dict:
+  """A family's map with each `"fsdp"` entry widened to all the parameter axes
+  (`("fsdp", "cp")` on a mesh with a `cp` axis; `"cp"` alone without `fsdp`)."""
+  axes = mesh_lib.param_axes(mesh)
+  if axes in ((), ("fsdp",)):
+    return dict(table)
+  wide = axes[0] if len(axes) == 1 else axes
+
+  def widen(entry):
+    if entry == "fsdp":
+      return wide
+    if isinstance(entry, tuple) and "fsdp" in entry:
+      return tuple(a for e in entry for a in (axes if e == "fsdp" else (e,)))
+    return entry
+
+  return {pattern: tuple(widen(e) for e in spec) for pattern, spec in table.items()}
 
 
 def resolve(
@@ -225,9 +246,10 @@ def _resolve_preset(name: str, tensors: Sequence[TensorInfo], mesh: Mesh, expert
   if name == "replicated":
     specs = {t.name: PartitionSpec(*([None] * len(t.shape))) for t in tensors}
   elif name == "fsdp":
-    if "fsdp" not in mesh.shape:
+    if not mesh_lib.param_axes(mesh):
       raise TorchOnTpuError(
-        f"The 'fsdp' sharding preset needs an 'fsdp' mesh axis but the mesh is {_fmt_mesh(mesh)}; "
+        f"The 'fsdp' sharding preset needs an 'fsdp' mesh axis (or 'cp', whose devices shard parameters too) but "
+        f"the mesh is {_fmt_mesh(mesh)}; "
         f"build it with make_mesh(fsdp=-1) or pass a sharding map."
       )
     specs = {
@@ -257,12 +279,11 @@ def _expert_parallel_spec(t: TensorInfo, mesh: Mesh, experts: set | None = None)
     is_expert = t.name in experts
   else:
     is_expert = "experts" in t.name.split(".")[:-1] and len(t.shape) >= 2
-  rest = (
-    fsdp_spec(t.shape, mesh) if t.is_param and "fsdp" in mesh.shape else (None,) * len(t.shape)
-  )
+  sharded = bool(mesh_lib.param_axes(mesh))
+  rest = fsdp_spec(t.shape, mesh) if t.is_param and sharded else (None,) * len(t.shape)
   if not is_expert:
     return PartitionSpec(*rest)
   if axis == "fsdp":
     return check_spec(t.name, t.shape, ("fsdp",) + (None,) * (len(t.shape) - 1), mesh)
-  inner = fsdp_spec(t.shape[1:], mesh) if "fsdp" in mesh.shape else (None,) * (len(t.shape) - 1)
+  inner = fsdp_spec(t.shape[1:], mesh) if sharded else (None,) * (len(t.shape) - 1)
   return check_spec(t.name, t.shape, ("ep", *inner), mesh)

@@ -4,7 +4,7 @@ A full disk reaches us from tensorstore as `RESOURCE_EXHAUSTED ... [os_error_cod
 the same status an accelerator out-of-memory has, and from orbax's background
 threads, each of which logs its own traceback. `storage_error` reads the errno
 out of whatever was raised and says what happened to which path and how much
-space is free; `quiet_orbax_thread_tracebacks` drops the threads' logged
+space is free; `quiet_orbax_logs` drops the threads' logged
 tracebacks, since the same error is raised to the caller, who reports it once.
 """
 
@@ -77,17 +77,22 @@ def _gib(n: int) -> str:
   return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-class _DropThreadTracebacks(logging.Filter):
+class _DropOrbaxNoise(logging.Filter):
   def filter(self, record: logging.LogRecord) -> bool:
-    return not (record.exc_info and "orbax" in record.pathname)
+    if "orbax" not in record.pathname:
+      return True
+    return not (record.exc_info or record.getMessage().startswith(_READ_ONLY_NOTICES))
 
 
-_FILTER = _DropThreadTracebacks()
+# What orbax logs on every read-only open (tools/convert.py reading a run's checkpoints).
+_READ_ONLY_NOTICES = ("Given directory is read only", "CheckpointManagerOptions.read_only=True, setting")
+_FILTER = _DropOrbaxNoise()
 
 
-def quiet_orbax_thread_tracebacks() -> None:
+def quiet_orbax_logs() -> None:
   """Orbax logs every background-save failure with a traceback (absl's logger);
-  those errors are raised again to the caller of save/wait/close, so drop them."""
+  those errors are raised again to the caller of save/wait/close, so drop them; and
+  its warnings on every read-only open, which say only that it is read-only."""
   absl_logger = logging.getLogger("absl")
   if _FILTER not in absl_logger.filters:
     absl_logger.addFilter(_FILTER)

@@ -79,9 +79,10 @@ import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
 from torch_on_tpu import _compat, losses, ops
+from torch_on_tpu.collectives import CollectiveBytes, collective_bytes
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu import sharding as sharding_lib
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, arg
 from torch_on_tpu.module import ShardedModule, _human_bytes
 
 torchax = _compat.import_torchax()
@@ -121,6 +122,8 @@ class CompileReport:
   temp_bytes: int | None = None
   generated_code_bytes: int | None = None
   host_offloaded_bytes: int | None = None  # host temporaries + host arguments/outputs
+  attention_splits: tuple[str, ...] = ()  # how attention crossed a `cp` axis (context parallelism)
+  collective_bytes: CollectiveBytes | None = None  # received per device per step, loops counted
   flops: float | None = None
   bytes_accessed: float | None = None
 
@@ -143,6 +146,10 @@ class CompileReport:
       )
     if self.flops is not None:
       parts.append(f"{self.flops / 1e9:.2f} GFLOP, {_human_bytes(self.bytes_accessed or 0)} accessed")
+    if self.collective_bytes is not None:
+      parts.append(f"collectives {self.collective_bytes}")
+    if self.attention_splits:
+      parts.append("attention across " + "; ".join(self.attention_splits))
     return "; ".join(parts)
 
 
@@ -467,7 +474,7 @@ class TrainStep:
     if x.ndim == 0 or x.shape[0] % k:
       name = static.names[index]
       raise TorchOnTpuError(
-        f"grad_accum={k} needs every input and label to have a batch dim divisible by {k}; "
+        f"{arg('grad_accum', k)} needs every input and label to have a batch dim divisible by {k}; "
         f"{name} has shape {tuple(x.shape)}."
       )
     micro = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
@@ -551,6 +558,7 @@ class TrainStep:
         jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated),
       ).compile(compiler_options=self.model.compile_options)
     self.last_compile = _report(compiled, time.perf_counter() - start)
+    self.last_compile.attention_splits = model.attention_splits()
     self.compile_seconds += self.last_compile.seconds
     logger.info("Train step %s", self.last_compile)
     return compiled
@@ -587,7 +595,7 @@ class TrainStep:
       if isinstance(x, np.ndarray):
         return self.model.place(torch.from_numpy(np.ascontiguousarray(x)))
       if isinstance(x, jax.Array) and not _on_mesh(x, self.model.mesh):
-        return jax.device_put(x, self.model.batch_sharding(x.ndim, x.shape[0] if x.ndim else None))
+        return jax.device_put(x, self.model.batch_sharding(x.ndim, *x.shape[:2]))
       return x
 
     return jax.tree_util.tree_map_with_path(place, batch)
@@ -616,7 +624,7 @@ class TrainStep:
       sharding = getattr(x, "sharding", None)
       if sharding is None or (isinstance(x, jax.Array) and not _on_mesh(x, self.model.mesh)):
         self._check_splits(path, shape)
-        sharding = self.model.batch_sharding(len(shape), shape[0] if shape else None)
+        sharding = self.model.batch_sharding(len(shape), *shape[:2])
       return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype), sharding=sharding)
 
     return jax.tree_util.tree_map_with_path(abstract, batch)
@@ -862,6 +870,10 @@ def _report(compiled, seconds) -> CompileReport:
     report.host_offloaded_bytes = sum(
       getattr(mem, f"host_{k}_size_in_bytes", 0) or 0 for k in ("argument", "output", "temp")
     )
+  try:
+    report.collective_bytes = collective_bytes(compiled.as_text())
+  except Exception:  # noqa: BLE001 (a backend without HLO text: the report goes without)
+    report.collective_bytes = None
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):  # jax < 0.4.30 returns one dict per program
     cost = cost[0] if cost else None

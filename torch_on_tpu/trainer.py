@@ -85,7 +85,9 @@ class Trainer:
       survived, a diverged run is not.
     run_config: a JSON-able dict saved with every checkpoint.
     flops_per_token: for MFU; inferred for torchtitan/HF models, else MFU is not shown.
-    peak_flops: FLOP/s of all devices together; default `metrics.peak_flops()`.
+    peak_flops: FLOP/s of all devices together; default: the datasheet peak of a known
+      accelerator (`metrics.peak_flops_for_kind`). On CPU no MFU is shown unless it is given:
+      a CPU has no peak a user could read an MFU against.
     progress: show the progress bar.
   """
 
@@ -130,7 +132,6 @@ class Trainer:
     self.run_config = run_config
     self.flops_per_token = flops_per_token
     self.peak_flops = peak_flops
-    self._peak_remeasured = peak_flops is not None  # a given peak is never second-guessed
     self.progress = progress
     self.is_main = jax.process_index() == 0
     self._vocab = _embedding_rows(getattr(train_step.model, "module", None))
@@ -269,18 +270,12 @@ class Trainer:
         self.flops_per_token = metrics_lib.flops_per_token(self.train_step.model, seqlen).torchtitan
       except TorchOnTpuError:
         self.flops_per_token = 0.0  # not a model we can count: no MFU
-    if not self.flops_per_token:
-      return None
-    devices = list(self.train_step.model.mesh.devices.flat)
     if self.peak_flops is None:
-      self.peak_flops = metrics_lib.peak_flops(devices) or 0.0
-    value = metrics_lib.mfu(tokens_per_second, self.flops_per_token, self.peak_flops)
-    if value and value > 1 and devices[0].platform == "cpu" and not self._peak_remeasured:
-      # Above 100%: the cached CPU peak was measured under load; measure it once more.
-      self._peak_remeasured = True
-      self.peak_flops = metrics_lib.peak_flops(devices, refresh=True) or 0.0
-      value = metrics_lib.mfu(tokens_per_second, self.flops_per_token, self.peak_flops)
-    return value
+      devices = list(self.train_step.model.mesh.devices.flat)
+      self.peak_flops = 0.0 if devices[0].platform == "cpu" else metrics_lib.peak_flops(devices) or 0.0
+    if not self.flops_per_token or not self.peak_flops:
+      return None
+    return metrics_lib.mfu(tokens_per_second, self.flops_per_token, self.peak_flops)
 
   def _evaluate(self, step: int) -> None:
     batches = self.eval_data() if callable(self.eval_data) else iter(self.eval_data)
@@ -312,13 +307,15 @@ class Trainer:
   def _summary(self, step: int, preempted: bool) -> dict:
     train = [r for r in self.records if "loss" in r]
     steady = train[1:] or train  # a run's first step waits for its compilation
-    evals = [r["eval_loss"] for r in self.records if "eval_loss" in r]
+    evals = [r for r in self.records if "eval_loss" in r]
     mfus = [r["mfu"] for r in steady if r["mfu"] is not None]
     summary = {
       "steps": step,
       "preempted": preempted,
       "final_loss": train[-1]["loss"] if train else None,
-      "final_eval_loss": evals[-1] if evals else None,
+      # the eval of the last step only: a preempted run's last eval is older (in `last_eval`)
+      "final_eval_loss": evals[-1]["eval_loss"] if evals and evals[-1]["step"] == step else None,
+      "last_eval": {"step": evals[-1]["step"], "loss": evals[-1]["eval_loss"]} if evals else None,
       "median_step_time": statistics.median(r["step_time"] for r in steady) if steady else None,
       "median_tokens_per_second": (
         statistics.median(r["tokens_per_second"] for r in steady) if steady else None
@@ -360,6 +357,8 @@ def summary_line(summary: dict) -> str:
     parts.append(f"final loss {summary['final_loss']:.4f}")
   if summary.get("final_eval_loss") is not None:
     parts.append(f"eval loss {summary['final_eval_loss']:.4f}")
+  elif summary.get("last_eval"):
+    parts.append(f"last eval loss {summary['last_eval']['loss']:.4f} (step {summary['last_eval']['step']})")
   if summary["median_tokens_per_second"] is not None:
     parts.append(f"{summary['median_tokens_per_second']:,.0f} tok/s")
     parts.append(f"step {summary['median_step_time']:.3f} s")

@@ -29,6 +29,12 @@ jax's backend started. They guard correctness:
   Without the pass the scatter stays a scatter, which XLA partitions and runs
   correctly; the cost is nil (a scatter of a few rows). Not applied on TPU,
   whose compiler is not open to check the pass names against.
+- `xla_allow_excess_precision=false` (every platform; `EXCESS_PRECISION`). XLA's
+  default lets a fusion keep a bf16 intermediate in fp32 instead of rounding it
+  where the program says; torch rounds after every op. With it allowed, the
+  backward of `silu(a) * b` in bf16 matched torch eager bit for bit in 75% of
+  elements, without it in 100% (`tools/bf16_sweep.py`; docs/precision.md has the
+  model-level figures and the cost).
 """
 
 from __future__ import annotations
@@ -46,10 +52,16 @@ _COMPILE_OPTIONS = {
   "gpu": {"xla_disable_hlo_passes": "scatter_expander"},
 }
 
+# Whether XLA may skip bf16/fp16 roundings the program asks for (XLA's default: yes).
+# False rounds where torch rounds; set True to trade that for fewer converts.
+EXCESS_PRECISION = False
 
-def compile_options(platform: str) -> dict[str, str]:
+
+def compile_options(platform: str) -> dict[str, str | bool]:
   """The per-program XLA options for programs compiled for `platform` (a device's `.platform`)."""
-  return dict(_COMPILE_OPTIONS.get(platform, {}))
+  options = dict(_COMPILE_OPTIONS.get(platform, {}))
+  options["xla_allow_excess_precision"] = EXCESS_PRECISION
+  return options
 
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"

@@ -20,12 +20,15 @@ query, key and value broadcast as torch's matmuls do (batch dims, one key/value
 head for many query heads without `enable_gqa`, 2-D and 3-D inputs).
 """
 
+from torch_on_tpu.attention import context, unsplit
 from torch_on_tpu.attention.routing import MODES, Attention, installed, kernels
 from torch_on_tpu.attention.splash import BLOCK_SIZE_KEYS, check_block_sizes, splash_block_sizes
 from torch_on_tpu.attention.xla_flash import dropout_keep_scale, xla_attention
 
 __all__ = [
   "BLOCK_SIZE_KEYS",
+  "context",
+  "unsplit",
   "MODES",
   "Attention",
   "check_block_sizes",

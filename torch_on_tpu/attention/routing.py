@@ -1,7 +1,7 @@
 """Which kernel runs an SDPA or flex call, and how it is fed: the mode resolved per
 platform, q/k/v and masks broadcast like torch, the call spread over the mesh in
-`shard_map` (batch over the data axes, heads over `tp`), the override installed
-for one trace."""
+`shard_map` (batch over the data axes, heads over `tp`, the sequence over `cp`:
+`context.py`), the override installed for one trace."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from torch_on_tpu import _compat, models, ops
 from torch_on_tpu import mesh as mesh_lib
 from torch_on_tpu import remat as remat_lib
-from torch_on_tpu.attention import splash, xla_flash
+from torch_on_tpu.attention import context, splash, xla_flash
 from torch_on_tpu.errors import TorchOnTpuError
 
 torchax = _compat.import_torchax()
@@ -39,14 +39,16 @@ def _say_once(level: int, message: str) -> None:
     logger.log(level, message)
 
 
-def kernels(mode, *, mesh, data_axes, block_sizes):
+def kernels(mode, *, mesh, data_axes, block_sizes, context_parallel="auto"):
   """While active, SDPA (and the families' own attention, torchtitan's flex) run our kernel.
 
   `mode=None` leaves torchax's default lowering untouched.
   """
   if mode is None:
     return contextlib.nullcontext()
-  return installed(Attention(mode, mesh=mesh, data_axes=data_axes, block_sizes=block_sizes))
+  return installed(
+    Attention(mode, mesh=mesh, data_axes=data_axes, block_sizes=block_sizes, context_parallel=context_parallel)
+  )
 
 
 @contextlib.contextmanager
@@ -67,13 +69,24 @@ def installed(attn: Attention):
 
 
 class Attention:
-  """One resolved kernel choice: `mode` on this mesh's platform, with its settings."""
+  """One resolved kernel choice: `mode` on this mesh's platform, with its settings.
 
-  def __init__(self, mode, *, mesh=None, data_axes=(), block_sizes=None):
+  `context_parallel` picks how K/V cross a `cp` split (`context.STRATEGIES`);
+  `splits` collects, per trace, how each call ran across it (the compile report's).
+  """
+
+  def __init__(self, mode, *, mesh=None, data_axes=(), block_sizes=None, context_parallel="auto"):
     if mode not in MODES:
       raise TorchOnTpuError(
         f"attention={mode!r} is not a kernel; use one of {', '.join(map(repr, MODES))} or None."
       )
+    if context_parallel not in context.STRATEGIES:
+      raise TorchOnTpuError(
+        f"context_parallel={context_parallel!r} is not a strategy; use one of "
+        f"{', '.join(map(repr, context.STRATEGIES))}."
+      )
+    self.context_parallel = context_parallel
+    self.splits: set[str] = set()
     self.mesh = mesh
     self.data_axes = tuple(a for a in (data_axes or ()) if mesh is not None and mesh.shape[a] > 1)
     self.block_sizes = splash.check_block_sizes(block_sizes)
@@ -118,14 +131,17 @@ class Attention:
       enable_gqa=enable_gqa,
     )
 
-  def flex(self, q, k, v, *, segment_ids, scale, enable_gqa):
-    """Causal (document-causal with `segment_ids`) attention on torch tensors (B, N, L, H)."""
+  def flex(self, q, k, v, *, segment_ids, scale, enable_gqa, causal=True, window=None, sinks=None):
+    """A family's masked attention (torchtitan's flex, varlen) on torch tensors (B, N, L, H): causal or not,
+    within documents (`segment_ids` (B, L)), a sliding `window`, per-head `sinks`."""
     seg = None if segment_ids is None else jax_view(segment_ids)
     out = self(
       jax_view(q),
       jax_view(k),
       jax_view(v),
-      causal=True,
+      causal=causal,
+      window=window,
+      sinks=None if sinks is None else jax_view(sinks),
       segment_ids=None if seg is None else (seg, seg),
       scale=scale,
       enable_gqa=enable_gqa,
@@ -142,6 +158,8 @@ class Attention:
     *,
     mask=None,
     causal=False,
+    window=None,
+    sinks=None,
     segment_ids=None,
     scale=None,
     dropout_rate=0.0,
@@ -151,7 +169,10 @@ class Attention:
     """Attention on jax arrays laid out like torch's: q (..., Hq, L, D), k/v (..., Hkv, S, D).
 
     `mask` is bool (True = attend) or additive, broadcastable to (..., Hq, L, S);
-    `segment_ids` is a (q_ids (B, L), kv_ids (B, S)) pair: only equal ids attend.
+    `segment_ids` is a (q_ids (B, L), kv_ids (B, S)) pair: only equal ids attend;
+    `window` W: a query at row r sees keys at r - W < col (torchtitan's sliding
+    window; with `causal`, col <= r too); `sinks` (Hq,): per-head logits that join
+    each row's softmax with no value (gpt-oss).
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     out_ndim = max(q.ndim, k.ndim, v.ndim)
@@ -174,28 +195,71 @@ class Attention:
         raise TorchOnTpuError("attention dropout_rate > 0 needs a dropout_key (a jax PRNG key).")
       seed = jax.random.bits(dropout_key, (2,), jnp.uint32)
 
-    kind = self._kind_for(q, k, v, mask, causal, segment_ids, dropout_rate)
-    call = functools.partial(
-      self._local, kind=kind, causal=causal, scale=scale, dropout_rate=float(dropout_rate)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+      raise TorchOnTpuError(f"attention window must be a positive int (keys a query sees), got {window!r}.")
+    if sinks is not None:
+      sinks = jnp.asarray(sinks)
+      if sinks.shape != (hq,):
+        raise TorchOnTpuError(
+          f"attention sinks must hold one logit per query head, shape ({hq},); got {sinks.shape}."
+        )
+
+    split = self._split_for(q, k, mask, causal, dropout_rate, sinks)
+    kind = self._kind_for(q, k, v, mask, causal, window, segment_ids, dropout_rate, sinks, split)
+    settings = dict(kind=kind, causal=causal, window=window, scale=scale, dropout_rate=float(dropout_rate))
+    out = checkpoint_name(
+      self._sharded(q, k, v, mask, segment_ids, sinks, seed, split, settings), remat_lib.ATTENTION_NAME
     )
-    out = checkpoint_name(self._sharded(call, q, k, v, mask, segment_ids, seed), remat_lib.ATTENTION_NAME)
     out = out.reshape(*lead, hq, length, v.shape[-1])
     return out.reshape(out.shape[len(out.shape) - out_ndim :]) if out_ndim < out.ndim else out
 
-  def _kind_for(self, q, k, v, mask, causal, segment_ids, dropout_rate) -> str:
+  def _split_for(self, q, k, mask, causal, dropout_rate, sinks) -> context.Split | None:
+    """How this call crosses the `cp` axis, or None where the mesh has none or the call
+    cannot be split (then it runs whole on each cp device, said once)."""
+    ways = mesh_lib.sequence_ways(self.mesh) if self.mesh is not None else 1
+    if ways == 1:
+      return None
+    length, kv_len = q.shape[2], k.shape[2]
+    pieces = 2 * ways if causal else ways
+    if length != kv_len or length % pieces:
+      _say_once(
+        logging.WARNING,
+        f"attention: query length {length} / key length {kv_len} does not split into {pieces} equal "
+        f"pieces over {mesh_lib.SEQUENCE_AXIS}={ways}; such calls run whole on every "
+        f"{mesh_lib.SEQUENCE_AXIS} device (same result, no saving).",
+      )
+      return None
+    strategy, why = context.choose(
+      self.context_parallel, heads=q.shape[1], kv_heads=k.shape[1], ways=ways,
+      plain=mask is None and dropout_rate == 0 and sinks is None, kernel=self.kind,
+    )
+    split = context.Split(mesh_lib.SEQUENCE_AXIS, ways, strategy, balanced=bool(causal))
+    self.splits.add(split.describe())
+    _say_once(logging.INFO, f"attention across {split.describe()} ({why})")
+    return split
+
+  def _kind_for(self, q, k, v, mask, causal, window, segment_ids, dropout_rate, sinks, split=None) -> str:
     """The configured kernel, or "xla" (said once) where it cannot express the call."""
     if self.kind == "xla":
       return "xla"
     reason = None
     length, kv_len = q.shape[2], k.shape[2]
-    if dropout_rate > 0:
+    if split is not None and (self.kind != "splash" or split.strategy == "ring"):
+      reason = f"context parallelism's {'ring' if split.strategy == 'ring' else 'offset masks'}"
+    elif dropout_rate > 0:
       reason = "dropout"
     elif mask is not None:
       reason = "an explicit attn_mask"
     elif self.kind == "splash" and length != kv_len:
       reason = f"query length {length} != key length {kv_len}"
+    elif split is not None and not splash.tiles_whole(_query_block(length, split), self.block_sizes):
+      reason = f"context-parallel query blocks of {_query_block(length, split)} rows (not whole splash tiles)"
     elif self.kind == "cudnn":
-      if segment_ids is not None:
+      if sinks is not None:
+        reason = "attention sinks"
+      elif window is not None and not causal:
+        reason = "a sliding window without a causal mask"
+      elif segment_ids is not None:
         reason = "document (segment id) masks"
       elif causal and length != kv_len:
         reason = f"a causal mask with query length {length} != key length {kv_len}"
@@ -213,11 +277,13 @@ class Attention:
     )
     return "xla"
 
-  def _local(self, q, k, v, mask, segment_ids, seed, offsets, *, kind, causal, scale, dropout_rate):
+  def _local(
+    self, q, k, v, mask, segment_ids, sinks, seed, offsets, *, kind, causal, window, scale, dropout_rate
+  ):
     """One shard's attention, (B, H, L, D) in and out."""
     if kind == "splash":
       return splash.splash_attention(
-        q, k, v, segment_ids, causal=causal, scale=scale,
+        q, k, v, segment_ids, sinks, causal=causal, window=window, scale=scale,
         block_sizes=self.block_sizes, interpret=not self.accelerated,
       )
     if kind == "cudnn":
@@ -227,39 +293,84 @@ class Attention:
         v.transpose(0, 2, 1, 3),
         scale=scale,
         is_causal=causal,
+        local_window_size=None if window is None else (window - 1, 0),
         implementation="cudnn" if self.accelerated else "xla",
       )
       return out.transpose(0, 2, 1, 3)
     return xla_flash.xla_attention(
-      q, k, v, mask=mask, segment_ids=segment_ids, causal=causal, scale=scale,
-      dropout_rate=dropout_rate, dropout_seed=seed, offsets=offsets,
+      q, k, v, mask=mask, segment_ids=segment_ids, causal=causal, window=window, sinks=sinks, scale=scale,
+      dropout_rate=dropout_rate, dropout_seed=seed, offsets=offsets, **self._xla_blocks(),
+    )
+
+  def _block(self, q, k, v, mask, q_seg, kv_seg, q_offset, kv_offset, *, causal, window, scale, sinks=None,
+             seed=None, offsets=None, dropout_rate=0.0):
+    """One block of a sequence split over `cp`: (out, lse) on global positions."""
+    return xla_flash.xla_attention(
+      q, k, v, mask=mask, segment_ids=None if q_seg is None else (q_seg, kv_seg), causal=causal,
+      window=window, sinks=sinks, scale=scale, dropout_rate=dropout_rate, dropout_seed=seed, offsets=offsets,
+      q_offset=q_offset, kv_offset=kv_offset, return_lse=True, **self._xla_blocks(),
+    )
+
+  def _block_backward(self, q, k, v, mask, q_seg, kv_seg, q_offset, kv_offset, out, lse, dout, *, causal,
+                      window, scale):
+    """One block's (dq, dk, dv) from the whole attention's output and log-sum-exp (the ring's)."""
+    return xla_flash.xla_attention_backward(
+      q, k, v, out, lse, dout, mask=mask, segment_ids=None if q_seg is None else (q_seg, kv_seg),
+      causal=causal, window=window, scale=scale, q_offset=q_offset, kv_offset=kv_offset, **self._xla_blocks(),
+    )
+
+  def _splash_block(self, q, k, v, q_seg, kv_seg, *, q_offset: int, causal, window, scale, sinks=None):
+    """Splash for one block of a sequence split over `cp`, at a static query offset."""
+    return splash.splash_attention(
+      q, k, v, None if q_seg is None else (q_seg, kv_seg), sinks, causal=causal, window=window, scale=scale,
+      block_sizes=self.block_sizes, interpret=not self.accelerated, q_offset=q_offset,
+    )
+
+  def _xla_blocks(self) -> dict:
+    return dict(
       block_q=self.block_sizes.get("block_q", self.xla_block),
       block_kv=self.block_sizes.get("block_kv", self.xla_block),
     )
 
-  def _sharded(self, call, q, k, v, mask, segment_ids, seed):
-    """Runs `call` per shard: batch over the data axes, heads over `tp`, where they divide."""
-    batch, hq = q.shape[:2]
-    hkv = k.shape[1]
-    mesh = self.mesh
-    data = self.data_axes
-    if mesh is None or mesh.size == 1:
-      return call(q, k, v, mask, segment_ids, seed, None)
+  def specs(self, q_shape, k_shape, split) -> tuple:
+    """(batch axes, head axis, sequence axis) of attention's `shard_map` on this mesh: the
+    batch over the data axes and heads over `tp` where they divide, the sequence over `cp`
+    when the call is `split`; None where a dim stays whole."""
+    mesh, data = self.mesh, self.data_axes
+    batch, hq = q_shape[:2]
+    hkv = k_shape[1]
     b_axes = mesh_lib.batch_spec(data, 1)[0] if batch % mesh_lib.batch_ways(mesh, data) == 0 else None
     tp = mesh.shape.get("tp", 1)
     h_axis = "tp" if tp > 1 and hq % tp == 0 and hkv % tp == 0 else None
-    if b_axes is None and h_axis is None:
-      return call(q, k, v, mask, segment_ids, seed, None)
-    qkv_spec = P(b_axes, h_axis, None, None)
+    return b_axes, h_axis, split.axis if split is not None else None
+
+  def _sharded(self, q, k, v, mask, segment_ids, sinks, seed, split, settings):
+    """Runs the kernel per shard: batch over the data axes, heads over `tp`, where they
+    divide; the sequence over `cp` (`context.attend`) when the call is `split`."""
+    mesh = self.mesh
+    if mesh is None or mesh.size == 1:
+      return self._local(q, k, v, mask, segment_ids, sinks, seed, None, **settings)
+    b_axes, h_axis, s_axis = self.specs(q.shape, k.shape, split)
+    if b_axes is None and h_axis is None and s_axis is None:
+      return self._local(q, k, v, mask, segment_ids, sinks, seed, None, **settings)
+    qkv_spec = P(b_axes, h_axis, s_axis, None)
     args, specs = [q, k, v], [qkv_spec] * 3
     if mask is not None:
       args.append(mask)
       specs.append(
-        P(b_axes if mask.shape[0] > 1 else None, h_axis if mask.shape[1] > 1 else None, None, None)
+        P(
+          b_axes if mask.shape[0] > 1 else None,
+          h_axis if mask.shape[1] > 1 else None,
+          s_axis if mask.shape[2] > 1 else None,  # this device's rows, every column
+          None,
+        )
       )
     if segment_ids is not None:
       args.extend(segment_ids)
-      specs.extend([P(b_axes, None)] * 2)
+      specs.extend([P(b_axes, s_axis)] * 2)
+    if sinks is not None:
+      args.append(sinks)
+      specs.append(P(h_axis))
     if seed is not None:
       args.append(seed)
       specs.append(P(None))
@@ -268,14 +379,30 @@ class Attention:
       rest = iter(rest)
       m = next(rest) if mask is not None else None
       seg = (next(rest), next(rest)) if segment_ids is not None else None
+      sk = next(rest) if sinks is not None else None
       s = next(rest) if seed is not None else None
       b_off = lax.axis_index(b_axes) * q.shape[0] if b_axes is not None else 0
       h_off = lax.axis_index(h_axis) * q.shape[1] if h_axis is not None else 0
-      return call(q, k, v, m, seg, s, (b_off, h_off))
+      if split is None:
+        return self._local(q, k, v, m, seg, sk, s, (b_off, h_off), **settings)
+      shape = dict(causal=settings["causal"], window=settings["window"], scale=settings["scale"])
+      kernel = functools.partial(
+        self._block, **shape, sinks=sk, seed=s, dropout_rate=settings["dropout_rate"],
+        offsets=(b_off, h_off) if s is not None else None,
+      )
+      backward = functools.partial(self._block_backward, **shape)
+      fixed = functools.partial(self._splash_block, **shape, sinks=sk) if settings["kind"] == "splash" else None
+      q_seg, kv_seg = seg if seg is not None else (None, None)
+      return context.attend(kernel, backward, split, q, k, v, m, q_seg, kv_seg, fixed=fixed)
 
     return jax.shard_map(
       body, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec, check_vma=False
     )(*args)
+
+
+def _query_block(length: int, split) -> int:
+  """The query rows one kernel call takes under `split`: a zig-zag chunk or a device's piece."""
+  return length // split.ways // (2 if split.balanced else 1)
 
 
 def _resolve(mode: str, platform: str) -> tuple[str, bool, str]:

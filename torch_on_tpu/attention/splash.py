@@ -3,6 +3,7 @@ sizes, the user's `attention_block_sizes` checked against them, and the per-shar
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -68,17 +69,31 @@ def splash_block_sizes(length: int, overrides: dict):
   sizes["block_kv_dkv_compute"] = get("block_kv_dkv_compute", sizes["block_kv_dkv"])
   if not fused:
     sizes.update(block_q_dq=get("block_q_dq", block_q), block_kv_dq=get("block_kv_dq", block_kv))
-  padded = round_up(length, math.lcm(_SPLASH_LANES, *sizes.values()))
-  return padded, sk.BlockSizes(**sizes, use_fused_bwd_kernel=fused)
+  block_sizes = sk.BlockSizes(**sizes, use_fused_bwd_kernel=fused)
+  return round_up(length, _tile(block_sizes)), block_sizes
+
+
+def _tile(sizes) -> int:
+  """The length every splash tile size divides."""
+  values = [v for v in dataclasses.astuple(sizes) if isinstance(v, int) and not isinstance(v, bool)]
+  return math.lcm(_SPLASH_LANES, *values)
+
+
+def tiles_whole(length: int, overrides: dict) -> bool:
+  """Whether `length` query rows fill splash's tiles with no padding (a block of a
+  longer sequence must: a padded row there could see no key at all)."""
+  return splash_block_sizes(length, overrides)[0] == length
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(heads: int, padded: int, causal: bool, block_sizes, interpret: bool):
+def _splash_kernel(heads: int, shape: tuple, causal: bool, window: int | None, q_offset: int, block_sizes, interpret: bool):
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-  shape = (padded, padded)
-  head_mask = sm.CausalMask(shape) if causal else sm.FullMask(shape)
+  if window is not None:  # keys at r - window < col (<= r when causal), r the global row
+    head_mask = sm.LocalMask(shape, window_size=(window - 1, 0 if causal else None), offset=q_offset)
+  else:
+    head_mask = sm.CausalMask(shape, offset=q_offset) if causal else sm.FullMask(shape)
   # Concrete mask tables even when first built inside a trace: the kernel is cached.
   with jax.ensure_compile_time_eval():
     return sk.make_splash_mha(
@@ -90,24 +105,32 @@ def _splash_kernel(heads: int, padded: int, causal: bool, block_sizes, interpret
     )
 
 
-def splash_attention(q, k, v, segment_ids, *, causal, scale, block_sizes, interpret):
-  """Splash on one shard: (B, Hq, L, D) with L == S; q pre-scaled as splash expects.
+def splash_attention(
+  q, k, v, segment_ids, sinks=None, *, causal, window=None, scale, block_sizes, interpret, q_offset: int = 0
+):
+  """Splash on one shard: (B, Hq, L, D) with L == S; q pre-scaled as splash expects;
+  `sinks` (Hq,) per-head logits joining each row's softmax.
 
   Padding to the tile multiple gets its own segment id, so real rows never see
   padded keys and padded rows (dropped afterwards) always see their own key.
+  A block of a longer sequence (context parallelism's gathered K/V): L rows
+  filling whole tiles (`tiles_whole`) at global position `q_offset` (an int:
+  one kernel per offset) against keys 0..S-1, masked on global positions.
   """
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
   batch, heads, length, _ = q.shape
+  kv_length = k.shape[2]
   padded, sizes = splash_block_sizes(length, block_sizes)
-  if padded != length and segment_ids is None:
-    segment_ids = (jnp.zeros((batch, length), jnp.int32),) * 2
+  kv_padded = padded if kv_length == length else round_up(kv_length, _tile(sizes))
+  if (padded != length or kv_padded != kv_length) and segment_ids is None:
+    segment_ids = (jnp.zeros((batch, length), jnp.int32), jnp.zeros((batch, kv_length), jnp.int32))
   seg = None
   if segment_ids is not None:
     pad_id = jnp.iinfo(jnp.int32).min
-    seg = sk.SegmentIds(*(pad_to(s, 1, padded, pad_id) for s in segment_ids))
+    seg = sk.SegmentIds(pad_to(segment_ids[0], 1, padded, pad_id), pad_to(segment_ids[1], 1, kv_padded, pad_id))
   qp = pad_to(q * jnp.asarray(scale, q.dtype), 2, padded)
-  kp, vp = pad_to(k, 2, padded), pad_to(v, 2, padded)
-  kernel = _splash_kernel(heads, padded, causal, sizes, interpret)
-  out = jax.vmap(kernel)(qp, kp, vp, seg)
+  kp, vp = pad_to(k, 2, kv_padded), pad_to(v, 2, kv_padded)
+  kernel = _splash_kernel(heads, (padded, kv_padded), causal, window, q_offset, sizes, interpret)
+  out = jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(qp, kp, vp, seg, sinks)
   return out[:, :, :length]

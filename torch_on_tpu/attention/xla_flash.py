@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import SymbolicZero
 
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu.attention.padding import pad_to, round_up
@@ -32,6 +33,7 @@ def default_block(platform: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class _Tiles:
   causal: bool
+  window: int | None  # a query sees keys less than `window` positions back (itself included)
   scale: float
   rate: float
   block_q: int
@@ -52,28 +54,84 @@ def xla_attention(
   mask=None,
   segment_ids=None,
   causal=False,
+  window=None,
+  sinks=None,
   scale,
   dropout_rate=0.0,
   dropout_seed=None,
   offsets=None,
+  q_offset=None,
+  kv_offset=None,
+  return_lse=False,
   block_q=_BLOCK_CPU,
   block_kv=_BLOCK_CPU,
 ):
   """Blocked attention: q (B, Hq, L, D), k/v (B, Hkv, S, D) → (B, Hq, L, Dv).
 
   Loops over query tiles and, inside, over the key tiles a tile can see (causal
-  skips the rest), keeping a running max and sum (online softmax). Backward
+  skips the rest, and so does a sliding `window`), keeping a running max and sum
+  (online softmax). `sinks` (Hq,) are per-head logits with no value (gpt-oss's
+  attention sinks): each joins every row's softmax denominator. Backward
   recomputes each tile's scores from q, k and the saved log-sum-exp, so memory
   stays O(L·D) plus a few tiles. `mask` is (1|B, 1|Hq, 1|L, 1|S), bool or additive
   (float masks get a gradient when differentiated). Dropout keeps an element
   by hashing (seed, global batch, head, row, col), so any tiling or sharding
   (`offsets` = this shard's first batch and head) drops the same elements.
+
+  Blocks of a longer sequence (context parallelism): `q_offset` and `kv_offset`
+  (ints or traced scalars) are the global positions of q's and k's first rows;
+  the causal mask, the window and dropout are evaluated on global positions,
+  and tiles they hide wholly are skipped. `return_lse=True` returns
+  `(out, lse)`, lse (B, Hq, L) fp32 the log-sum-exp of each row's scores
+  (sinks included; -inf where a row sees nothing), for combining blocks; its
+  gradient flows too.
   """
+  tiles, q5, k, v, mask, q_seg, kv_seg, sinks, dropout_seed, offsets, origin = _prepare(
+    q, k, v, mask, segment_ids, causal, window, sinks, scale, dropout_rate, dropout_seed, offsets,
+    q_offset, kv_offset, block_q, block_kv,
+  )
+  out, lse = _flash(q5, k, v, mask, q_seg, kv_seg, sinks, dropout_seed, offsets, origin, tiles)
+  out = out.reshape(*q.shape[:3], v.shape[-1])
+  if not return_lse:
+    return out
+  return out, lse[..., : q.shape[2]].reshape(q.shape[:3])
+
+
+def xla_attention_backward(q, k, v, out, lse, dout, **kwargs):
+  """(dq, dk, dv) of one block of a longer attention, from the whole attention's
+  output `out` and log-sum-exp `lse` (B, Hq, L) and the output's cotangent `dout`.
+
+  The softmax over all blocks is exp(s - lse) with the whole row's lse, and
+  the backward's row term is rowsum(dout · out) of the whole output: given
+  both, each block's gradients are exact without recomputing its forward
+  (ring attention's backward). `kwargs` as `xla_attention`'s (no float masks,
+  no sinks: a sink belongs to no block).
+  """
+  tiles, q5, k, v, mask, q_seg, kv_seg, _, seed, offsets, origin = _prepare(
+    q, k, v, kwargs.get("mask"), kwargs.get("segment_ids"), kwargs.get("causal", False), kwargs.get("window"),
+    None, kwargs["scale"], kwargs.get("dropout_rate", 0.0), kwargs.get("dropout_seed"), kwargs.get("offsets"),
+    kwargs.get("q_offset"), kwargs.get("kv_offset"), kwargs.get("block_q", _BLOCK_CPU),
+    kwargs.get("block_kv", _BLOCK_CPU),
+  )
+  shape5 = q5.shape[:4]
+  lse5 = pad_to(lse.reshape(shape5), 3, tiles.padded[0], -jnp.inf)
+  dq, dk, dv, _, _ = _flash_backward(
+    tiles, q5, k, v, mask, q_seg, kv_seg, None, seed, offsets, origin,
+    out.reshape(*shape5, -1), lse5, dout.reshape(*shape5, -1), None, False,
+  )
+  return dq.reshape(q.shape), dk, dv
+
+
+def _prepare(q, k, v, mask, segment_ids, causal, window, sinks, scale, dropout_rate, dropout_seed, offsets,
+             q_offset, kv_offset, block_q, block_kv):
+  """The tiling and the kernel's inputs: q as (B, K, G, L, D), masks and sinks per kv
+  head group, the global origin (q_offset, kv_offset) as an int32 pair or None (both 0)."""
   batch, hq, length, dim = q.shape
   hkv, kv_length = k.shape[1], k.shape[2]
   groups = hq // hkv
   tiles = _Tiles(
     causal=bool(causal),
+    window=None if window is None else int(window),
     scale=float(scale),
     rate=float(dropout_rate),
     block_q=min(block_q, length),
@@ -87,12 +145,18 @@ def xla_attention(
     heads = (hkv, groups) if mh > 1 else (1, 1)
     mask = mask.reshape(mask.shape[0], *heads, *mask.shape[2:])
   q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
+  if sinks is not None:
+    sinks = sinks.reshape(hkv, groups)
   if tiles.rate > 0:
     offsets = jnp.asarray((0, 0) if offsets is None else offsets, jnp.uint32)
   else:
     dropout_seed = offsets = None
-  out = _flash(q5, k, v, mask, q_seg, kv_seg, dropout_seed, offsets, tiles)
-  return out.reshape(batch, hq, length, v.shape[-1])
+  q_offset = 0 if q_offset is None else q_offset
+  kv_offset = 0 if kv_offset is None else kv_offset
+  origin = None
+  if not all(isinstance(o, int) and o == 0 for o in (q_offset, kv_offset)):
+    origin = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+  return tiles, q5, k, v, mask, q_seg, kv_seg, sinks, dropout_seed, offsets, origin
 
 
 
@@ -156,18 +220,25 @@ def dropout_keep_scale(seed, batch_ids, head_ids, rows, cols, rate: float):
   return jnp.where(keep, jnp.float32(kept), jnp.float32(0.0))
 
 
-def _scores(t: _Tiles, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, *, keys_first=False):
+def _global_start(origin, axis: int):
+  """The global position of the block's first query (axis 0) or key (axis 1) row."""
+  return 0 if origin is None else origin[axis]
+
+
+def _scores(t: _Tiles, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, origin=None, *, keys_first=False):
   """Scaled, masked fp32 scores of query tile i against key tile j: (B, K, G, bq, bk),
   or with `keys_first` (B, K, bk, G, bq), the layout in which the backward's
-  key-side matmuls (dK, dV) contract the tile without transposing it."""
+  key-side matmuls (dK, dV) contract the tile without transposing it. Masks
+  compare global row/col positions (`origin`: the block's first query and key)."""
   if keys_first:
     s = _einsum32("bksd,bkgqd->bksgq", kj, qi) * t.scale
     grid, q_axis, kv_axis = (t.block_kv, 1, t.block_q), 2, 0
   else:
     s = _einsum32("bkgqd,bksd->bkgqs", qi, kj) * t.scale
     grid, q_axis, kv_axis = (t.block_q, t.block_kv), 0, 1
-  rows = i * t.block_q + lax.broadcasted_iota(jnp.int32, grid, q_axis)
-  cols = j * t.block_kv + lax.broadcasted_iota(jnp.int32, grid, kv_axis)
+  q0, kv0 = _global_start(origin, 0), _global_start(origin, 1)
+  rows = q0 + i * t.block_q + lax.broadcasted_iota(jnp.int32, grid, q_axis)
+  cols = kv0 + j * t.block_kv + lax.broadcasted_iota(jnp.int32, grid, kv_axis)
   allowed = None
 
   def both(a, b):
@@ -175,8 +246,10 @@ def _scores(t: _Tiles, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, *, keys_first=F
 
   if t.causal:
     allowed = both(allowed, cols <= rows)
+  if t.window is not None:
+    allowed = both(allowed, rows - cols < t.window)
   if t.kv_length % t.block_kv:
-    allowed = both(allowed, cols < t.kv_length)
+    allowed = both(allowed, cols < kv0 + t.kv_length)
   if q_seg_i is not None:
     if keys_first:
       same = kv_seg_j[:, None, :, None, None] == q_seg_i[:, None, None, None, :]
@@ -195,7 +268,7 @@ def _scores(t: _Tiles, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, *, keys_first=F
   return s
 
 
-def _drop(t: _Tiles, seed, offsets, shape, i, j, *, keys_first=False):
+def _drop(t: _Tiles, seed, offsets, shape, i, j, origin=None, *, keys_first=False):
   """Dropout keep-scale for a scores tile of `shape` (laid out as `_scores` makes it)."""
   batch, hkv = shape[:2]
   groups = shape[3] if keys_first else shape[2]
@@ -206,21 +279,46 @@ def _drop(t: _Tiles, seed, offsets, shape, i, j, *, keys_first=False):
     lax.broadcasted_iota(jnp.uint32, head_shape, 1) * groups
     + lax.broadcasted_iota(jnp.uint32, head_shape, group_axis)
   )
+  q0, kv0 = _global_start(origin, 0), _global_start(origin, 1)
   if keys_first:
-    rows = i * t.block_q + lax.broadcasted_iota(jnp.int32, (1, 1, t.block_q), 2)
-    cols = j * t.block_kv + lax.broadcasted_iota(jnp.int32, (t.block_kv, 1, 1), 0)
+    rows = q0 + i * t.block_q + lax.broadcasted_iota(jnp.int32, (1, 1, t.block_q), 2)
+    cols = kv0 + j * t.block_kv + lax.broadcasted_iota(jnp.int32, (t.block_kv, 1, 1), 0)
   else:
-    rows = i * t.block_q + lax.broadcasted_iota(jnp.int32, (t.block_q, 1), 0)
-    cols = j * t.block_kv + lax.broadcasted_iota(jnp.int32, (1, t.block_kv), 1)
+    rows = q0 + i * t.block_q + lax.broadcasted_iota(jnp.int32, (t.block_q, 1), 0)
+    cols = kv0 + j * t.block_kv + lax.broadcasted_iota(jnp.int32, (1, t.block_kv), 1)
   return dropout_keep_scale(seed, b, h, rows, cols, t.rate)
 
 
-def _kv_tiles_seen(t: _Tiles, i, n_kv: int):
-  """Key tiles query tile i attends to: all, or (causal) up to its last row."""
-  if not t.causal:
-    return n_kv
-  last = ((i + 1) * t.block_q - 1) // t.block_kv + 1
-  return min(n_kv, last) if isinstance(i, int) else jnp.minimum(n_kv, last)
+def _kv_tiles_seen(t: _Tiles, i, n_kv: int, origin=None):
+  """Key tiles [first, last) query tile i attends to: all, or (causal) up to its
+  last row, and (window) from its first row's window on; on global positions
+  (`origin`), shifted by how far the block's queries start after its keys."""
+  static = isinstance(i, int) and origin is None
+  shift = 0 if origin is None else origin[0] - origin[1]
+  last = n_kv
+  if t.causal:
+    last = (shift + (i + 1) * t.block_q - 1) // t.block_kv + 1
+    last = min(n_kv, last) if static else jnp.clip(last, 0, n_kv)
+  first = 0
+  if t.window is not None:
+    first = (shift + i * t.block_q - t.window + 1) // t.block_kv
+    first = max(0, first) if static else jnp.clip(first, 0, n_kv)
+  return first, last
+
+
+def _q_tiles_seeing(t: _Tiles, j, n_q: int, origin=None):
+  """Query tiles [first, last) that attend to key tile j (the transpose of `_kv_tiles_seen`)."""
+  static = isinstance(j, int) and origin is None
+  shift = 0 if origin is None else origin[1] - origin[0]
+  first = 0
+  if t.causal:
+    first = (shift + j * t.block_kv) // t.block_q
+    first = first if static else jnp.clip(first, 0, n_q)
+  last = n_q
+  if t.window is not None:
+    last = (shift + (j + 1) * t.block_kv + t.window - 2) // t.block_q + 1
+    last = min(n_q, last) if static else jnp.clip(last, 0, n_q)
+  return first, last
 
 
 # Loops that run inline when they have a single, static step: short sequences
@@ -258,8 +356,8 @@ def _padded_inputs(t: _Tiles, q, k, v, mask, q_seg, kv_seg):
   )
 
 
-def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets):
-  """(out (B, K, G, L, Dv), log-sum-exp (B, K, G, Lp) fp32)."""
+def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets, origin):
+  """(out (B, K, G, L, Dv), log-sum-exp (B, K, G, Lp) fp32, sinks included)."""
   batch, hkv, groups, length, _ = q.shape
   dv = v.shape[-1]
   qp, kp, vp, maskp, q_segp, kv_segp = _padded_inputs(t, q, k, v, mask, q_seg, kv_seg)
@@ -276,23 +374,24 @@ def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets):
       m, l, acc = carry
       kj, vj = _tile(kp, 2, j, t.block_kv), _tile(vp, 2, j, t.block_kv)
       mask_ij, kv_seg_j = _tile(mask_i, 4, j, t.block_kv), _tile(kv_segp, 1, j, t.block_kv)
-      s = _scores(t, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j)
+      s = _scores(t, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, origin)
       m_new = jnp.maximum(m, _reduce_last(jnp.maximum, jnp.max, s))
       m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
       p = jnp.exp(s - m_safe[..., None])
       correction = jnp.exp(m - m_safe)
       l = l * correction + _reduce_last(jnp.add, jnp.sum, p)
       if t.rate > 0:
-        p = p * _drop(t, seed, offsets, s.shape, i, j)
+        p = p * _drop(t, seed, offsets, s.shape, i, j, origin)
       pv = _einsum32("bkgqs,bksd->bkgqd", p.astype(vj.dtype), vj)
       return m_new, l, acc * correction[..., None] + pv
 
-    init = (
-      jnp.full(stat_shape, -jnp.inf, jnp.float32),
-      jnp.zeros(stat_shape, jnp.float32),
-      jnp.zeros((*stat_shape, dv), jnp.float32),
-    )
-    m, l, acc = _for(0, _kv_tiles_seen(t, i, n_kv), step, init)
+    if sinks is None:
+      m0, l0 = jnp.full(stat_shape, -jnp.inf, jnp.float32), jnp.zeros(stat_shape, jnp.float32)
+    else:  # a sink is a column of its own from the start: max = sink, sum = exp(0)
+      m0 = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, :, None], stat_shape)
+      l0 = jnp.ones(stat_shape, jnp.float32)
+    init = (m0, l0, jnp.zeros((*stat_shape, dv), jnp.float32))
+    m, l, acc = _for(*_kv_tiles_seen(t, i, n_kv, origin), step, init)
     seen = l > 0
     out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
@@ -305,7 +404,7 @@ def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets):
 
 
 def _flash_backward(
-  t: _Tiles, q, k, v, mask, q_seg, kv_seg, seed, offsets, out, lse, dout, mask_grad
+  t: _Tiles, q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets, origin, out, lse, dout, dlse, mask_grad
 ):
   batch, hkv, groups, length, dim = q.shape
   kv_length = k.shape[2]
@@ -315,7 +414,13 @@ def _flash_backward(
   doutp = pad_to(dout, 3, lp)
   out_dot_dout = doutp.astype(jnp.float32) * pad_to(out, 3, lp).astype(jnp.float32)
   delta = _reduce_last(jnp.add, jnp.sum, out_dot_dout)
+  if dlse is not None:  # d lse / d s = the softmax itself: it joins dP's row term
+    delta = delta - dlse
   lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
+  dsinks = None
+  if sinks is not None:  # d/d sink of a row is -p(sink) · Σ dout·out
+    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, :, None] - lse_safe)
+    dsinks = -(p_sink * delta).sum(axis=(0, 3)).astype(sinks.dtype)
   # dQ accumulates with the query axis last, (B, K, D, G, Lp): the tile matmul that
   # produces it then reads the keys-first score gradient without transposing it.
   dq0 = jnp.zeros((batch, hkv, dim, groups, lp), jnp.float32)
@@ -326,18 +431,17 @@ def _flash_backward(
     kj, vj = _tile(kp, 2, j, t.block_kv), _tile(vp, 2, j, t.block_kv)
     kv_seg_j = _tile(kv_segp, 1, j, t.block_kv)
     mask_j = _tile(maskp, 4, j, t.block_kv)
-    first = (j * t.block_kv) // t.block_q if t.causal else 0
 
     def step(i, c):
       dq, dmask, dk, dv = c
       qi, doi = _tile(qp, 3, i, t.block_q), _tile(doutp, 3, i, t.block_q)
       mask_ij, q_seg_i = _tile(mask_j, 3, i, t.block_q), _tile(q_segp, 1, i, t.block_q)
       # Tiles are keys-first, (B, K, bk, G, bq): dK and dV contract their trailing axes.
-      s = _scores(t, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, keys_first=True)
+      s = _scores(t, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, origin, keys_first=True)
       p = jnp.exp(s - _tile(lse_safe, 3, i, t.block_q)[:, :, None])
       dp = _einsum32("bksd,bkgqd->bksgq", vj, doi)
       if t.rate > 0:
-        keep = _drop(t, seed, offsets, s.shape, i, j, keys_first=True)
+        keep = _drop(t, seed, offsets, s.shape, i, j, origin, keys_first=True)
         pd, dp = p * keep, dp * keep
       else:
         pd = p
@@ -354,7 +458,7 @@ def _flash_backward(
 
     zeros_kv = jnp.zeros((batch, hkv, t.block_kv, dim), jnp.float32)
     zeros_v = jnp.zeros((batch, hkv, t.block_kv, vp.shape[-1]), jnp.float32)
-    dq, dmask, dk, dv = _for(first, n_q, step, (dq, dmask, zeros_kv, zeros_v))
+    dq, dmask, dk, dv = _for(*_q_tiles_seeing(t, j, n_q, origin), step, (dq, dmask, zeros_kv, zeros_v))
     return (dq, dmask), (dk * t.scale, dv)
 
   (dq, dmask), (dks, dvs) = _scan(key_tile, (dq0, dmask0), n_kv)
@@ -363,7 +467,7 @@ def _flash_backward(
   dv = jnp.moveaxis(dvs, 0, 2).reshape(batch, hkv, sp, -1)[:, :, :kv_length].astype(v.dtype)
   if dmask is not None:
     dmask = dmask[:, :, :, : mask.shape[3], : mask.shape[4]].astype(mask.dtype)
-  return dq, dk, dv, dmask
+  return dq, dk, dv, dmask, dsinks
 
 
 def _accumulate_mask_grad(t: _Tiles, dmask, ds, i, j):
@@ -380,27 +484,31 @@ def _accumulate_mask_grad(t: _Tiles, dmask, ds, i, j):
   return lax.dynamic_update_slice(dmask, current + update, starts)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _flash(q, k, v, mask, q_seg, kv_seg, seed, offsets, t):
-  return _flash_forward(t, q, k, v, mask, q_seg, kv_seg, seed, offsets)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _flash(q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets, origin, t):
+  """(out (B, K, G, L, Dv), lse (B, K, G, Lp))."""
+  return _flash_forward(t, q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets, origin)
 
 
-def _flash_fwd(q, k, v, mask, q_seg, kv_seg, seed, offsets, t):
+def _flash_fwd(q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets, origin, t):
   # symbolic_zeros: primals arrive wrapped, saying whether each is differentiated.
   def value(x):
     return None if x is None else x.value
 
   mask_grad = mask is not None and mask.perturbed and value(mask).dtype != jnp.bool_
-  args = [value(x) for x in (q, k, v, mask, q_seg, kv_seg, seed, offsets)]
+  args = [value(x) for x in (q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets, origin)]
   out, lse = _flash_forward(t, *args)
   out, lse = (checkpoint_name(x, remat_lib.ATTENTION_NAME) for x in (out, lse))
-  return out, (*args, out, lse, jnp.zeros(()) if mask_grad else None)
+  return (out, lse), (*args, out, lse, jnp.zeros(()) if mask_grad else None)
 
 
-def _flash_bwd(t, res, dout):
+def _flash_bwd(t, res, cotangents):
   *args, out, lse, mask_grad = res
-  dq, dk, dv, dmask = _flash_backward(t, *args, out, lse, dout, mask_grad is not None)
-  return dq, dk, dv, dmask, None, None, None, None
+  dout, dlse = (None if isinstance(c, SymbolicZero) else c for c in cotangents)
+  if dout is None:
+    dout = jnp.zeros_like(out)
+  dq, dk, dv, dmask, dsinks = _flash_backward(t, *args, out, lse, dout, dlse, mask_grad is not None)
+  return dq, dk, dv, dmask, None, None, dsinks, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)

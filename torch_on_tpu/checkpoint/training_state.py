@@ -86,7 +86,7 @@ class Checkpointer:
     self._async = async_save
     self._layers = _LayerNames(model)
     self._writing: int | None = None  # the step the newest save started
-    storage.quiet_orbax_thread_tracebacks()
+    storage.quiet_orbax_logs()
     policies = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
       # Every `save_every` steps and at a preemption sync point; not orbax's

@@ -26,7 +26,7 @@ from torch_on_tpu.data.sources import (
   default_corpus,
   source,
 )
-from torch_on_tpu.data.stream import CHUNK_CHARS, Stream
+from torch_on_tpu.data.stream import CHUNK_CHARS, EmptySplit, Stream
 from torch_on_tpu.data.tokenizer import DEFAULT_VOCAB_SIZE, EOS_TOKEN, Tokenizer, build_tokenizer, check_model_fit
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
   "CHUNK_CHARS",
   "DEFAULT_VOCAB_SIZE",
   "EOS_TOKEN",
+  "EmptySplit",
   "STATE_VERSION",
   "Batches",
   "HFDataset",

@@ -23,7 +23,7 @@ from jax.experimental import multihost_utils
 from torch_on_tpu.data.sources import source
 from torch_on_tpu.data.stream import Stream, pack
 from torch_on_tpu.data.tokenizer import Tokenizer
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, arg, args
 
 STATE_VERSION = 2
 
@@ -196,12 +196,10 @@ def batches(
   if not 0 <= process_index < process_count:
     raise TorchOnTpuError(f"process_index {process_index} is outside 0..{process_count - 1}; pass a valid index.")
   if seqlen < 1 or global_batch_size < 1:
-    raise TorchOnTpuError(
-      f"seqlen and global_batch_size must be positive, got {seqlen} and {global_batch_size}."
-    )
+    raise TorchOnTpuError(f"{args(dict(seqlen=seqlen, global_batch_size=global_batch_size))}: both must be positive.")
   if global_batch_size % process_count:
     raise TorchOnTpuError(
-      f"global_batch_size {global_batch_size} does not divide over {process_count} processes; "
+      f"{arg('global_batch_size', global_batch_size)} does not divide over {process_count} processes; "
       f"use a multiple of {process_count}."
     )
   shards = default_num_shards(global_batch_size, len(corpus)) if num_shards is None else num_shards

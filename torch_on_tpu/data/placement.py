@@ -1,4 +1,5 @@
-"""Onto the mesh: each process's host rows → global `jax.Array`s, the batch dim over the data axes."""
+"""Onto the mesh: each process's host rows → global `jax.Array`s, the batch dim over the
+data axes and the sequence (dim 1) over `cp` where the mesh has one."""
 
 from __future__ import annotations
 
@@ -40,6 +41,22 @@ def to_global(
         f"The global batch of {rows} rows ('{name}') does not divide over the {ways}-way data axes {axes}; "
         f"use a global batch size that is a multiple of {ways}."
       )
-    sharding = NamedSharding(mesh, mesh_lib.batch_spec(axes, local.ndim))
+    sequence = mesh_lib.splits_sequence(mesh, local.shape)  # dim 1 over `cp`: each device its piece
+    sharding = NamedSharding(mesh, mesh_lib.batch_spec(axes, local.ndim, sequence))
+    if jax.process_count() > 1:
+      _check_rows_per_process(sharding, (rows, *local.shape[1:]), local.shape[0], name)
     out[name] = jax.make_array_from_process_local_data(sharding, local, (rows, *local.shape[1:]))
   return out
+
+
+def _check_rows_per_process(sharding, shape, local_rows: int, name: str) -> None:
+  """Each process's devices must hold exactly the rows it brings: a mesh axis that splits
+  something else than rows (`cp`, `tp`) across processes would need the same rows twice."""
+  starts = {index[0].start or 0 for index in sharding.addressable_devices_indices_map(shape).values()}
+  held = len(starts) * sharding.shard_shape(shape)[0]
+  if held != local_rows:
+    raise TorchOnTpuError(
+      f"The batch '{name}': this process's devices hold {held} of the global rows but it brings {local_rows}; "
+      f"a mesh axis other than the data axes spans processes (cp or tp across hosts); put those axes "
+      f"within each host's devices."
+    )

@@ -19,7 +19,7 @@ import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, named
 
 BLOCK_BYTES = 256 * 1024
 BLOCK_ROWS = 1024
@@ -107,7 +107,7 @@ class JsonLines(Source):
         present = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise TorchOnTpuError(
           f"JSONL file '{path}' has no field '{self.field}' (a record has fields {present}); "
-          f"pass field= one of those."
+          f"name one of those with {named('field')}."
         )
       docs.append(_as_text(record[self.field], self.field, path))
     return docs
@@ -128,7 +128,7 @@ class Parquet(Source):
       columns = meta.schema_arrow.names
       if field not in columns:
         raise TorchOnTpuError(
-          f"Parquet file '{path}' has no column '{field}' (it has {columns}); pass field= one of those."
+          f"Parquet file '{path}' has no column '{field}' (it has {columns}); name one of those with {named('field')}."
         )
       for group in range(meta.num_row_groups):
         rows = meta.metadata.row_group(group).num_rows
@@ -164,7 +164,7 @@ class HFDataset(Source):
       )
     if field not in ds.column_names:
       raise TorchOnTpuError(
-        f"Dataset '{path}' has no column '{field}' (it has {ds.column_names}); pass field= one of those."
+        f"Dataset '{path}' has no column '{field}' (it has {ds.column_names}); name one of those with {named('field')}."
       )
     self._ds = ds.select_columns([field])
     self._blocks = [(a, min(a + block_rows, len(ds))) for a in range(0, len(ds), block_rows)]
@@ -254,7 +254,7 @@ def _as_text(value, field, path) -> str:
     return ""
   if not isinstance(value, str):
     raise TorchOnTpuError(
-      f"Field '{field}' in '{path}' holds a {type(value).__name__}, not text; pass field= naming a text field."
+      f"Field '{field}' in '{path}' holds a {type(value).__name__}, not text; name a text field with {named('field')}."
     )
   return value
 

@@ -19,9 +19,13 @@ import numpy as np
 
 from torch_on_tpu.data.sources import Source, in_validation
 from torch_on_tpu.data.tokenizer import Tokenizer
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, arg, named, settable
 
 CHUNK_CHARS = 32 * 1024  # text tokenized at a time, so a shard starts without tokenizing a whole block
+
+
+class EmptySplit(TorchOnTpuError):
+  """A data shard's split holds no documents at all (a small corpus has no held-out ones)."""
 
 
 @dataclasses.dataclass
@@ -81,7 +85,7 @@ class Stream:
     if len(source) < shard_count:
       raise TorchOnTpuError(
         f"The corpus {source.name} has {len(source)} blocks, fewer than the {shard_count} data shards that "
-        f"each need their own; pass num_shards <= {len(source)} or add data."
+        f"each need their own; pass {arg('num_shards', len(source))} or fewer, or add data."
       )
     blocks = np.random.default_rng(seed).permutation(len(source)) if shuffle else np.arange(len(source))
     self._slice = blocks[shard_index::shard_count]
@@ -131,12 +135,22 @@ class Stream:
           doc, offset = end, 0
         doc = 0
       if not produced:
-        raise TorchOnTpuError(
+        raise EmptySplit(
           f"The corpus {self.source.name} has no {self.split} tokens for data shard {self.shard_index} of "
-          f"{self.shard_count}; point at more data, pass a smaller num_shards, or (for split 'val') a larger "
-          f"val_fraction."
+          f"{self.shard_count}; {self._fixes()}."
         )
       epoch, block = epoch + 1, 0
+
+  def _fixes(self) -> str:
+    """What the user can change for an empty split, in the arguments (or flags) they have."""
+    fixes = ["point at more data"]
+    if self.shard_count > 1 and settable("num_shards"):
+      fixes.append(f"pass a smaller {named('num_shards')}")
+    if self.split == "val":
+      if settable("val_fraction"):
+        fixes.append(f"hold out more documents with a larger {named('val_fraction')}")
+      fixes.append(f"evaluate nothing with {arg('eval_every', 0)}")
+    return ", ".join(fixes[:-1]) + f" or {fixes[-1]}" if len(fixes) > 1 else fixes[0]
 
   def _piece(self, epoch: int, block: int, first_doc: int, docs: list[str], offset: int) -> _Piece:
     eos = self.tokenizer.eos_id

@@ -65,9 +65,9 @@ class Family:
     submodule's `reset_parameters()`."""
     return None
 
-  def call_defaults(self, module: torch.nn.Module, *, layer_stack: bool) -> dict:
-    """Keyword arguments every forward gets unless the caller passes them (HF: no KV cache
-    while a scanned or rematerialised layer stack runs)."""
+  def call_defaults(self, module: torch.nn.Module) -> dict:
+    """Keyword arguments every forward gets unless the caller passes them (HF: no KV cache,
+    which a compiled call could not return)."""
     return {}
 
   def model_inputs(self, module: torch.nn.Module, batch: Mapping):

@@ -39,10 +39,11 @@ _FSDP_TP = {
 }
 
 
-# A scanned (or layer-remat) stack runs the layers as one step and cannot carry a
-# KV cache; HF models default to building one, so they run without it unless the
-# caller passes `use_cache=True` (which the scan then refuses with a clear error).
-CALL_DEFAULTS_WITH_LAYER_STACK = {"use_cache": False}
+# HF models default to building a KV cache (a `DynamicCache`, Python state that cannot
+# leave a compiled function, and that a scanned layer stack cannot carry), so a call runs
+# without one unless the caller passes `use_cache=True` (`generate` does, with a cache
+# it carries; a scanned stack refuses it with a clear error).
+CALL_DEFAULTS = {"use_cache": False}
 
 
 def is_hf(module: torch.nn.Module) -> bool:
@@ -246,8 +247,8 @@ class HFFamily(Family):
   def init_fn(self, module):
     return _init_weights_afresh if callable(getattr(module, "initialize_weights", None)) else None
 
-  def call_defaults(self, module, *, layer_stack):
-    return dict(CALL_DEFAULTS_WITH_LAYER_STACK) if layer_stack else {}
+  def call_defaults(self, module):
+    return dict(CALL_DEFAULTS)
 
   def model_inputs(self, module, batch):
     inputs = {"input_ids": batch["input_ids"], "use_cache": False}  # a train step needs no KV cache

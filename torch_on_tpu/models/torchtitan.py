@@ -19,8 +19,18 @@ kernels; export goes through each family's `state_dict_adapter`.
 `build_llama3(flavor, attention="sdpa")` keeps Llama 3's builder: "sdpa" swaps
 each layer's inner attention for torchtitan's own `ScaledDotProductAttention`
 (plain causal attention, no document masking), the config change torchtitan
-itself makes for models that use SDPA; `flex_masks(positions)` is Llama 3's
-document-causal mask alone.
+itself makes for models that use SDPA.
+
+Called by hand, pass `attention_masks(model, positions)` where torchtitan's trainer
+passes `model.get_attention_masks(positions)`:
+
+    logits = jm(tokens, positions=positions, attention_masks=attention_masks(model, positions))
+
+FlexAttention and VarlenAttention then run the bridge's kernels with the mask they
+were given: causal, documents, sliding windows (muse_glimmer, gpt-oss, whose layers
+pick theirs from a dict) and gpt-oss's attention sinks; what they cannot express is
+refused in one sentence. `flex_masks(positions)` is the document-causal mask alone
+(Llama 3, Qwen 3).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import dataclasses
 import functools
 import inspect
 import sys
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -175,34 +186,48 @@ def build_llama3(flavor: str = "debugmodel", *, attention: str = "flex", max_seq
 
 
 class FlexMasks(BlockMask):
-  """Stands in for torchtitan's BlockMask: causal attention, within documents when
-  `segment_ids` (B, L) are given (equal ids = same document).
+  """Stands in for torchtitan's BlockMask: the mask it means, as the attention kernels
+  take it. Causal (or not); within documents when `segment_ids` (B, L) are given
+  (equal ids = same document); a sliding `window` W lets a query see only the W
+  latest keys, itself included (torchtitan's `get_sliding_window_mask_mod`).
 
-  A BlockMask subclass so FlexAttention's type check passes; it carries only the
-  document ids, a leaf of both torch and jax pytrees, so it travels through
-  `ShardedModule` calls and train steps into `jax.jit` like any input.
+  A BlockMask subclass so FlexAttention's type check passes; the document ids are a
+  leaf of both torch and jax pytrees (`causal` and `window` their static part), so it
+  travels through `ShardedModule` calls and train steps into `jax.jit` like any input.
   """
 
-  def __init__(self, segment_ids: torch.Tensor | None = None):  # BlockMask.__init__ not called: no block state
+  def __init__(self, segment_ids: torch.Tensor | None = None, *, causal: bool = True, window: int | None = None):
+    # BlockMask.__init__ not called: no block state.
     self.segment_ids = segment_ids
+    self.causal = causal
+    self.window = window
 
   def __repr__(self) -> str:
-    if self.segment_ids is None:
-      return "FlexMasks(causal)"
-    return f"FlexMasks(document-causal, segment_ids {tuple(self.segment_ids.shape)})"
+    parts = ["causal" if self.causal else "full"]
+    if self.window is not None:
+      parts.append(f"window {self.window}")
+    if self.segment_ids is not None:
+      parts.append(f"documents {tuple(self.segment_ids.shape)}")
+    return f"FlexMasks({', '.join(parts)})"
+
+
+def _flatten_masks(m):
+  return [m.segment_ids], (m.causal, m.window)
+
+
+def _unflatten_masks(children, static):
+  return FlexMasks(children[0], causal=static[0], window=static[1])
 
   __str__ = __repr__  # BlockMask's own reads its block state
 
 
 _compat.torch_pytree.register_pytree_node(
   FlexMasks,
-  lambda m: ([m.segment_ids], None),
-  lambda children, _: FlexMasks(children[0]),
+  _flatten_masks,
+  lambda children, static: _unflatten_masks(children, static),
   serialized_type_name="torch_on_tpu.models.torchtitan.FlexMasks",
 )
-jax.tree_util.register_pytree_node(
-  FlexMasks, lambda m: ([m.segment_ids], None), lambda _, children: FlexMasks(children[0])
-)
+jax.tree_util.register_pytree_node(FlexMasks, _flatten_masks, lambda static, children: _unflatten_masks(children, static))
 
 
 def flex_masks(positions: torch.Tensor | None = None) -> FlexMasks:
@@ -211,6 +236,8 @@ def flex_masks(positions: torch.Tensor | None = None) -> FlexMasks:
   Like torchtitan's `get_attention_masks(positions)`: causal within documents,
   a document starting wherever `positions` (B, L) is 0 (each row must start a
   document, as torchtitan's loader guarantees). No positions: plain causal.
+  For a model whose layers take several masks (sliding windows: muse_glimmer,
+  gpt-oss), use `attention_masks(model, positions)`.
   """
   if positions is None:
     return FlexMasks()
@@ -236,6 +263,8 @@ def varlen_masks(segment_ids) -> "VarlenMasks":
     class _VarlenMasks(VarlenMasks, VarlenMetadata):
       __slots__ = ()
 
+      causal, window = True, None  # document-causal; a varlen layer holds its own window
+
       @property
       def segment_ids(self):
         return self.cu_seq_q
@@ -260,156 +289,167 @@ def document_ids(positions):
   return (positions == 0).cumsum(1)
 
 
-@dataclasses.dataclass(frozen=True)
-class _MaskPart:
-  """One of torchtitan's flex mask_mods, as its factory was called (`kind`, `arg`)."""
+def attention_masks(model: torch.nn.Module, positions: torch.Tensor):
+  """What torchtitan's trainer passes as `attention_masks`, `model.get_attention_masks(positions)`,
+  with a `FlexMasks` wherever torchtitan builds a flex BlockMask (a single mask, or a
+  dict of them keyed by the layers' windows) and a `VarlenMasks` wherever it builds
+  varlen document offsets (varlen attention, Qwen3.5's linear attention).
 
-  kind: str
-  arg: object = None
+  torchtitan's own code runs and chooses the masks; only the builders that cannot run
+  beside jax are swapped: the `torch.compile`d block-mask builder for one that reads the
+  mask functions torchtitan combined (causal, sliding window, documents; a mask function
+  outside those is refused in one sentence), and the document-offset builder (which reads
+  the positions on the host) for one keeping the document ids of `positions`.
+  """
+  from torchtitan.models.common import attention
 
-
-# torchtitan's flex mask_mod factories → what the bridge's stand-in makes of each.
-_MASK_FACTORIES = {
-  "get_causal_mask_mod": "causal",
-  "get_document_mask_mod": "document",
-  "get_efficient_causal_mask_mod_for_packed_document": "document",
-  "get_sliding_window_mask_mod": "sliding_window",
-  "get_fixed_block_mask_mod": "fixed_block",
-}
-
-
-def attention_masks(module: torch.nn.Module, positions, segment_ids=None):
-  """What torchtitan's trainer passes as `attention_masks`, in the bridge's stand-ins:
-  the model's own `get_attention_masks(positions)` runs (its dict of masks, per-layer
-  windows, a varlen or flex backend, as that model asks) with torchtitan's mask
-  builders, wherever the model imported them, making `FlexMasks` / `VarlenMasks`
-  from the document ids (`segment_ids`, or where `positions` restart at 0). None when
-  the model's attention takes no masks (SDPA)."""
-  if not callable(getattr(module, "get_attention_masks", None)):
-    return None
-  from torchtitan.models.common.attention import FlexAttention, VarlenAttention
-
-  if not any(isinstance(m, (FlexAttention, VarlenAttention)) for m in module.modules()):
-    return None
-  segments = document_ids(positions) if segment_ids is None else segment_ids
-  shape_only = torch.empty(tuple(positions.shape), dtype=torch.int32, device="meta")
-  with _mask_builders(segments):
-    return module.get_attention_masks(shape_only)
+  original = attention.__dict__["_compiled_create_block_mask"]
+  attention._compiled_create_block_mask = _describe_block_mask
+  try:
+    with _varlen_metadata_as_documents():
+      return model.get_attention_masks(positions)
+  finally:
+    attention._compiled_create_block_mask = original
 
 
 @contextlib.contextmanager
-def _mask_builders(segments):
-  """torchtitan's mask builders, in every torchtitan module that holds them, replaced
-  by ones making the bridge's stand-ins (their positions argument is shape-only)."""
-  from torchtitan.models.common import attention as titan_attention
-  from torch.nn.attention import flex_attention as torch_flex
+def _varlen_metadata_as_documents():
+  """torchtitan's `create_varlen_metadata_for_document`, in every torchtitan module that
+  imported it (the decoder, Qwen3.5), replaced by `varlen_masks` of the positions' documents."""
+  from torchtitan.models.common import attention
 
-  def flex(mask_mod, *args, **kwargs):
-    parts = mask_mod if isinstance(mask_mod, tuple) else (mask_mod,)
-    kinds = {p.kind if isinstance(p, _MaskPart) else getattr(p, "__name__", repr(p)) for p in parts}
-    if "causal" not in kinds or not kinds <= {"causal", "document"}:
-      unknown = sorted(kinds - {"causal", "document"}) or ["a mask without the causal one"]
+  builder = attention.create_varlen_metadata_for_document
+  swapped = [
+    mod for name, mod in list(sys.modules.items())
+    if name.startswith("torchtitan.") and mod is not None and vars(mod).get("create_varlen_metadata_for_document") is builder
+  ]
+  for mod in swapped:
+    mod.create_varlen_metadata_for_document = lambda positions, **_: varlen_masks(document_ids(positions).to(torch.int32))
+  try:
+    yield
+  finally:
+    for mod in swapped:
+      mod.create_varlen_metadata_for_document = builder
+
+
+def _with_documents(layout, documents):
+  """The masks of `layout` (what `attention_masks` returned for a stand-in batch) over the
+  batch's document ids `documents` (B, L)."""
+  if isinstance(layout, dict):
+    return {key: _with_documents(m, documents) for key, m in layout.items()}
+  if isinstance(layout, FlexMasks):
+    return FlexMasks(documents, causal=layout.causal, window=layout.window)
+  if isinstance(layout, VarlenMasks):
+    return varlen_masks(documents)
+  return layout  # None: a consumer without masks
+
+
+def _describe_block_mask(mask_mod, B=None, H=None, Q_LEN=None, KV_LEN=None, device=None, **_block_layout):  # noqa: N803 (create_block_mask's names)
+  """`create_block_mask`'s signature: the FlexMasks meaning what `mask_mod` means."""
+  kinds = _mask_mod_kinds()
+  causal, window, segment_ids, packed = False, None, None, False
+  for mod in _and_terms(mask_mod, kinds["and"]):
+    kind = kinds.get(mod.__code__) if hasattr(mod, "__code__") else None
+    cells = dict(zip(mod.__code__.co_freevars, (c.cell_contents for c in mod.__closure__ or ()))) if kind else {}
+    if kind == "causal":
+      causal = True
+    elif kind == "window":  # (kv <= q) & (q - kv < window_size)
+      causal = True
+      size = int(cells["window_size"])
+      window = size if window is None else min(window, size)
+    elif kind in ("document", "packed_document"):
+      # The per-token value each mask compares is constant within a document and differs between them.
+      ids = cells.get("doc_ids", cells.get("doc_end_by_token"))
+      ids = cells["document_id"][None] if ids is None else ids
+      if segment_ids is not None:
+        raise TorchOnTpuError("torchtitan combined two document masks in one flex mask; the bridge takes one.")
+      segment_ids, packed = ids.to(torch.int32), packed or kind == "packed_document"
+    elif kind != "noop":
+      name = getattr(mod, "__name__", type(mod).__name__)
       raise TorchOnTpuError(
-        f"This torchtitan model builds a flex attention mask from {', '.join(unknown)}, which the "
-        f"bridge's attention kernels do not express (they run causal attention within documents); "
-        f"use a model config without it."
+        f"torchtitan built a flex attention mask from '{name}', which the bridge's attention kernels do "
+        f"not express (they take causal, sliding-window and document masks); use a model config without it."
       )
-    return FlexMasks(segments if "document" in kinds else None)
+  if packed and not causal:
+    raise TorchOnTpuError(
+      "torchtitan's packed-document mask means same-document attention only together with its causal "
+      "mask, and this flex mask has none; use get_document_mask_mod for non-causal documents."
+    )
+  return FlexMasks(segment_ids, causal=causal, window=window)
 
-  replacements = {
-    titan_attention.create_attention_mask: flex,
-    titan_attention.create_varlen_metadata_for_document: lambda positions, **_: varlen_masks(segments),
-    torch_flex.and_masks: lambda *parts: tuple(parts),
+
+def _and_terms(mask_mod, and_code):
+  """The mask functions `and_masks` combined (nested ones flattened), or `[mask_mod]`."""
+  if getattr(mask_mod, "__code__", None) is not and_code:
+    return [mask_mod]
+  (mods,) = (c.cell_contents for c in mask_mod.__closure__)
+  return [term for mod in mods for term in _and_terms(mod, and_code)]
+
+
+@functools.cache
+def _mask_mod_kinds() -> dict:
+  """The code of each mask function torchtitan composes → what it means."""
+  from torch.nn.attention import flex_attention as flex
+  from torchtitan.models.common import attention
+
+  one, two = torch.zeros(1, 2, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long)
+  return {
+    "and": flex.and_masks(flex.noop_mask).__code__,
+    flex.noop_mask.__code__: "noop",
+    attention.get_causal_mask_mod().__code__: "causal",
+    attention.get_sliding_window_mask_mod(1).__code__: "window",
+    attention.get_document_mask_mod(one).__code__: "document",
+    attention.get_efficient_causal_mask_mod_for_packed_document(one).__code__: "packed_document",
+    attention.get_efficient_causal_mask_mod_for_packed_document(two).__code__: "packed_document",
   }
-  for name, kind in _MASK_FACTORIES.items():
-    replacements[getattr(titan_attention, name)] = lambda *args, kind=kind: _MaskPart(kind, args[0] if args and kind != "document" else None)
-  swapped = []
-  for name, mod in list(sys.modules.items()):
-    if not name.startswith("torchtitan.") or mod is None:
-      continue
-    for attr, value in list(vars(mod).items()):
-      if callable(value) and _hashable(value) and value in replacements:
-        swapped.append((mod, attr, value))
-        setattr(mod, attr, replacements[value])
-  try:
-    yield
-  finally:
-    for mod, attr, value in swapped:
-      setattr(mod, attr, value)
 
 
-def _hashable(value) -> bool:
-  try:
-    hash(value)
-  except TypeError:
-    return False
-  return True
+def _sinks_of(out_transform):
+  """The per-head sink logits an `out_transform` applies (gpt-oss's), or a refusal."""
+  if out_transform is None:
+    return None
+  from torchtitan.models.gpt_oss.model import Attention as GptOssAttention
 
-
-@contextlib.contextmanager
-def flex_routed_to(attend):
-  """While active, torchtitan's FlexAttention calls `attend(q, k, v, segment_ids=,
-  scale=, enable_gqa=)` instead of its `torch.compile`d flex_attention."""
-  from torchtitan.models.common.attention import FlexAttention
-
-  original = FlexAttention.__dict__["_compiled_flex_attn"]
-
-  def routed(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-             return_aux=None, kernel_options=None):
-    if score_mod is not None:
-      raise TorchOnTpuError(
-        "torchtitan FlexAttention got a score_mod, which the bridge's attention kernels do "
-        "not express; use a model config without score_mod or attention=None."
-      )
-    if not isinstance(block_mask, FlexMasks):
-      raise TorchOnTpuError(
-        f"torchtitan FlexAttention got attention_masks of type {type(block_mask).__name__}; "
-        f"pass attention_masks=torch_on_tpu.models.torchtitan.flex_masks(positions) instead."
-      )
-    if return_aux is not None and (return_aux.lse or return_aux.max_scores):
-      raise TorchOnTpuError(
-        "torchtitan FlexAttention asked for the log-sum-exp (an out_transform), which the "
-        "bridge's attention kernels do not return; use a config without out_transform."
-      )
-    out = attend(q, k, v, segment_ids=block_mask.segment_ids, scale=scale, enable_gqa=enable_gqa)
-    return out, None
-
-  FlexAttention._compiled_flex_attn = routed
-  try:
-    yield
-  finally:
-    FlexAttention._compiled_flex_attn = original
+  if getattr(out_transform, "__func__", None) is GptOssAttention._apply_sinks:
+    # out * sigmoid(lse - sink): the sink is one more logit in each row's softmax, with no value.
+    return out_transform.__self__.sinks
+  name = getattr(out_transform, "__qualname__", type(out_transform).__name__)
+  raise TorchOnTpuError(
+    f"torchtitan attention got out_transform '{name}' over the log-sum-exp, which the bridge's attention "
+    f"kernels express only as gpt-oss's attention sinks; use a config without it."
+  )
 
 
 @contextlib.contextmanager
 def varlen_routed_to(attend):
-  """While active, torchtitan's VarlenAttention runs `attend` on the document ids of
-  `VarlenMasks`, in the precision torchtitan's varlen kernel runs (q, k, v cast to
-  bf16, the output cast back to q's dtype)."""
+  """While active, torchtitan's VarlenAttention runs `attend` on a `VarlenMasks` or `FlexMasks` (documents):
+  its own `window_size` (left, right) as causal/window, its bf16 inputs as it casts them,
+  an out_transform as `_sinks_of` reads it."""
   from torchtitan.models.common.attention import VarlenAttention
 
-  original = VarlenAttention.forward
+  original = VarlenAttention.__dict__["forward"]
 
   def routed(self, q, k, v, *, attention_masks, scale=None, out_transform=None, **kwargs):
-    if not isinstance(attention_masks, VarlenMasks):
+    if not isinstance(attention_masks, (FlexMasks, VarlenMasks)):
       raise TorchOnTpuError(
-        f"torchtitan VarlenAttention got attention_masks of type {type(attention_masks).__name__}; "
-        f"pass torch_on_tpu.models.torchtitan.attention_masks(model, positions) instead."
+        f"torchtitan VarlenAttention got attention_masks of type {type(attention_masks).__name__}; pass "
+        f"attention_masks=torch_on_tpu.models.torchtitan.attention_masks(model, positions) instead."
       )
-    if tuple(self.window_size) != (-1, 0):
+    left, right = self.window_size
+    if right not in (0, -1) or (right == -1 and left != -1):
       raise TorchOnTpuError(
-        f"torchtitan VarlenAttention asks for window_size {tuple(self.window_size)}, which the "
-        f"bridge's attention kernels do not express (they run causal attention within documents); "
-        f"use a config without a sliding window."
+        f"torchtitan VarlenAttention has window_size {self.window_size}; the bridge's kernels take "
+        f"(-1, 0) causal, (W - 1, 0) a causal sliding window, or (-1, -1) full attention."
       )
-    if out_transform is not None:
-      raise TorchOnTpuError(
-        "torchtitan VarlenAttention asked for the log-sum-exp (an out_transform), which the "
-        "bridge's attention kernels do not return; use a config without out_transform."
-      )
+    window = attention_masks.window if left < 0 else left + 1
+    if attention_masks.window is not None and left >= 0:
+      window = min(window, attention_masks.window)
+    # varlen_attn takes bf16 only: torchtitan casts q, k, v, and the output back.
     q16, k16, v16 = (t.to(torch.bfloat16).transpose(1, 2) for t in (q, k, v))
-    out = attend(q16, k16, v16, segment_ids=attention_masks.segment_ids, scale=scale,
-                 enable_gqa=kwargs.get("enable_gqa", False))
+    out = attend(
+      q16, k16, v16, segment_ids=attention_masks.segment_ids, causal=right == 0 and attention_masks.causal,
+      window=window, sinks=_sinks_of(out_transform), scale=scale, enable_gqa=kwargs.get("enable_gqa", False),
+    )
     return out.transpose(1, 2).to(q.dtype)
 
   VarlenAttention.forward = routed
@@ -417,6 +457,41 @@ def varlen_routed_to(attend):
     yield
   finally:
     VarlenAttention.forward = original
+
+
+@contextlib.contextmanager
+def flex_routed_to(attend):
+  """While active, torchtitan's FlexAttention runs `attend(q, k, v, segment_ids=, causal=,
+  window=, sinks=, scale=, enable_gqa=)` (q, k, v as (B, N, L, H)) instead of its
+  `torch.compile`d flex_attention, for a `FlexMasks` mask."""
+  from torchtitan.models.common.attention import FlexAttention
+
+  original = FlexAttention.__dict__["forward"]
+
+  def routed(self, q, k, v, *, attention_masks, score_mod=None, scale=None, enable_gqa=False,
+             out_transform=None, **kwargs):
+    if score_mod is not None:
+      raise TorchOnTpuError(
+        "torchtitan FlexAttention got a score_mod, which the bridge's attention kernels do "
+        "not express; use a model config without score_mod or attention=None."
+      )
+    if not isinstance(attention_masks, FlexMasks):
+      raise TorchOnTpuError(
+        f"torchtitan FlexAttention got attention_masks of type {type(attention_masks).__name__}; pass "
+        f"attention_masks=torch_on_tpu.models.torchtitan.attention_masks(model, positions) instead."
+      )
+    out = attend(
+      q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+      segment_ids=attention_masks.segment_ids, causal=attention_masks.causal, window=attention_masks.window,
+      sinks=_sinks_of(out_transform), scale=scale, enable_gqa=enable_gqa,
+    )
+    return out.transpose(1, 2)
+
+  FlexAttention.forward = routed
+  try:
+    yield
+  finally:
+    FlexAttention.forward = original
 
 
 class TorchtitanFamily(Family):
@@ -498,14 +573,22 @@ class TorchtitanFamily(Family):
     experts = [name for name, dims in plan.items() if dims.get("ep") == 0]
     return experts or None
 
+  def prepare(self, module):
+    if _takes_keyed_masks(module) and module not in _checked_masks:
+      _checked_masks.add(module)
+      module.register_forward_pre_hook(_require_keyed_masks, with_kwargs=True)
+
   def model_inputs(self, module, batch):
     ids, positions, segments = batch["input_ids"], batch.get("positions"), batch.get("segment_ids")
     if positions is None:
       return ids
     inputs = {"tokens": ids, "positions": positions}  # by name: every torchtitan decoder takes them so
-    masks = attention_masks(module, positions, segments)  # where torchtitan's trainer calls get_attention_masks
-    if masks is not None:
-      inputs["attention_masks"] = masks
+    if _uses_masked_attention(module):
+      # What torchtitan's trainer passes, get_attention_masks(positions), with the loader's document ids
+      # (the batch's arrays may be traced or span hosts: torchtitan's mask code runs on a stand-in).
+      documents = document_ids(positions).to(torch.int32) if segments is None else segments
+      layout = attention_masks(module, torch.zeros(1, 1, dtype=torch.long))
+      inputs["attention_masks"] = _with_documents(layout, documents)
     if "special_tokens" in inspect.signature(module.forward).parameters:
       # A multimodal decoder called with text only (Qwen3.5 reads the ids even then): no
       # pixels, and placeholder ids no token has.
@@ -745,6 +828,40 @@ def _no_expert_bias(layers: int):
 
 # torchtitan family → (its config → (the transformers config, a check of the values or None)).
 _HF_CONFIGS = {"qwen3": _qwen3_hf_config}
+
+# Models whose forward checks that it got its masks by key (weakly held: a model can go).
+_checked_masks: weakref.WeakSet = weakref.WeakSet()
+
+
+def _takes_keyed_masks(module: torch.nn.Module) -> bool:
+  """Whether the model's layers pick their flex masks from a dict (by window: muse_glimmer, gpt-oss)."""
+  from torchtitan.models.common.attention import FlexAttention
+
+  if not (callable(getattr(module, "get_attention_masks", None)) and _uses(module, FlexAttention)):
+    return False
+  return isinstance(attention_masks(module, torch.zeros(1, 1, dtype=torch.long)), dict)
+
+
+def _require_keyed_masks(module, args, kwargs):
+  """Forward pre-hook: one FlexMasks where the layers choose theirs by key would give every
+  layer the same mask (sliding windows silently dropped)."""
+  bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+  if isinstance(bound.get("attention_masks"), FlexMasks):
+    raise TorchOnTpuError(
+      f"{type(module).__name__}'s layers take different attention masks (sliding windows), each picked by key "
+      f"from a dict; pass attention_masks=torch_on_tpu.models.torchtitan.attention_masks(model, positions)."
+    )
+
+
+def _uses(module: torch.nn.Module, kind: type) -> bool:
+  return any(isinstance(m, kind) for m in module.modules())
+
+
+def _uses_masked_attention(module: torch.nn.Module) -> bool:
+  """FlexAttention or VarlenAttention: the backends that take `attention_masks`."""
+  from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+
+  return _uses(module, FlexAttention) or _uses(module, VarlenAttention)
 
 
 # ---- as HF's Llama (export) ---------------------------------------------------------------
