@@ -120,6 +120,7 @@ class Flags:
   microbatches: int | None = flag(None, "pipeline microbatches per pass (default with --pp: the largest divisor of the batch per pass up to 4·pp)", minimum=1)
   virtual_stages: int = flag(1, "pipeline: blocks of layers per stage, visited round-robin (circular schedule; the bubble shrinks by this factor)", minimum=1)
   cp: int = flag(1, "devices on the context-parallel mesh axis: each sequence split into cp pieces (long context; params shard over fsdp and cp)", minimum=1)
+  ep: int = flag(1, "devices on the expert-parallel mesh axis (MoE experts sharded over it, the batch too; not with --tp)", minimum=1)
   scan: bool = flag(True, "run the layer stack as one lax.scan (compile time flat in depth)")
   unroll: int = flag(1, "layers per scan iteration", minimum=1)
   remat: str = flag("auto", "per-layer remat: auto (scanned: dots_and_attention; loop: none), none, full, dots_saveable, dots_with_no_batch_dims_saveable, dots_and_attention, offload_dots", choices=_remat_names)
@@ -793,6 +794,15 @@ def _resume_step_needs_resume(flags: Flags, mesh) -> None:
 
 
 @startup_check
+def _experts_over_one_axis(flags: Flags, mesh) -> None:
+  """The presets shard experts over ep or over tp, never both."""
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  if flags.ep > 1 and flags.tp > 1:
+    raise TorchOnTpuError(f"--ep={flags.ep} with --tp={flags.tp}: the presets shard experts over ep or tp, not both; drop one.")
+
+
+@startup_check
 def _batch_splits(flags: Flags, mesh) -> None:
   """The global batch splits into --grad_accum microbatches, and over the data devices."""
   from torch_on_tpu import mesh as mesh_lib
@@ -848,11 +858,12 @@ def _sequence_splits(flags: Flags, mesh) -> None:
 
 
 def mesh_axes(flags: Flags) -> dict:
-  """The recipe's mesh: pp outermost (stages across slices), fsdp, then cp, tp innermost;
-  pp and cp only when asked for (a run without them keeps its mesh)."""
+  """The recipe's mesh: pp outermost (stages across slices), fsdp, then cp, tp, and ep
+  innermost; pp, cp and ep only when asked for (a run without them keeps its mesh)."""
   pp = {"pp": flags.pp} if flags.pp > 1 else {}
   cp = {"cp": flags.cp} if flags.cp > 1 else {}
-  return {**pp, "fsdp": flags.fsdp, **cp, "tp": flags.tp}
+  ep = {"ep": flags.ep} if flags.ep > 1 else {}
+  return {**pp, "fsdp": flags.fsdp, **cp, "tp": flags.tp, **ep}
 
 
 def float8_converted(target, flags: Flags):
@@ -874,7 +885,7 @@ def _model(flags: Flags, recipe: Recipe, mesh, abstract: bool, microbatches: int
   import torch_on_tpu as tot
   from torch_on_tpu import checkpoint, lora
 
-  sharding = "fsdp_tp" if flags.tp > 1 else "fsdp"
+  sharding = "fsdp_tp" if flags.tp > 1 else "ep" if flags.ep > 1 else "fsdp"
   attention = None if flags.attention == "none" else flags.attention
   layers = dict(scan=flags.scan, unroll=flags.unroll, remat=_remat(flags))
   if flags.pp > 1:

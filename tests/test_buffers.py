@@ -109,7 +109,18 @@ class Stack(torch.nn.Module):
     return x
 
 
-def test_scanned_layers_that_update_buffers_are_refused():
-  jm = tot.ShardedModule(Stack(), mesh=tot.make_mesh(fsdp=8), scan=True)
-  with pytest.raises(TorchOnTpuError, match="scanned layer updates its buffer 'bn.running_mean'.*scan=False"):
-    jm(torch.randn(8, 8))
+def test_scanned_layers_carry_their_buffer_updates_out_of_the_scan():
+  torch.manual_seed(0)
+  ref = Stack()
+  jm = tot.ShardedModule(Stack().requires_grad_(False), mesh=tot.make_mesh(fsdp=8), scan=True)
+  ref.load_state_dict(dict(jm.state_dict()))
+  assert "layers.scan.layer.bn.running_mean" in jm.buffers  # stacked: one scan
+  x = torch.randn(8, 8)
+  for _ in range(2):
+    got = tot.to_cpu(jm(x))
+    want = ref(x).detach()
+  assert h.rel(got, want) < 1e-6
+  state = jm.state_dict()
+  for name in ("layers.0.bn.running_mean", "layers.1.bn.running_var"):
+    assert h.rel(state[name], ref.state_dict()[name]) < 1e-6, name
+  assert state["layers.1.bn.num_batches_tracked"].item() == 2

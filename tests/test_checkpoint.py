@@ -696,7 +696,7 @@ def test_convert_torchtitan_spec_and_errors(tmp_path, capsys):
   assert convert.main(args) == 1
   assert "No checkpoint directory at" in capsys.readouterr().err
   assert convert.main(["to_orbax", str(tmp_path), str(tmp_path / "o"), "--model", "gpt9:xl"]) == 1
-  assert "Unknown --model 'gpt9:xl'" in capsys.readouterr().err
+  assert "'gpt9:xl' is not <family>:<flavor> of torchtitan" in capsys.readouterr().err
 
 
 def test_convert_names_every_bad_input_in_one_sentence(tmp_path, capsys):

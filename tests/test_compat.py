@@ -311,6 +311,8 @@ def _check_device_module():
   assert torch.get_device_module("jax") is torchax.device_module
   assert torch.accelerator.current_accelerator() == torch.device("jax")
   assert not torch.accelerator.is_available()
+
+
 def _check_distributed_client():
   """One process joins a 1-process run and uses every client call `health` and `fingerprint` make."""
   run = _run(textwrap.dedent(f"""
@@ -326,6 +328,44 @@ def _check_distributed_client():
     print(client.key_value_dir_get("t/a/"), client.key_value_try_get("t/a/0"), sorted(client.get_live_nodes([0])))
   """))
   assert run.stdout.split("\n")[0] == "[('t/a/0', 'y')] y [0]", run.stdout + run.stderr[-2000:]
+
+
+# A custom op of a namespace torchax leaves alone, with only a CPU kernel.
+_cpu_only = torch.library.Library("tot_compat", "DEF")
+_cpu_only.define("double(Tensor x) -> Tensor")
+_cpu_only.impl("double", lambda x: x * 2, "CPU")
+
+
+def _check_dispatch_mode():
+  from torchax.interop import torch_view
+
+  env = _compat.torchax_env()
+  assert "tot_compat" not in _compat.TORCHAX_NAMESPACES and "aten" in _compat.TORCHAX_NAMESPACES
+  assert getattr(env._dispatch_mode, "routes_other_namespaces", False)  # setup() installed ours
+  seen = []
+  mode = env._dispatch_mode
+  env._dispatch_mode = type(mode).__mro__[1](env)  # torchax's own mode: runs the eager kernel
+  try:
+    with env, pytest.raises(AssertionError, match="within the torchax environment"):
+      torch.ops.tot_compat.double(torch_view(jnp.ones(2)))
+    _compat.route_other_namespaces(env, lambda m, op, types, args, kwargs: seen.append(op) or args[0])
+    with env:
+      torch.ops.tot_compat.double(torch_view(jnp.ones(2)))
+  finally:
+    env._dispatch_mode = mode
+  assert seen == [torch.ops.tot_compat.double.default]
+
+
+def _check_decomposition_table():
+  assert _compat.decomposition(torch.ops.aten.addcmul.default) is not None
+  assert _compat.decomposition(torch.ops.tot_compat.double.default) is None
+
+
+def _check_op_kernels():
+  assert _compat.has_kernel(torch.ops.tot_compat.double.default, "CPU")
+  assert not _compat.has_kernel(torch.ops.tot_compat.double.default, "CompositeExplicitAutograd")
+  got = _compat.run_kernel(torch.ops.aten.full_like.default, "CompositeExplicitAutograd", (torch.ones(2), 3.0), {})
+  assert torch.equal(got, torch.full((2,), 3.0))
 
 
 def _check_torchax_modes():
@@ -408,6 +448,10 @@ def _check_float8_dispatch():
 
 
 _INTERNAL_API_CHECKS = {
+  "torchax.tensor.XLADispatchMode": _check_dispatch_mode,
+  "torchax.tensor.Environment._dispatch_mode": _check_dispatch_mode,
+  "torch._decomp.decomposition_table": _check_decomposition_table,
+  "torch._ops.OpOverload._op_dk": _check_op_kernels,
   "torchax.tensor.Environment._ops": _check_op_table,
   "torchax.tensor.Environment._decomps": _check_decomps,
   "torchax.ops.ops_registry.Operator": _check_op_table,

@@ -90,6 +90,15 @@ def test_a_user_override_of_linear_wins_over_the_cpu_kernel():
   np.testing.assert_allclose(out.cpu().numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_type_as_returns_a_cast_copy_even_against_a_view():
+  tot.setup()
+  with torchax.default_env():
+    x = torch_view(jnp.ones((2, 3), jnp.float32))
+    view = torch_view(jnp.zeros((3, 2), jnp.bfloat16)).transpose(0, 1)
+    cast = x.type_as(view)
+    assert cast.dtype == torch.bfloat16 and x.dtype == torch.float32  # x itself unchanged
+
+
 def test_bf16_ops_round_where_torch_rounds():
   """A slice of tools/bf16_sweep.py: bf16 outputs and input gradients, jitted, bit for bit
   against torch eager on CPU (torch computes these in fp32 and rounds once)."""

@@ -33,10 +33,11 @@ from torch_on_tpu.errors import TorchOnTpuError
 
 
 def build_model(model: str | None = None, hf_config: str | None = None):
-  """The meta torch model a spec names: `llama3:<flavor>` or an HF config directory."""
+  """The meta torch model a spec names: torchtitan's `<family>:<flavor>` or an HF config directory."""
   if (model is None) == (hf_config is None):
     raise TorchOnTpuError(
-      "Name the model with exactly one of --model=llama3:<flavor> or --hf_config=<dir with config.json>."
+      "Name the model with exactly one of --model=<torchtitan family>:<flavor> (llama3:1B, qwen3:debugmodel_moe) "
+      "or --hf_config=<dir with config.json>."
     )
   if hf_config is not None:
     import transformers
@@ -44,15 +45,14 @@ def build_model(model: str | None = None, hf_config: str | None = None):
     from torch_on_tpu.models.hf import build_causal_lm
 
     return build_causal_lm(transformers.AutoConfig.from_pretrained(hf_config))
-  family, _, flavor = str(model).partition(":")
-  if family != "llama3" or not flavor:
-    raise TorchOnTpuError(
-      f"Unknown --model '{model}'; use llama3:<flavor> (e.g. llama3:1B) or --hf_config=<dir>."
-    )
-  from torch_on_tpu.models.torchtitan import build_llama3
+  import torch
 
-  # Attention and sequence length change no weight; the smallest RoPE cache will do.
-  return build_llama3(flavor, attention="sdpa", max_seq_len=1)
+  from torch_on_tpu.models.torchtitan import registry_config
+
+  # The sequence length changes no weight; the smallest RoPE cache will do.
+  config = registry_config(str(model), max_seq_len=1)
+  with torch.device("meta"):
+    return config.build()
 
 
 def _abstract_module(model, hf_config, scan=False, adapters: dict | None = None):

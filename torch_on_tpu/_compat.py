@@ -168,6 +168,10 @@ INTERNAL_APIS = {
   "jax._src.clusters.ClusterEnv": "the clusters jax.distributed would detect by itself",
   "torchax.device_module.is_available": "kept False so torch.accelerator (and torch.compile) ignore torchax's backend",
   "jax._src.distributed.global_state.client": "the coordination service's client: key-value store, barriers, live processes",
+  "torchax.tensor.XLADispatchMode": "torchax's dispatch mode and the op namespaces it intercepts (others run eagerly)",
+  "torchax.tensor.Environment._dispatch_mode": "the mode instance an environment enters, replaced to route other namespaces",
+  "torch._decomp.decomposition_table": "the decompositions torch registers for ops (custom ops included)",
+  "torch._ops.OpOverload._op_dk": "calling one dispatch key's kernel of an op (a custom op's composite implementation)",
   "torchax.tensor.Environment._function_mode/_dispatch_mode, torch's mode stacks": "torchax's modes, re-entered where torch popped them",
   "jax._src.interpreters.ad.JVPTracer/LinearizeTracer": "a Function's forward that reads a tensor it was not given (autograd_functions)",
   "torch.autograd.Function.apply": "routed for every subclass, so a Function on jax-backed tensors runs its own backward (autograd_functions)",
@@ -214,6 +218,48 @@ def has_lowering(env, packet) -> bool:
 def has_decomposition(env, packet) -> bool:
   """torchax decomposes `packet`'s default overload into other ops."""
   return bool(env._decomps.get(getattr(packet, "default", None)))
+
+
+# The op namespaces torchax's dispatch mode lowers itself; an op of any other namespace
+# runs its eager kernel on jax-backed tensors (and fails) unless routed.
+TORCHAX_NAMESPACES = ("aten", "_c10d_functional", "torchvision", "xla")
+
+
+def route_other_namespaces(env, handler) -> None:
+  """Makes `env`'s dispatch mode hand every op outside `TORCHAX_NAMESPACES` to
+  `handler(mode, op, types, args, kwargs)` (re-enter `mode` to run torch code on
+  jax-backed tensors) instead of calling the op's eager kernel."""
+  from torchax import tensor
+
+  if getattr(env._dispatch_mode, "routes_other_namespaces", False):
+    return
+
+  class RoutingDispatchMode(tensor.XLADispatchMode):
+    routes_other_namespaces = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+      if isinstance(func, torch._ops.OpOverload) and func.namespace not in TORCHAX_NAMESPACES:
+        return handler(self, func, types, args, kwargs or {})
+      return super().__torch_dispatch__(func, types, args, kwargs)
+
+  env._dispatch_mode = RoutingDispatchMode(env)
+
+
+def decomposition(op):
+  """torch's registered decomposition of `op` (an OpOverload), or None."""
+  import torch._decomp
+
+  return torch._decomp.decomposition_table.get(op)
+
+
+def has_kernel(op, dispatch_key: str) -> bool:
+  """`op` has a kernel registered for `dispatch_key` ("CompositeExplicitAutograd", ...)."""
+  return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), dispatch_key)
+
+
+def run_kernel(op, dispatch_key: str, args, kwargs):
+  """Calls `op`'s kernel for `dispatch_key` directly (its sub-ops dispatch as usual)."""
+  return op._op_dk(getattr(torch._C.DispatchKey, dispatch_key), *args, **kwargs)
 
 
 def torchax_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):

@@ -195,16 +195,24 @@ def _as_hf(model, tensors: list[_Tensor]):
   form = models.family_of(model).hf_form(model)
   if form is None:
     raise TorchOnTpuError(
-      f"export writes HF directories for models with an HF form (HF causal LMs, torchtitan's Llama 3), not "
+      f"export writes HF directories for models with an HF form (HF causal LMs; torchtitan's Llama 3 and Qwen3, dense and MoE), not "
       f"{type(model).__name__}; use export_safetensors for its state_dict."
     )
+  if form.check is not None:
+    arrays = {t.name: t.array for t in tensors}
+    form.check(lambda name: arrays[name]())
   if form.rename is None:
     return tensors, form.config
   out = []
   for t in tensors:
-    name, transform = form.rename(t.name)
-    array = t.array if transform is None else (lambda t=t, transform=transform: transform(t.array()))
-    out.append(dataclasses.replace(t, name=name, array=array))
+    renamed = form.rename(t.name)
+    for name, transform in renamed if isinstance(renamed, list) else [renamed]:
+      if transform is None:
+        out.append(dataclasses.replace(t, name=name))
+        continue
+      made = jax.eval_shape(transform, jax.ShapeDtypeStruct(t.shape, t.dtype))
+      array = lambda t=t, transform=transform: transform(t.array())  # noqa: E731
+      out.append(_Tensor(name, tuple(made.shape), np.dtype(made.dtype), array))
   return out, form.config
 
 

@@ -60,9 +60,11 @@ def dense_flops_per_token(
   n_params: int,
   n_embedding_params: int,
   tied_embeddings: bool = False,
+  n_inactive_params: int = 0,
 ) -> FlopsPerToken:
-  """FLOPs per token from explicit numbers (see the module docstring)."""
-  matmul = n_params if tied_embeddings else n_params - n_embedding_params
+  """FLOPs per token from explicit numbers (see the module docstring); a MoE's
+  `n_inactive_params` (the routed experts a token does not use) count no FLOPs."""
+  matmul = (n_params if tied_embeddings else n_params - n_embedding_params) - n_inactive_params
   # Scores (Q·Kᵀ) and values (P·V): 2 matmuls of L·H·Dh·S multiply-adds per token,
   # ×2 FLOPs per multiply-add, ×3 for forward + backward.
   attention = 12 * n_layers * n_heads * head_dim * seqlen
@@ -77,7 +79,7 @@ def dense_flops_per_token(
 def flops_per_token(model, seqlen: int) -> FlopsPerToken:
   """From a torchtitan Llama-style or HF causal LM module (meta is fine) or a ShardedModule."""
   module = getattr(model, "module", model)
-  n_layers, n_heads, head_dim = _attention_shape(module)
+  shape = _shape(module)
   params = {id(p): p for p in module.parameters()}
   embeddings = [m.weight for m in module.modules() if isinstance(m, torch.nn.Embedding)]
   tied = any(
@@ -87,13 +89,14 @@ def flops_per_token(model, seqlen: int) -> FlopsPerToken:
     for p in m.parameters(recurse=False)
   )
   return dense_flops_per_token(
-    n_layers=n_layers,
-    n_heads=n_heads,
-    head_dim=head_dim,
+    n_layers=shape.layers if shape.attention_layers is None else shape.attention_layers,
+    n_heads=shape.heads,
+    head_dim=shape.head_dim,
     seqlen=seqlen,
     n_params=sum(p.numel() for p in params.values()),
     n_embedding_params=sum(e.numel() for e in embeddings),
     tied_embeddings=tied,
+    n_inactive_params=shape.inactive_params,
   )
 
 
@@ -126,15 +129,15 @@ def flops_per_token_from_config(config, seqlen: int) -> FlopsPerToken:
   return flops_per_token(module, seqlen)
 
 
-def _attention_shape(module) -> tuple[int, int, int]:
-  """(layers, heads, head dim) of a decoder, as its family reads it."""
+def _shape(module):
+  """The decoder's shape, as its family reads it."""
   shape = models.family_of(module).decoder_shape(module)
   if shape is None:
     raise TorchOnTpuError(
       f"Cannot read layers/heads/head_dim from {type(module).__name__}; call "
       f"metrics.dense_flops_per_token(...) with explicit numbers instead."
     )
-  return shape.layers, shape.heads, shape.head_dim
+  return shape
 
 
 # ---- peak FLOP/s --------------------------------------------------------------------------

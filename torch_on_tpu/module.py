@@ -109,6 +109,7 @@ class ShardedModule:
     self.module = module
     self.family = models.family_of(module)
     self.family.prepare(module)
+    self._pre_step = self.family.optimizer_pre_step(module)  # by the original names, before any scan swap
     self.mesh = mesh if mesh is not None else mesh_lib.make_mesh(fsdp=-1)
     self.data_axes = tuple(data_axes) if data_axes is not None else mesh_lib.data_axes(self.mesh)
     for axis in self.data_axes:
@@ -144,6 +145,7 @@ class ShardedModule:
       [name for name, _ in module.named_modules() if name],
       self.mesh,
       strict=strict,
+      experts=self.family.expert_parameters(module) if sharding == "ep" else None,
     )
     self.pipeline = self._pipeline(scan, microbatches, virtual_stages)
     self._layout = None
@@ -295,12 +297,29 @@ class ShardedModule:
     kwargs = {**self.family.call_defaults(self.module), **kwargs}
     with env, env.override_property(prng=env.param.prng):
       with self._activation_constraints(), self._sequence_split(args, kwargs), self._attention_kernels(), \
-          lowerings.cpu_linear(self.mesh), lowerings.made_on_device():
+          lowerings.cpu_linear(self.mesh), lowerings.made_on_device(), self.family.running(self.module):
         with _compat.reparametrized(self.module, tensors), _running_wrapped():
           out = self.module(*args, **kwargs)
           after = {n: jax_view(self.module.get_buffer(n)) for n in before}
     changed = {n: self._as_stored(n, a, before[n]) for n, a in after.items() if a is not before[n]}
     return out, changed
+
+  def optimizer_pre_step(self, buffers: Mapping) -> dict:
+    """The buffers the model's family updates before each optimizer step (torchtitan's
+    MoE load balancing), from `buffers` (stored names) as the forwards left them:
+    `{stored name: new array}`; {} for models without such an update."""
+    if self._pre_step is None:
+      return {}
+
+    def read(name):
+      stored, index = self._layout.lookup(name) if self._layout else (name, None)
+      return buffers[stored] if index is None else buffers[stored][index]
+
+    changed = {}
+    for name, value in self._pre_step(read).items():
+      stored, index = self._layout.lookup(name) if self._layout else (name, None)
+      changed[stored] = value if index is None else changed.get(stored, buffers[stored]).at[index].set(value)
+    return {n: self._as_stored(n, a, buffers[n]) for n, a in changed.items()}
 
   def _as_stored(self, name: str, new, old):
     """A buffer's new value in its old dtype and its sharding (under jit: a constraint)."""

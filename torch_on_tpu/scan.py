@@ -159,7 +159,7 @@ class StackedLayers(torch.nn.Module):
   def _run_one(self, index: int, extras: dict, args, kwargs, h, tensors, key):
     """Layer `index`'s own module on the hidden state `h`, with its slice of the stacked
     tensors: (new hidden state, (arrays of the output-capture calls it recorded,
-    arrays of its other outputs))."""
+    arrays of its other outputs, its buffers' new values by name))."""
     layer = self._layers[index]
     template = self._modules[LAYER]
     # traced by scans, remat and the layer comparison: its index reads are not collected
@@ -170,7 +170,7 @@ class StackedLayers(torch.nn.Module):
           out = layer(*args, **kwargs, **dict(zip(self._state_names, torch_view(h))))
         else:
           out = layer(torch_view(h), *args, **kwargs)
-      _refuse_buffer_updates(layer, tensors)
+      updates = _buffer_updates(layer, tensors)
     if self._state_names:
       states = len(self._state_names)
       hidden, rest = tuple(out[:states]), tuple(out[states:]) or None
@@ -180,11 +180,11 @@ class StackedLayers(torch.nn.Module):
     record_leaves = []
     if records:
       record_leaves, extras.setdefault("records", {})[index] = _split_records(records)
-    return jax_view(hidden), (record_leaves, rest_leaves)
+    return jax_view(hidden), (record_leaves, rest_leaves, updates)
 
   def _layer_output(self, extras, index: int, hidden, produced) -> tuple:
     """(layer `index`'s output in its own form, its recorded capture calls)."""
-    record_leaves, rest_leaves = produced
+    record_leaves, rest_leaves, _ = produced
     rest = _rebuild_tree(extras["rest"][index], rest_leaves)
     if self._state_names:
       out = (*torch_view(hidden), *(rest or ()))
@@ -208,11 +208,13 @@ class StackedLayers(torch.nn.Module):
       remat_lib.checkpoint(functools.partial(self._run_one, j, extras, args, kwargs), self.remat)
       for j in range(period)
     ]
-    outputs = []
+    outputs, updates = [], []
     if period == self.num_layers:
       for i in range(self.num_layers):
         h, produced = run[i](h, jax.tree.map(lambda a, i=i: a[i], stacked), keys[i])
         outputs.append(self._layer_output(extras, i, h, produced))
+        updates.append(produced[2])
+      self._write_buffers(stacked, dict(enumerate(updates)))
       return outputs
     groups = self.num_layers // period
     _, per_layer = self._scan_groups(run, h, stacked, keys)
@@ -220,6 +222,8 @@ class StackedLayers(torch.nn.Module):
       for j in range(period):
         h_g, produced = jax.tree.map(lambda a, g=g: a[g], per_layer[j])
         outputs.append(self._layer_output(extras, j, h_g, produced))
+        updates.append(produced[2])
+    self._write_buffers(stacked, dict(enumerate(updates)))
     return outputs
 
   def _scan_groups(self, run, h, stacked, keys):
@@ -290,17 +294,32 @@ class StackedLayers(torch.nn.Module):
       ]
       block_keys = jax.vmap(lambda k: jax.random.fold_in(k, microbatch))(block_keys)
       h_mb, per_layer = self._scan_groups(run, h_mb, tensors, block_keys)
-      if any(leaf for _, (records, rest) in per_layer for leaf in (records, rest)) or extras.get("records"):
+      if any(leaf for _, (records, rest, _) in per_layer for leaf in (records, rest)) or extras.get("records"):
         raise TorchOnTpuError(
           f"A {name} layer returns more than its hidden state (extra outputs, or outputs the model "
           f"captures per layer), which a pipeline cannot hand back per layer; train without pp or "
           f"turn the per-layer outputs off."
+        )
+      if any(updates for _, (_, _, updates) in per_layer):
+        raise TorchOnTpuError(
+          f"A {name} layer updates its buffers in forward (e.g. MoE token counts or running "
+          f"statistics), which pipeline stages do not carry back yet; train without pp."
         )
       return h_mb
 
     out = self.pipeline.run(stage, (stacked, keys), h, per_example)
     stand_in = (torch_view(jnp.full(h.shape, jnp.nan, h.dtype)), [])
     return [stand_in] * (n - 1) + [(torch_view(out), [])]
+
+  def _write_buffers(self, stacked: dict, updates: dict[int, dict]) -> None:
+    """Buffer updates the layers made in their forward (MoE token counts, running
+    statistics), per layer index, written into the stacked buffers (carried out of
+    the scan as per-layer outputs, like a layer's other outputs)."""
+    template = self._modules[LAYER]
+    for name in sorted({n for per_layer in updates.values() for n in per_layer}):
+      old = stacked[name]
+      new = jax.numpy.stack([updates[i].get(name, old[i]) if i in updates else old[i] for i in range(self.num_layers)])
+      _compat.set_array(template.get_buffer(name), new)
 
   def forward(self, hidden, *args, **kwargs):
     """Every layer in order; returns the last layer's output."""
@@ -422,6 +441,7 @@ class StackedLayers(torch.nn.Module):
     tensors = jax.tree.map(lambda a: a[index], self._stacked())
     run = remat_lib.checkpoint(functools.partial(self._run_one, index, extras, args, kwargs), self.remat)
     h, produced = run(jax_view(hidden), tensors, key)
+    self._write_buffers(self._stacked(), {index: produced[2]})
     out, records = self._layer_output(extras, index, h, produced)
     self._family.replay_layer_outputs(self._modules[LAYER], records)
     return out
@@ -805,14 +825,13 @@ def _swapped(layer: torch.nn.Module, tensors: Mapping[str, jax.Array]):
     yield
 
 
-def _refuse_buffer_updates(layer: torch.nn.Module, tensors: Mapping[str, jax.Array]):
-  """Scan carries only the hidden state: a layer's buffer update would be lost."""
-  for name, buffer in layer.named_buffers():
-    if jax_view(buffer) is not tensors[name]:
-      raise TorchOnTpuError(
-        f"A scanned layer updates its buffer '{name}' in the forward (running statistics, a "
-        f"counter); scan does not carry buffer updates, so use {arg('scan', False)} for this model."
-      )
+def _buffer_updates(layer: torch.nn.Module, tensors: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+  """The buffers the layer's forward changed (in place or by rebinding), in their dtypes."""
+  return {
+    name: jax_view(buffer).astype(tensors[name].dtype)
+    for name, buffer in layer.named_buffers()
+    if jax_view(buffer) is not tensors[name]
+  }
 
 
 def _refuse_caches(kwargs):

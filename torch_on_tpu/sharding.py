@@ -19,8 +19,9 @@ A map is a dict `{pattern: spec}`:
 Parameters no pattern covers are replicated and listed once (a `strict=True`
 resolution makes that an error). Presets: `"fsdp"`, `"replicated"`, `"ep"`
 (expert parallel: the leading expert dim of every stacked expert tensor, a
-parameter under a module named `experts`, over the `ep` mesh axis, or over
-`fsdp` where the mesh has no `ep`; everything else as `"fsdp"`), and the
+parameter under a module named `experts` or those the model's family names,
+over the `ep` mesh axis, or over `fsdp` where the mesh has no `ep`; everything
+else as `"fsdp"`), and the
 FSDP+TP maps for known model families (`"fsdp_tp"`, see `torch_on_tpu.models`).
 In a glob map the same is `{"**.experts.*": ("ep", None, None)}`.
 """
@@ -181,10 +182,13 @@ def resolve(
   mesh: Mesh,
   *,
   strict: bool = False,
+  experts: Sequence[str] | None = None,
 ) -> Resolved:
-  """Resolves a map (or preset name) for every tensor; one clear error on any mistake."""
+  """Resolves a map (or preset name) for every tensor; one clear error on any mistake.
+  `experts` names the tensors the "ep" preset shards on their expert dim (the model
+  family's answer), instead of the generic rule."""
   if isinstance(sharding_map, str):
-    return _resolve_preset(sharding_map, tensors, mesh)
+    return _resolve_preset(sharding_map, tensors, mesh, experts)
   tensors = list(tensors)
   rules = [(p, compile_pattern(p), tuple(s)) for p, s in sharding_map.items()]
   tensor_names = [t.name for t in tensors]
@@ -238,7 +242,7 @@ def resolve(
   return Resolved(specs=specs, activations=activations, uncovered=uncovered)
 
 
-def _resolve_preset(name: str, tensors: Sequence[TensorInfo], mesh: Mesh) -> Resolved:
+def _resolve_preset(name: str, tensors: Sequence[TensorInfo], mesh: Mesh, experts=None) -> Resolved:
   if name == "replicated":
     specs = {t.name: PartitionSpec(*([None] * len(t.shape))) for t in tensors}
   elif name == "fsdp":
@@ -253,7 +257,8 @@ def _resolve_preset(name: str, tensors: Sequence[TensorInfo], mesh: Mesh) -> Res
       for t in tensors
     }
   elif name == "ep":
-    specs = {t.name: _expert_parallel_spec(t, mesh) for t in tensors}
+    experts = None if experts is None else set(experts)
+    specs = {t.name: _expert_parallel_spec(t, mesh, experts) for t in tensors}
   else:
     raise TorchOnTpuError(
       f"Unknown sharding preset '{name}'; use 'fsdp', 'replicated', 'ep', 'fsdp_tp' (known model "
@@ -262,7 +267,7 @@ def _resolve_preset(name: str, tensors: Sequence[TensorInfo], mesh: Mesh) -> Res
   return Resolved(specs=specs, activations={}, uncovered=[])
 
 
-def _expert_parallel_spec(t: TensorInfo, mesh: Mesh) -> PartitionSpec:
+def _expert_parallel_spec(t: TensorInfo, mesh: Mesh, experts: set | None = None) -> PartitionSpec:
   """The "ep" preset for one tensor: expert dim over `ep` (or `fsdp`), the rest as "fsdp"."""
   axis = "ep" if "ep" in mesh.shape else "fsdp"
   if axis not in mesh.shape:
@@ -270,7 +275,10 @@ def _expert_parallel_spec(t: TensorInfo, mesh: Mesh) -> PartitionSpec:
       f"The 'ep' sharding preset needs an 'ep' (or 'fsdp') mesh axis but the mesh is {_fmt_mesh(mesh)}; "
       f"build it with make_mesh(ep=..., fsdp=...)."
     )
-  is_expert = "experts" in t.name.split(".")[:-1] and len(t.shape) >= 2
+  if experts is not None:
+    is_expert = t.name in experts
+  else:
+    is_expert = "experts" in t.name.split(".")[:-1] and len(t.shape) >= 2
   sharded = bool(mesh_lib.param_axes(mesh))
   rest = fsdp_spec(t.shape, mesh) if t.is_param and sharded else (None,) * len(t.shape)
   if not is_expert:

@@ -456,6 +456,8 @@ class TrainStep:
     the buffers the forward changed rather than all of them."""
     self._reached.clear()  # filled again by this trace's gradient
     (loss, changed, checks), grads = self._loss_and_grads(params, frozen, buffers, inputs, labels, rng)
+    # The model's own state update before the optimizer step (torchtitan's MoE load balancing).
+    changed = {**changed, **self.model.optimizer_pre_step({**buffers, **changed})}
     grad_norm = optax.global_norm(grads)
     if self.clip_norm is not None:
       scale = jnp.minimum(1.0, self.clip_norm / (grad_norm + 1e-6))

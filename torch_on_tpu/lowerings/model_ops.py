@@ -321,6 +321,7 @@ def register(env) -> list[str]:
   packet = torch.ops.aten._batch_norm_with_update.default
   _compat.set_op(env, packet, _compat.make_operator(packet, _batch_norm_with_update, jax_function=False))
   TorchaxTensor.cpu = _to_host
+  TorchaxTensor.type_as = _type_as
   TorchaxTensor.item = _item
   TorchaxTensor.__float__ = lambda self: float(_item(self))
   TorchaxTensor.__int__ = lambda self: int(_item(self))
@@ -337,6 +338,12 @@ def _item(self):
   index check of the program that made it is raised first)."""
   device_checks.raise_pending(self)
   return np.asarray(jax.device_get(self.jax())).item()
+
+
+def _type_as(self, other):
+  """torch's `type_as`: a copy in `other`'s dtype (torchax's own casts the tensor in place,
+  and fails when `other` is a view, as RoPE's output is in torchtitan's Qwen3.5)."""
+  return self.to(other.dtype)
 
 
 def _repr(self) -> str:

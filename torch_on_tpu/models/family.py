@@ -17,15 +17,17 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class DecoderShape:
-  """The numbers of a dense decoder that activation memory and FLOPs depend on."""
+  """The numbers of a decoder that activation memory and FLOPs depend on."""
 
   layers: int
   dim: int
-  ffn_dim: int
+  ffn_dim: int  # hidden units a token passes through per layer (MoE: its active experts')
   heads: int
   kv_heads: int
   head_dim: int
   vocab: int
+  attention_layers: int | None = None  # layers with softmax attention; None: all of them
+  inactive_params: int = 0  # parameters a token does not touch (routed experts not chosen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +35,11 @@ class HFForm:
   """How a model is written as an HF transformers model (`export`)."""
 
   config: object  # a transformers PretrainedConfig: its save_pretrained writes config.json
-  # state_dict name → (HF name, a transform of the array or None); None: names unchanged
-  rename: Callable[[str], tuple[str, Callable | None]] | None = None
+  # state_dict name → (HF name, a transform of the array or None), or a list of such pairs
+  # (one tensor written as several, or as none); None: names unchanged
+  rename: Callable[[str], tuple[str, Callable | None] | list[tuple[str, Callable | None]]] | None = None
+  # refuses (raises) a model whose values HF's form cannot hold, given `read(name) → array`
+  check: Callable[[Callable[[str], object]], None] | None = None
 
 
 class CacheNotCarried(Exception):
@@ -78,6 +83,22 @@ class Family:
 
   def sharding_map(self, module: torch.nn.Module, preset: str) -> dict | None:
     """The named sharding preset (`"fsdp_tp"`) for this model; None when unknown."""
+    return None
+
+  def running(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """Context around every call of the model's forward the bridge traces."""
+    return contextlib.nullcontext()
+
+  def optimizer_pre_step(self, module: torch.nn.Module):
+    """The state update the model's own training runs before each optimizer step
+    (after the forward and backward of every microbatch): a function of
+    `read(name) → array` (buffers by their original names) returning
+    `{name: new array}`, or None when there is none."""
+    return None
+
+  def expert_parameters(self, module: torch.nn.Module) -> list[str] | None:
+    """Names of the parameters the "ep" preset shards on their leading expert dim;
+    None: the generic rule (stacked tensors under a module named `experts`)."""
     return None
 
   def attention_routes(self, attend) -> list[contextlib.AbstractContextManager]:

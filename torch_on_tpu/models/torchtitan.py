@@ -1,25 +1,36 @@
-"""torchtitan's Llama 3: built from torchtitan's own config registry, and its FSDP+TP map.
+"""torchtitan's models, every family its registries build: configs, inputs, shape, sharding, export.
 
-    model = build_llama3("debugmodel")            # on meta, exactly torchtitan's config
+    config = registry_config("qwen3:debugmodel_moe", max_seq_len=2048)   # torchtitan's own
+    with torch.device("meta"):
+      model = config.build()
     jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp")
+    logits = jm(**jm.family.model_inputs(model, {"input_ids": tokens, "positions": positions}))
 
-torchtitan 0.3.0 uses FlexAttention for language models. `attention="sdpa"`
-swaps each layer's inner attention for torchtitan's own
-`ScaledDotProductAttention` (plain causal attention, no document masking):
-the config change torchtitan itself makes for models that use SDPA.
+`TorchtitanFamily` answers for all of them by rules read from torchtitan's own
+code (docs/torchtitan.md): the model is called by name (`tokens=`,
+`positions=`, `attention_masks=`) with the masks its own `get_attention_masks`
+chooses, built as the bridge's stand-ins (`FlexMasks`, `VarlenMasks`: the
+compiled BlockMask builder cannot run beside jax); while ShardedModule's
+attention kernels are active, flex and varlen attention run them. The TP and
+EP maps come from each family's own sharding plan; MoE load balancing is the
+family's `optimizer_pre_step`; Qwen3.5's linear attention runs the bridge's
+kernels; export goes through each family's `state_dict_adapter`.
 
-The default flex config runs as configured: pass `attention_masks(model, positions)`
-where torchtitan's trainer passes `model.get_attention_masks(positions)` (torchtitan's
-own code choosing its masks, with `FlexMasks` in place of the BlockMasks it builds by a
-compiled function, which cannot run beside jax):
+`build_llama3(flavor, attention="sdpa")` keeps Llama 3's builder: "sdpa" swaps
+each layer's inner attention for torchtitan's own `ScaledDotProductAttention`
+(plain causal attention, no document masking), the config change torchtitan
+itself makes for models that use SDPA.
+
+Called by hand, pass `attention_masks(model, positions)` where torchtitan's trainer
+passes `model.get_attention_masks(positions)`:
 
     logits = jm(tokens, positions=positions, attention_masks=attention_masks(model, positions))
 
-While ShardedModule's attention kernels are active, FlexAttention runs them with
-the mask it was given: causal, documents, sliding windows (muse_glimmer, gpt-oss,
-whose layers pick theirs from a dict) and gpt-oss's attention sinks; what they
-cannot express is refused in one sentence. `flex_masks(positions)` is the
-document-causal mask alone (Llama 3, Qwen 3).
+FlexAttention and VarlenAttention then run the bridge's kernels with the mask they
+were given: causal, documents, sliding windows (muse_glimmer, gpt-oss, whose layers
+pick theirs from a dict) and gpt-oss's attention sinks; what they cannot express is
+refused in one sentence. `flex_masks(positions)` is the document-causal mask alone
+(Llama 3, Qwen 3).
 """
 
 from __future__ import annotations
@@ -32,45 +43,111 @@ import sys
 import weakref
 
 import jax
+import jax.numpy as jnp
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from torch_on_tpu import _compat, extras
 from torch_on_tpu.errors import TorchOnTpuError
-from torch_on_tpu.models._maps import present_rules
 from torch_on_tpu.models.family import DecoderShape, Family, HFForm
 
-FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
+torchax = _compat.import_torchax()
+from torchax.interop import jax_view, torch_view  # noqa: E402
 
-# torch Linear weights are (out_features, in_features): column-parallel layers
-# shard dim 0 over tp, row-parallel ones dim 1; the other dim goes to fsdp.
-_FSDP_TP = {
-  "tok_embeddings.weight": ("tp", "fsdp"),
-  "layers.*.attention.qkv_linear.wqkv.weight": ("tp", "fsdp"),
-  "layers.*.attention.qkv_linear.wq.weight": ("tp", "fsdp"),
-  "layers.*.attention.qkv_linear.wk.weight": ("tp", "fsdp"),
-  "layers.*.attention.qkv_linear.wv.weight": ("tp", "fsdp"),
-  "layers.*.attention.wo.weight": ("fsdp", "tp"),
-  "layers.*.attention.q_norm.weight": (None,),
-  "layers.*.attention.k_norm.weight": (None,),
-  "layers.*.feed_forward.w1.weight": ("tp", "fsdp"),
-  "layers.*.feed_forward.w3.weight": ("tp", "fsdp"),
-  "layers.*.feed_forward.w2.weight": ("fsdp", "tp"),
-  "layers.*.attention_norm.weight": (None,),
-  "layers.*.ffn_norm.weight": (None,),
-  "norm.weight": (None,),
-  "lm_head.weight": ("tp", "fsdp"),
-}
+FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
 
 
 def is_torchtitan(module: torch.nn.Module) -> bool:
   return type(module).__module__.startswith("torchtitan.")
 
 
+def parallel_plan(module: torch.nn.Module, *, ep: bool = False) -> dict[str, dict[str, int]]:
+  """How torchtitan itself shards `module`: parameter name → {mesh axis: the dim it
+  shards} for its TP (and, with `ep`, EP) axes, read from the model's own
+  `torchtitan.models.<name>.sharding.set_*_sharding_config` (sequence parallelism
+  off) applied to a copy of its config and built on meta. {} when the model's package
+  has no such plan."""
+  import copy
+  import importlib
+
+  package = type(module).__module__.rsplit(".", 1)[0]
+  try:
+    plans = importlib.import_module(package + ".sharding")
+  except ImportError:
+    return {}
+  setters = [
+    fn for name, fn in vars(plans).items()
+    if name.startswith("set_") and name.endswith("_sharding_config") and getattr(fn, "__module__", None) == plans.__name__
+    and next(iter(inspect.signature(fn).parameters)) == "config"
+  ]
+  config = getattr(module, "config", None)
+  if len(setters) != 1 or config is None:
+    return {}
+  config = copy.deepcopy(config)
+  accepted = inspect.signature(setters[0]).parameters
+  setters[0](config, **{k: v for k, v in dict(enable_sp=False, enable_ep=ep).items() if k in accepted})
+  with torch.device("meta"):
+    built = config.build()
+  plan = {}
+  for prefix, sub in built.named_modules():
+    sharding_config = getattr(sub, "_sharding_config", None)  # torchtitan's Module keeps its config's
+    for name, layout in (sharding_config.state_shardings if sharding_config else {}).items():
+      dims = {axis.value: placement.dim for axis, placement in layout.axis_types.items() if hasattr(placement, "dim")}
+      dims = {axis: dims[axis] for axis in ("tp", "ep") if axis in dims}
+      if dims:
+        plan[f"{prefix}.{name}" if prefix else name] = dims
+  return plan
+
+
 def fsdp_tp_map(module: torch.nn.Module) -> dict | None:
+  """torchtitan's own TP plan as a sharding map: each parameter's TP dim over `tp`,
+  its first other dim over `fsdp` (1-D parameters replicated)."""
   if not is_torchtitan(module):
     return None
-  return present_rules(module, _FSDP_TP)
+  plan = parallel_plan(module)
+  if not plan:
+    return None
+  table = {}
+  for name, param in module.named_parameters():
+    tp = plan.get(name, {}).get("tp")
+    spec = [None] * param.ndim
+    if tp is not None:
+      spec[tp % param.ndim] = "tp"
+    if param.ndim >= 2:
+      spec[next(d for d in range(param.ndim) if spec[d] is None)] = "fsdp"
+    table[name] = tuple(spec)
+  return table
+
+
+# The language-model families torchtitan 0.3.0 registers (flux, a diffusion model, takes no tokens).
+LANGUAGE_FAMILIES = ("llama3", "qwen3", "deepseek_v3", "kimi_k2_7", "qwen3_5", "gpt_oss", "muse_glimmer")
+
+
+def registry_config(spec: str, *, max_seq_len: int | None = None):
+  """torchtitan's own config for `"<family>:<flavor>"` (`torchtitan.models.<family>.model_registry`),
+  with RoPE tables sized to `max_seq_len` as torchtitan's trainer sizes them for its sequence length."""
+  import importlib
+
+  extras.require("torchtitan", "torchtitan's models")
+  family, _, flavor = spec.partition(":")
+  if family not in LANGUAGE_FAMILIES or not flavor:
+    raise TorchOnTpuError(f"'{spec}' is not <family>:<flavor> of torchtitan; families: {', '.join(LANGUAGE_FAMILIES)}.")
+  registry = importlib.import_module(f"torchtitan.models.{family}")
+  flavors = sorted({n for k, v in vars(registry).items() if k.endswith("_configs") and isinstance(v, dict) for n in v})
+  if flavor not in flavors:
+    raise TorchOnTpuError(f"torchtitan's {family} has no flavor '{flavor}'; choose one of {', '.join(flavors)}.")
+  config = registry.model_registry(flavor).model
+  for layer in config.layers if max_seq_len is not None else ():
+    attention = getattr(layer, "attention", None) or getattr(layer, "attn", None)
+    rope = getattr(attention, "rope", None)
+    if rope is None:
+      continue
+    if max_seq_len > rope.max_seq_len:
+      raise TorchOnTpuError(
+        f"seqlen {max_seq_len} exceeds {spec}'s maximum of {rope.max_seq_len} positions; use a shorter --seqlen."
+      )
+    attention.rope = dataclasses.replace(rope, max_seq_len=max_seq_len)
+  return config
 
 
 def llama3_config(flavor: str = "debugmodel", *, attention: str = "flex", max_seq_len: int | None = None):
@@ -141,6 +218,8 @@ def _flatten_masks(m):
 def _unflatten_masks(children, static):
   return FlexMasks(children[0], causal=static[0], window=static[1])
 
+  __str__ = __repr__  # BlockMask's own reads its block state
+
 
 _compat.torch_pytree.register_pytree_node(
   FlexMasks,
@@ -162,32 +241,107 @@ def flex_masks(positions: torch.Tensor | None = None) -> FlexMasks:
   """
   if positions is None:
     return FlexMasks()
-  starts = (positions == 0).to(torch.int32)
-  return FlexMasks(torch.cumsum(starts, dim=1, dtype=torch.int32))
+  return FlexMasks(document_ids(positions).to(torch.int32))
+
+
+class VarlenMasks:
+  """Stands in for torchtitan's `VarlenMetadata` (its varlen attention's cumulative
+  document offsets): causal attention within documents given by `segment_ids` (B, L).
+  Made a `VarlenMetadata` subclass on first use (`varlen_masks`), so torchtitan's
+  isinstance checks pass while it carries only the document ids."""
+
+
+_varlen_type = None
+
+
+def varlen_masks(segment_ids) -> "VarlenMasks":
+  """The `attention_masks` a varlen-attention torchtitan model gets from the bridge."""
+  global _varlen_type
+  if _varlen_type is None:
+    from torchtitan.models.common.attention import VarlenMetadata
+
+    class _VarlenMasks(VarlenMasks, VarlenMetadata):
+      __slots__ = ()
+
+      causal, window = True, None  # document-causal; a varlen layer holds its own window
+
+      @property
+      def segment_ids(self):
+        return self.cu_seq_q
+
+      def __repr__(self) -> str:
+        return f"VarlenMasks(document-causal, segment_ids {tuple(self.segment_ids.shape)})"
+
+    # cu_seq_q_host (): torchtitan's Qwen3.5 demands host offsets; the bridge's kernels read the ids.
+    rebuild = lambda ids: _VarlenMasks(ids, ids, int(ids.shape[1]), int(ids.shape[1]), ())  # noqa: E731
+    _compat.torch_pytree.register_pytree_node(
+      _VarlenMasks, lambda m: ([m.segment_ids], None), lambda children, _: rebuild(children[0]),
+      serialized_type_name="torch_on_tpu.models.torchtitan.VarlenMasks",
+    )
+    jax.tree_util.register_pytree_node(_VarlenMasks, lambda m: ([m.segment_ids], None), lambda _, c: rebuild(c[0]))
+    _varlen_type = (_VarlenMasks, rebuild)
+  return _varlen_type[1](segment_ids)
+
+
+def document_ids(positions):
+  """Document ids (B, L) from torchtitan's positions: a document starts wherever a
+  position is 0 (torch, numpy or jax arrays)."""
+  return (positions == 0).cumsum(1)
 
 
 def attention_masks(model: torch.nn.Module, positions: torch.Tensor):
   """What torchtitan's trainer passes as `attention_masks`, `model.get_attention_masks(positions)`,
   with a `FlexMasks` wherever torchtitan builds a flex BlockMask (a single mask, or a
-  dict of them keyed by the layers' windows).
+  dict of them keyed by the layers' windows) and a `VarlenMasks` wherever it builds
+  varlen document offsets (varlen attention, Qwen3.5's linear attention).
 
-  torchtitan's own code runs and chooses the masks; only the block-mask builder (a
-  `torch.compile`d function, which cannot run beside jax) is swapped for one that
-  reads the mask functions torchtitan combined (causal, sliding window, documents).
-  A mask function outside those is refused in one sentence. A model on varlen
-  attention gets the documents of `positions` (its layers hold their windows).
+  torchtitan's own code runs and chooses the masks; only the builders that cannot run
+  beside jax are swapped: the `torch.compile`d block-mask builder for one that reads the
+  mask functions torchtitan combined (causal, sliding window, documents; a mask function
+  outside those is refused in one sentence), and the document-offset builder (which reads
+  the positions on the host) for one keeping the document ids of `positions`.
   """
   from torchtitan.models.common import attention
-
-  if _uses(model, attention.VarlenAttention):
-    return flex_masks(positions)
 
   original = attention.__dict__["_compiled_create_block_mask"]
   attention._compiled_create_block_mask = _describe_block_mask
   try:
-    return model.get_attention_masks(positions)
+    with _varlen_metadata_as_documents():
+      return model.get_attention_masks(positions)
   finally:
     attention._compiled_create_block_mask = original
+
+
+@contextlib.contextmanager
+def _varlen_metadata_as_documents():
+  """torchtitan's `create_varlen_metadata_for_document`, in every torchtitan module that
+  imported it (the decoder, Qwen3.5), replaced by `varlen_masks` of the positions' documents."""
+  from torchtitan.models.common import attention
+
+  builder = attention.create_varlen_metadata_for_document
+  swapped = [
+    mod for name, mod in list(sys.modules.items())
+    if name.startswith("torchtitan.") and mod is not None and vars(mod).get("create_varlen_metadata_for_document") is builder
+  ]
+  for mod in swapped:
+    mod.create_varlen_metadata_for_document = lambda positions, **_: varlen_masks(document_ids(positions).to(torch.int32))
+  try:
+    yield
+  finally:
+    for mod in swapped:
+      mod.create_varlen_metadata_for_document = builder
+
+
+def _with_documents(layout, documents):
+  """The masks of `layout` (what `attention_masks` returned for a stand-in batch) over the
+  batch's document ids `documents` (B, L)."""
+  if isinstance(layout, dict):
+    return {key: _with_documents(m, documents) for key, m in layout.items()}
+  if isinstance(layout, FlexMasks):
+    return FlexMasks(documents, causal=layout.causal, window=layout.window)
+  if isinstance(layout, VarlenMasks):
+    return varlen_masks(documents)
+  return layout  # None: a consumer without masks
 
 
 def _describe_block_mask(mask_mod, B=None, H=None, Q_LEN=None, KV_LEN=None, device=None, **_block_layout):  # noqa: N803 (create_block_mask's names)
@@ -268,7 +422,7 @@ def _sinks_of(out_transform):
 
 @contextlib.contextmanager
 def varlen_routed_to(attend):
-  """While active, torchtitan's VarlenAttention runs `attend` on a `FlexMasks` (documents):
+  """While active, torchtitan's VarlenAttention runs `attend` on a `VarlenMasks` or `FlexMasks` (documents):
   its own `window_size` (left, right) as causal/window, its bf16 inputs as it casts them,
   an out_transform as `_sinks_of` reads it."""
   from torchtitan.models.common.attention import VarlenAttention
@@ -276,7 +430,7 @@ def varlen_routed_to(attend):
   original = VarlenAttention.__dict__["forward"]
 
   def routed(self, q, k, v, *, attention_masks, scale=None, out_transform=None, **kwargs):
-    if not isinstance(attention_masks, FlexMasks):
+    if not isinstance(attention_masks, (FlexMasks, VarlenMasks)):
       raise TorchOnTpuError(
         f"torchtitan VarlenAttention got attention_masks of type {type(attention_masks).__name__}; pass "
         f"attention_masks=torch_on_tpu.models.torchtitan.attention_masks(model, positions) instead."
@@ -354,23 +508,70 @@ class TorchtitanFamily(Family):
     return None
 
   def decoder_shape(self, module):
+    """Read from the module's structure, for every torchtitan decoder: its attention
+    modules (those holding an `inner_attention`; MLA's scores and values counted at
+    their own head dims), the widest per-token FFN (a MoE layer's `top_k` routed experts
+    plus its shared ones) and the routed-expert parameters a token does not touch."""
     layers = getattr(module, "layers", None)
     if layers is None or not len(layers) or not hasattr(module, "tok_embeddings"):
       return None
-    first = next(iter(layers.values() if hasattr(layers, "values") else layers))
-    attention = first.attention
+    blocks = list(layers.values() if hasattr(layers, "values") else layers)
+    attentions = [m for b in blocks for m in b.modules() if hasattr(m, "inner_attention") and hasattr(m, "n_heads")]
+    if not attentions:
+      return None
+    attention = attentions[0]
+    if hasattr(attention, "qk_head_dim"):  # MLA: q·k over qk_head_dim, p·v over v_head_dim, per head
+      head_dim, kv_heads = (attention.qk_head_dim + attention.v_head_dim) // 2, attention.n_heads
+    else:
+      head_dim, kv_heads = attention.head_dim, attention.n_kv_heads or attention.n_heads
+    moes = [m for b in blocks for m in b.modules() if _is_moe(m)]
     return DecoderShape(
-      layers=len(layers),
+      layers=len(blocks),
       dim=module.tok_embeddings.embedding_dim,
-      ffn_dim=first.feed_forward.w1.out_features,
+      ffn_dim=max(_ffn_width(b) for b in blocks),
       heads=attention.n_heads,
-      kv_heads=attention.n_kv_heads or attention.n_heads,
-      head_dim=attention.head_dim,
+      kv_heads=kv_heads,
+      head_dim=head_dim,
       vocab=module.tok_embeddings.num_embeddings,
+      attention_layers=len(attentions),
+      inactive_params=sum(_inactive_expert_params(m) for m in moes),
     )
 
   def sharding_map(self, module, preset):
     return fsdp_tp_map(module) if preset == "fsdp_tp" else None
+
+  def optimizer_pre_step(self, module):
+    """torchtitan's auxiliary-loss-free MoE load balancing, the step pre-hook its trainer
+    registers for every MoE model (`register_moe_load_balancing_hook`, the only
+    `post_optimizer_build_fn` of torchtitan 0.3.0's registries): per MoE layer with a
+    `load_balance_coeff`, `expert_bias_E += δ - mean(δ)` with `δ = coeff ·
+    sign(mean(n) - n)` for the token counts `n = tokens_per_expert_E` the forwards
+    accumulated (over the global batch, as torchtitan's all-reduce makes them), then
+    the counts reset."""
+    layers = [
+      (prefix, m.load_balance_coeff) for prefix, m in module.named_modules()
+      if _is_moe(m) and getattr(m, "load_balance_coeff", None) is not None
+    ]
+    if not layers:
+      return None
+
+    def update(read):
+      out = {}
+      for prefix, coeff in layers:
+        counts = read(f"{prefix}.tokens_per_expert_E").astype(jnp.float32)
+        delta = coeff * jnp.sign(counts.mean() - counts)
+        bias = read(f"{prefix}.expert_bias_E")
+        out[f"{prefix}.expert_bias_E"] = (bias + (delta - delta.mean())).astype(bias.dtype)
+        out[f"{prefix}.tokens_per_expert_E"] = jnp.zeros_like(read(f"{prefix}.tokens_per_expert_E"))
+      return out
+
+    return update
+
+  def expert_parameters(self, module):
+    """The routed-expert weights torchtitan's EP plan shards on their expert dim."""
+    plan = parallel_plan(module, ep=True) if is_torchtitan(module) else {}
+    experts = [name for name, dims in plan.items() if dims.get("ep") == 0]
+    return experts or None
 
   def prepare(self, module):
     if _takes_keyed_masks(module) and module not in _checked_masks:
@@ -381,19 +582,27 @@ class TorchtitanFamily(Family):
     ids, positions, segments = batch["input_ids"], batch.get("positions"), batch.get("segment_ids")
     if positions is None:
       return ids
-    if segments is not None and _uses_masked_attention(module):
+    inputs = {"tokens": ids, "positions": positions}  # by name: every torchtitan decoder takes them so
+    if _uses_masked_attention(module):
       # What torchtitan's trainer passes, get_attention_masks(positions), with the loader's document ids
       # (the batch's arrays may be traced or span hosts: torchtitan's mask code runs on a stand-in).
+      documents = document_ids(positions).to(torch.int32) if segments is None else segments
       layout = attention_masks(module, torch.zeros(1, 1, dtype=torch.long))
-      with_documents = lambda m: FlexMasks(segments, causal=m.causal, window=m.window)  # noqa: E731
-      masks = {k: with_documents(m) for k, m in layout.items()} if isinstance(layout, dict) else with_documents(layout)
-      return ids, positions, masks
-    return ids, positions
+      inputs["attention_masks"] = _with_documents(layout, documents)
+    if "special_tokens" in inspect.signature(module.forward).parameters:
+      # A multimodal decoder called with text only (Qwen3.5 reads the ids even then): no
+      # pixels, and placeholder ids no token has.
+      inputs["special_tokens"] = {"image_id": -1, "video_id": -1}
+    return inputs
 
   def decode_cache(self, module, max_len):
-    return None, "torchtitan's Llama 3 has no KV cache"
+    return None, "torchtitan's decoders have no KV cache"
 
   def hf_form(self, module):
+    """Llama 3 as HF Llama (its q/k rows permuted for HF's RoPE); the other families
+    through torchtitan's own `state_dict_adapter` (`hf_via_adapter`)."""
+    if type(module).__module__ != "torchtitan.models.llama3.model":
+      return hf_via_adapter(module)
     config, to_hf = hf_llama(module)
 
     def rename(name):
@@ -402,12 +611,223 @@ class TorchtitanFamily(Family):
 
     return HFForm(config, rename)
 
+  @contextlib.contextmanager
+  def running(self, module):
+    """torchtitan's SPMD type annotations off while the model runs: the bridge runs it
+    as single-device code and shards it from outside (its "partial_dtensor" backend,
+    which annotates nothing on plain tensors); Qwen3.5's linear-attention kernels
+    (flash-linear-attention's Triton, which cannot run under jax) routed to the bridge's."""
+    from torchtitan.distributed import utils as titan_distributed
+
+    before = titan_distributed.get_spmd_backend()
+    titan_distributed.set_spmd_backend("partial_dtensor")
+    try:
+      with _linear_attention_routed():
+        yield
+    finally:
+      titan_distributed.set_spmd_backend(before)
+
   def attention_routes(self, attend):
     # Any model built from torchtitan's attention modules (not only its top-level classes).
     if "torchtitan.models.common.attention" not in sys.modules:
       return []
     return [flex_routed_to(attend), varlen_routed_to(attend)]
 
+
+def _is_moe(module) -> bool:
+  return hasattr(module, "router") and hasattr(module, "routed_experts")
+
+
+def _routed(moe):
+  """(routed expert params, experts, experts per token) of a torchtitan MoE layer."""
+  experts = moe.routed_experts.inner_experts
+  return sum(p.numel() for p in experts.parameters()), moe.router.num_experts, moe.router.top_k
+
+
+def _inactive_expert_params(moe) -> int:
+  params, experts, top_k = _routed(moe)
+  return params * (experts - top_k) // experts
+
+
+def _ffn_width(block) -> int:
+  """Hidden units a token passes through in one block's FFN or MoE."""
+  width = 0
+  for m in block.modules():
+    if _is_moe(m):
+      params, experts, top_k = _routed(m)
+      width += params // experts // (3 * m.router.gate.in_features) * top_k  # gate, up, down: 3 dim-by-hidden
+      if m.shared_experts is not None:
+        width += m.shared_experts.w1.out_features
+      return width
+  ff = getattr(block, "feed_forward", None)
+  return ff.w1.out_features if ff is not None and hasattr(ff, "w1") else 0
+
+
+# ---- Qwen3.5's linear attention (Gated DeltaNet) ---------------------------------------------
+
+
+@contextlib.contextmanager
+def _linear_attention_routed():
+  """While active, torchtitan's Gated DeltaNet (Qwen3.5) runs its document-resetting causal
+  conv and its gated delta rule as the bridge's (`_causal_conv_by_document`,
+  `_gated_delta_rule`) instead of flash-linear-attention's Triton kernels, which run
+  only on CUDA torch tensors."""
+  qwen3_5 = sys.modules.get("torchtitan.models.qwen3_5.model")
+  if qwen3_5 is None:
+    yield
+    return
+  conv, kernel = qwen3_5._causal_conv1d_varlen, qwen3_5.GatedDeltaKernel.forward
+
+  def routed_kernel(self, q, k, v, g, beta, *, cu_seqlens=None, cu_seqlens_cpu=None):
+    if q.shape[2] != v.shape[2]:  # value heads share key heads, as torchtitan's forward expands them
+      q, k = (t.repeat_interleave(v.shape[2] // t.shape[2], dim=2) for t in (q, k))
+    documents = None if cu_seqlens is None else jax_view(_flat_documents(cu_seqlens))
+    return torch_view(_gated_delta_rule(*(jax_view(t) for t in (q, k, v, g, beta)), documents))
+
+  qwen3_5._causal_conv1d_varlen = lambda x, weight, ids, _host: _causal_conv_by_document(x, weight, _flat_documents(ids))
+  qwen3_5.GatedDeltaKernel.forward = routed_kernel
+  try:
+    yield
+  finally:
+    qwen3_5._causal_conv1d_varlen, qwen3_5.GatedDeltaKernel.forward = conv, kernel
+
+
+def _flat_documents(segment_ids: torch.Tensor) -> torch.Tensor:
+  """(B, L) document ids → (B·L,) ids unique across rows (the folded layout Gated DeltaNet runs)."""
+  rows, length = segment_ids.shape
+  offsets = torch.arange(rows, dtype=segment_ids.dtype, device=segment_ids.device)[:, None] * (length + 1)
+  return (segment_ids + offsets).reshape(-1)
+
+
+def _causal_conv_by_document(x: torch.Tensor, weight: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+  """flash-linear-attention's varlen `causal_conv1d` (depthwise, SiLU, restarted at each
+  document): x (1, T, D), weight (D, 1, K), documents (T,)."""
+  taps = weight.shape[-1]
+  w = weight.reshape(weight.shape[0], taps)
+  out = torch.zeros_like(x)
+  for back in range(taps):  # tap `back` reads the token `back` steps earlier, in the same document
+    earlier = torch.nn.functional.pad(x, (0, 0, back, 0))[:, : x.shape[1]]
+    same = documents == torch.nn.functional.pad(documents, (back, 0), value=-1)[: x.shape[1]]
+    out = out + earlier * same[None, :, None].to(x.dtype) * w[:, taps - 1 - back]
+  return torch.nn.functional.silu(out)
+
+
+def _gated_delta_rule(q, k, v, g, beta, documents=None):
+  """flash-linear-attention's `chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)`
+  as a sequential scan (jax arrays; q, k (1, T, H, K), v (1, T, H, V), g, beta (1, T, H)):
+  per head, the state S (K, V) decays by exp(g), is corrected toward v along k by beta,
+  and is read by q scaled by K^-1/2; S restarts at each document of `documents` (T,)
+  (one stream when None). fp32 inside, output in v's dtype."""
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  l2 = lambda x: (f32(x) / jnp.sqrt(jnp.sum(f32(x) ** 2, -1, keepdims=True) + 1e-6)).astype(x.dtype)  # noqa: E731
+  scale = q.shape[-1] ** -0.5
+  q, k = f32(l2(q))[0] * scale, f32(l2(k))[0]
+  v, g, beta = f32(v)[0], f32(g)[0], f32(beta)[0]
+  steps = q.shape[0]
+  starts = jnp.zeros(steps, bool).at[0].set(True)
+  if documents is not None:
+    starts = starts.at[1:].set(documents[1:] != documents[:-1])
+
+  def step(state, xs):
+    q_t, k_t, v_t, g_t, beta_t, start = xs
+    state = jnp.where(start, 0.0, state) * jnp.exp(g_t)[:, None, None]
+    delta = (v_t - jnp.einsum("hkv,hk->hv", state, k_t)) * beta_t[:, None]
+    state = state + k_t[:, :, None] * delta[:, None, :]
+    return state, jnp.einsum("hk,hkv->hv", q_t, state)
+
+  init = jnp.zeros((q.shape[1], q.shape[2], v.shape[2]), jnp.float32)
+  _, out = jax.lax.scan(step, init, (q, k, v, g, beta, starts))
+  return out[None].astype(v.dtype)
+
+
+# ---- export through torchtitan's own state_dict adapters ------------------------------------
+
+
+def hf_via_adapter(module: torch.nn.Module) -> HFForm | None:
+  """The model as transformers writes it: names and layouts from the family's own
+  `torchtitan.models.<name>.state_dict_adapter` (its `to_hf`, run entry by entry on the
+  device arrays: MoE experts split per expert, as torchtitan splits them), the config from
+  `_HF_CONFIGS`. None for a family without either."""
+  import importlib
+
+  family = type(module).__module__.split(".")[2] if is_torchtitan(module) else None
+  make_config = _HF_CONFIGS.get(family)
+  if make_config is None or getattr(module, "config", None) is None:
+    return None
+  adapters = importlib.import_module(f"torchtitan.models.{family}.state_dict_adapter")
+  from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
+
+  classes = [c for c in vars(adapters).values() if isinstance(c, type) and issubclass(c, BaseStateDictAdapter) and c.__module__ == adapters.__name__]
+  if len(classes) != 1:
+    return None
+  adapter = classes[0](module.config, None)
+  config, check = make_config(module.config)
+  shapes = module.state_dict()  # on meta: names and shapes only
+
+  def rename(name):
+    return [(hf, functools.partial(_to_hf, adapter, name, hf)) for hf in adapter.to_hf({name: shapes[name]})]
+
+  return HFForm(config, rename, check)
+
+
+def _to_hf(adapter, name: str, hf_name: str, array: jax.Array) -> jax.Array:
+  with torchax.default_env():
+    return jax_view(adapter.to_hf({name: torch_view(array)})[hf_name])
+
+
+def _qwen3_hf_config(config):
+  """HF's Qwen3 (dense) or Qwen3-MoE config for torchtitan's Qwen3; refuses what HF cannot express."""
+  import transformers
+
+  first = config.layers[0]
+  qkv, rope = first.attention.qkv_linear, first.attention.rope
+  moes = [layer.moe for layer in config.layers if layer.moe is not None]
+  problem = None
+  if rope.scaling != "none":
+    problem = f"its RoPE scaling is '{rope.scaling}'"
+  elif moes and len(moes) != len(config.layers):
+    problem = "it mixes dense and MoE layers"
+  elif moes and (moes[0].shared_experts is not None or moes[0].router.score_func != "softmax" or moes[0].router.route_scale != 1.0):
+    problem = "its MoE router or shared experts differ from HF Qwen3-MoE's"
+  if problem is not None:
+    raise TorchOnTpuError(f"This torchtitan Qwen3 cannot be written as HF Qwen3: {problem}; export_safetensors writes its own names.")
+  common = dict(
+    vocab_size=config.vocab_size, hidden_size=config.dim, num_hidden_layers=len(config.layers),
+    num_attention_heads=qkv.n_heads, num_key_value_heads=qkv.n_kv_heads, head_dim=qkv.head_dim,
+    rms_norm_eps=config.norm.eps, max_position_embeddings=rope.max_seq_len,
+    tie_word_embeddings=bool(config.enable_weight_tying), attention_bias=False,
+    rope_parameters=dict(rope_type="default", rope_theta=float(rope.theta)),
+  )
+  if not moes:
+    hf = transformers.Qwen3Config(intermediate_size=first.feed_forward.w1.out_features, architectures=["Qwen3ForCausalLM"], **common)
+    return hf, None
+  moe = moes[0]
+  hf = transformers.Qwen3MoeConfig(
+    intermediate_size=moe.routed_experts.inner_experts.hidden_dim, moe_intermediate_size=moe.routed_experts.inner_experts.hidden_dim,
+    num_experts=moe.num_experts, num_experts_per_tok=moe.router.top_k, norm_topk_prob=bool(moe.router.route_norm),
+    decoder_sparse_step=1, mlp_only_layers=[], architectures=["Qwen3MoeForCausalLM"], **common,
+  )
+  return hf, _no_expert_bias(len(config.layers)) if moe.load_balance_coeff is not None else None
+
+
+def _no_expert_bias(layers: int):
+  """HF's Qwen3-MoE routes without torchtitan's load-balancing bias: a trained (nonzero) one is refused."""
+
+  def check(read):
+    for i in range(layers):
+      bias = read(f"layers.{i}.moe.expert_bias_E")
+      if bool(jnp.any(bias != 0)):
+        raise TorchOnTpuError(
+          f"layers.{i}.moe.expert_bias_E is nonzero (torchtitan's MoE load balancing moved it) and HF's "
+          f"Qwen3-MoE routes without an expert bias, so its logits would differ; export_safetensors writes "
+          f"the model with it."
+        )
+
+  return check
+
+
+# torchtitan family → (its config → (the transformers config, a check of the values or None)).
+_HF_CONFIGS = {"qwen3": _qwen3_hf_config}
 
 # Models whose forward checks that it got its masks by key (weakly held: a model can go).
 _checked_masks: weakref.WeakSet = weakref.WeakSet()
