@@ -10,25 +10,14 @@ the pinned one, torchax that does not import).
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import os
 import platform
 import sys
 
-PACKAGES = ("torch", "torchax", "jax", "jaxlib", "optax", "orbax-checkpoint")
-OPTIONAL_PACKAGES = ("torchtitan", "transformers", "peft", "tokenizers", "datasets", "tensorboard", "matplotlib", "fire")
+from torch_on_tpu.stack import OPTIONAL_PACKAGES, versions
+
 PINNED_TORCH = "2.13.0"
 INSTALL_HINT = "bash tools/setup_env.sh (or pip install -c constraints.txt -e '.[cpu,all]')"
-
-
-def versions() -> dict[str, str | None]:
-  found = {"python": platform.python_version()}
-  for name in (*PACKAGES, *OPTIONAL_PACKAGES):
-    try:
-      found[name] = importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-      found[name] = None
-  return found
 
 
 def problems(found: dict[str, str | None]) -> list[str]:

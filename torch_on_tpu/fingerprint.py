@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from torch_on_tpu import doctor, health
+from torch_on_tpu import health, stack
 
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -44,7 +44,7 @@ def code() -> dict:
   for root in sorted(roots):
     for path in sorted(root.rglob("*.py")):
       files[f"{root.name}/{path.relative_to(root)}"] = _digest_file(path)
-  return {"versions": doctor.versions(), "files": files}
+  return {"versions": stack.versions(), "files": files}
 
 
 def check_same(**kinds) -> None:

@@ -16,22 +16,13 @@ override can wrap the original. Compiled functions are keyed on
 `op_table.generation()`, so a changed override retraces instead of reusing a stale
 program.
 
-Custom ops (`torch.library`, any namespace: torchtitan's
-`deterministic_scatter_add`, a user's own) run through the bridge too
-(`route_custom_ops`): an override of the op if there is one, else torch's
-registered decomposition, else the op's composite implementation (the torch
-code of a `torch.library.custom_op`), traced op by op. An op with only device
-kernels is refused at trace time, naming the op and `override_op`.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-import torch
-
 from torch_on_tpu import _compat, op_table, runtime
-from torch_on_tpu.errors import TorchOnTpuError
 
 
 class override_op(contextlib.ContextDecorator):
@@ -93,36 +84,3 @@ class override_op(contextlib.ContextDecorator):
   def __exit__(self, *exc):
     self.remove()
     return False
-
-
-def route_custom_ops(env) -> None:
-  """Ops outside torchax's namespaces go through `_run_custom_op` in `env` (see the module docstring)."""
-  _compat.route_other_namespaces(env, _run_custom_op)
-
-
-def _run_custom_op(mode, op, types, args, kwargs):
-  env = mode.env
-  tensors = [t for t in _compat.torch_pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-  if not any(_is_jax_backed(t) for t in tensors):
-    return op(*args, **kwargs)  # plain torch tensors: the op's own kernel, as torch runs it
-  if _compat.registered_op(env, op) or _compat.registered_op(env, op.overloadpacket):
-    return env.dispatch(op, types, args, kwargs)
-  decomposition = _compat.decomposition(op)
-  with mode:  # the pieces of a decomposition dispatch through torchax again
-    if decomposition is not None:
-      return decomposition(*args, **kwargs)
-    if _compat.has_kernel(op, "CompositeImplicitAutograd"):
-      return op.decompose(*args, **kwargs)
-    if _compat.has_kernel(op, "CompositeExplicitAutograd"):
-      return _compat.run_kernel(op, "CompositeExplicitAutograd", args, kwargs)
-  raise TorchOnTpuError(
-    f"The custom op {op.name()} has only device kernels (no decomposition or composite "
-    f"implementation the bridge can trace); give it a lowering with "
-    f"tot.override_op(torch.ops.{op.namespace}.{op.__name__}, impl) where "
-    f"impl computes it in torch ops."
-  )
-
-
-def _is_jax_backed(tensor) -> bool:
-  torchax = _compat.import_torchax()
-  return isinstance(tensor, (torchax.tensor.Tensor, torchax.view.View))

@@ -14,8 +14,8 @@ PRNG key):
    import calls one of its own ops);
 4. torchax's environment is created and our lowerings are registered into it
    (`lowerings.register`), which also gives jax-backed tensors torch's `.cpu()`,
-   `.item()`, `float()` and `int()`; ops of other `torch.library` namespaces are
-   routed through the bridge (`ops.route_custom_ops`);
+   `.item()`, `float()` and `int()`, and routes ops of other `torch.library`
+   namespaces through the bridge (`lowerings.custom_ops`);
 5. `torch.autograd.Function.apply` is routed so that a Function applied to
    jax-backed tensors runs its own backward (`autograd_functions.install`).
 
@@ -40,13 +40,12 @@ def setup() -> None:
   with _lock:
     if _started:
       return
-    from torch_on_tpu import _compat, autograd_functions, distributed, lowerings, ops, xla_flags
+    from torch_on_tpu import _compat, autograd_functions, distributed, lowerings, xla_flags
 
     xla_flags.apply_defaults()
     distributed.initialize_distributed()
     _compat.import_torchvision_outside_torchax()
     lowerings.register(_compat.torchax_env())
-    ops.route_custom_ops(_compat.torchax_env())
     autograd_functions.install()
     _started = True
 

@@ -15,6 +15,9 @@ One module per concern:
   `cov`, `max_unpool`, `index_reduce`, `adaptive_max_pool`, `segment_reduce`);
 - `factories`: tensors traced code makes on the CPU are made on the device
   (`made_on_device`, entered per trace);
+- `custom_ops`: ops of other `torch.library` namespaces (torchtitan's
+  custom ops, a user's own) traced through their decomposition or composite
+  implementation, or refused naming `override_op`;
 - `low_precision`: bf16 / fp16 activations, softmax and layer norm rounded
   once as torch does; registered last, each wrapping the lowering the groups
   above left, so it wins only for low-precision inputs.
@@ -22,7 +25,7 @@ One module per concern:
 
 from __future__ import annotations
 
-from torch_on_tpu.lowerings import added_ops, factories, index_checks, low_precision, model_ops, torch_semantics
+from torch_on_tpu.lowerings import added_ops, custom_ops, factories, index_checks, low_precision, model_ops, torch_semantics
 from torch_on_tpu.lowerings.factories import made_on_device
 from torch_on_tpu.lowerings.model_ops import cpu_linear
 
@@ -37,4 +40,5 @@ def register(env) -> list[str]:
   index_checks.register(env)
   added = model_ops.register(env)
   low_precision.register(env)
+  custom_ops.register(env)
   return added
