@@ -178,6 +178,13 @@ def test_the_launcher_blames_the_faulty_process_not_the_one_that_stopped_because
   assert launch._blame([3, 3], set(), status) == (1, 3)
   (tmp_path / "p1.json").write_text(json.dumps({"host": "h", "pid": 7, "activity": "running step 5"}))
   assert status.describe(1, 3, {}) == "process 1 (host h, pid 7) exited with code 3: s"
+  ckpt = tmp_path / "ckpt"
+  ckpt.mkdir()
+  (tmp_path / "p1.json").write_text(json.dumps({"host": "h", "pid": 7, "activity": "running step 5", "checkpoints": str(ckpt)}))
+  assert status.kept(1) == f"{ckpt} holds no complete checkpoint yet"
+  (tmp_path / "p1.fault.json").write_text(json.dumps({"faulty": 1, "how": "failed", "sentence": f"Disk full; {ckpt} holds no complete checkpoint yet."}))
+  assert status.kept(1) is None  # the process's own sentence said it: not said twice
+  (tmp_path / "p1.json").write_text(json.dumps({"host": "h", "pid": 7, "activity": "running step 5"}))
   (tmp_path / "p0.fault.json").write_text(json.dumps({"faulty": 1, "how": "unresponsive", "silent": 10}))
   (tmp_path / "p1.fault.json").unlink()
   assert status.describe(1, None, {}) == (

@@ -407,7 +407,7 @@ class _Status:
     if not directory:
       return None
     own = self.faults().get(index, {}).get("sentence", "")
-    return None if "newest complete checkpoint" in own else storage.kept(directory)
+    return None if "complete checkpoint" in own else storage.kept(directory)  # said once, by the process
 
   def _all(self) -> list[dict]:
     return [self._read(p.name) for p in sorted(self.directory.glob("p*.json")) if ".fault." not in p.name]
