@@ -846,6 +846,7 @@ def _pipeline_splits(flags: Flags, mesh) -> None:
     )
 
 
+@startup_check
 def _sequence_splits(flags: Flags, mesh) -> None:
   """The sequence cuts into 2·cp equal chunks (context parallelism's causal balance)."""
   from torch_on_tpu.errors import TorchOnTpuError

@@ -117,6 +117,7 @@ def test_a_pp_checkpoint_holds_original_names_and_resumes_at_pp1_and_back(tmp_pa
     (h.titan, dict(axes=dict(pp=2, fsdp=4), scan=False), r"pp=2, which splits the scanned layer stack .* scan=True"),
     (h.titan, dict(axes=dict(pp=2, fsdp=4), microbatches=1, virtual_stages=3), r"circular pipeline .* use microbatches of at least 2"),
     (h.titan, dict(axes=dict(fsdp=8), microbatches=4), r"microbatches and virtual_stages .* mesh .* has no .pp. axis"),
+    (h.titan, dict(axes=dict(pp=2, fsdp=2, cp=2)), r"pipeline stages and each sequence over 'cp', which do not compose yet .* cp=1"),
     (lambda: IndexedStack("per-layer scale"), dict(axes=dict(pp=2, fsdp=4)), None),
     (lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), dict(axes=dict(pp=2, fsdp=4)), r"found no stack .* without pp"),
   ],
@@ -177,9 +178,11 @@ def test_recipe_flags_resolve_the_microbatches_and_refuse_what_cannot_run():
   assert common.resolve(llama3.Llama3Flags(pp=4, global_batch_size=24), recipe)["microbatches"] == 12
   assert common.resolve(llama3.Llama3Flags(pp=2, global_batch_size=16, grad_accum=2), recipe)["microbatches"] == 8
   assert common.resolve(llama3.Llama3Flags(pp=2, microbatches=2), recipe)["microbatches"] == 2
+  assert list(common.mesh_axes(llama3.Llama3Flags(pp=2, cp=1))) == ["pp", "fsdp", "tp"]  # stages outermost
   for flags, match in [
     (llama3.Llama3Flags(pp=2, microbatches=3, global_batch_size=8), r"--microbatches=3 does not divide the 8 rows"),
     (llama3.Llama3Flags(microbatches=4), r"give --pp=N"),
+    (llama3.Llama3Flags(pp=2, cp=2), r"--pp=2 and --cp=2 do not compose yet"),
   ]:
     with pytest.raises(TorchOnTpuError, match=match):
       common.check_flags(flags)
