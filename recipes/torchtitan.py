@@ -44,8 +44,7 @@ def recipe(flags: TorchtitanFlags) -> common.Recipe:
 
 def run(flags: TorchtitanFlags) -> dict:
   """The recipe for parsed flags (tests call this in-process); returns the run's summary."""
-  common.setup_platform(flags.cpu_devices)  # before the model builders import jax
-  return common.run(flags, recipe(flags))
+  return common.run(flags, recipe)
 
 
 main = common.cli(TorchtitanFlags, run, "Train any torchtitan registry model with torch_on_tpu.")

@@ -93,18 +93,6 @@ def test_moe_trains_scanned_with_torchtitans_load_balancing():
   assert len(biases) == len(counts) == 2 and max(biases.values()) < 1e-6 and max(counts.values()) == 0.0, ours["_buffers"]
 
 
-def test_gpt_oss_sliding_window_is_refused_in_one_sentence_not_dropped():
-  """gpt-oss's attention (a sliding window on every other layer, sinks on all) needs the
-  kernels' windows and sinks (issue 28 item 2); until then it is refused, never run as plain
-  causal attention."""
-  config = tiny("gpt_oss:debugmodel")
-  jm = tp.wrap(config, "forward")
-  tokens, _, positions = tp.packed_batch()
-  inputs = jm.family.model_inputs(jm.module, {"input_ids": tokens, "positions": positions})
-  with pytest.raises(tot.TorchOnTpuError, match="window_size"):
-    jm(**inputs)
-
-
 def _export_and_load(jm, tmp_path):
   import transformers
 

@@ -306,7 +306,8 @@ def test_masks_are_read_from_torchtitans_own_mask_functions():
   # The Trainer's batches (jax arrays, maybe traced or spanning hosts) get the same masks, the
   # loader's document ids in them.
   segments = jnp.asarray([[0, 0, 0, 1, 1, 1, 1, 1]], jnp.int32)
-  _, _, batch_masks = models.family_of(model).model_inputs(model, {"input_ids": segments, "positions": segments, "segment_ids": segments})
+  inputs = models.family_of(model).model_inputs(model, {"input_ids": segments, "positions": segments, "segment_ids": segments})
+  batch_masks = inputs["attention_masks"]
   assert {k: (m.causal, m.window) for k, m in batch_masks.items()} == {k: (m.causal, m.window) for k, m in masks.items()}
   assert batch_masks["sliding_window_mask"].segment_ids is segments
 

@@ -228,22 +228,16 @@ def fp32_experts():
 @contextlib.contextmanager
 def fp64_linears():
   """The second valid eager reference: every fp32 `F.linear` accumulated in fp64 and rounded
-  to fp32 (a more exact matmul path). Where torchtitan computes in bf16 (MoE experts), an
-  fp32-level difference upstream moves some bf16 inputs by one unit: the spread any valid
-  bf16 computation has."""
-  import torch
-  import torch.nn.functional as F
+  to fp32 (a more exact matmul path; tools/bf16_sweep.py's `Fp64Linears`). Where torchtitan
+  computes in bf16 (MoE experts), an fp32-level difference upstream moves some bf16 inputs
+  by one unit: the spread any valid bf16 computation has."""
+  import importlib.util
+  from pathlib import Path
 
-  class Fp64Linears(torch.overrides.TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-      kwargs = kwargs or {}
-      if func is F.linear and args[0].dtype == torch.float32:
-        x, w, *rest = args
-        b = rest[0] if rest else kwargs.get("bias")
-        return F.linear(x.double(), w.double(), None if b is None else b.double()).float()
-      return func(*args, **kwargs)
-
-  with Fp64Linears():
+  spec = importlib.util.spec_from_file_location("bf16_sweep", Path(__file__).with_name("bf16_sweep.py"))
+  sweep = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(sweep)
+  with sweep.Fp64Linears():
     yield
 
 

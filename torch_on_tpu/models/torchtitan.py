@@ -303,6 +303,13 @@ def attention_masks(model: torch.nn.Module, positions: torch.Tensor):
   """
   from torchtitan.models.common import attention
 
+  if not callable(getattr(model, "get_attention_masks", None)):
+    if _uses(model, attention.VarlenAttention):  # torchtitan's layers in a model of one's own
+      return varlen_masks(document_ids(positions).to(torch.int32))
+    raise TorchOnTpuError(
+      f"{type(model).__name__} has no get_attention_masks to choose its masks; pass "
+      f"torch_on_tpu.models.torchtitan.flex_masks(positions) or a FlexMasks of your own."
+    )
   original = attention.__dict__["_compiled_create_block_mask"]
   attention._compiled_create_block_mask = _describe_block_mask
   try:
