@@ -117,7 +117,7 @@ def xla_attention_backward(q, k, v, out, lse, dout, **kwargs):
   lse5 = pad_to(lse.reshape(shape5), 3, tiles.padded[0], -jnp.inf)
   dq, dk, dv, _, _ = _flash_backward(
     tiles, q5, k, v, mask, q_seg, kv_seg, None, seed, offsets, origin,
-    out.reshape(*shape5, -1), lse5, dout.reshape(*shape5, -1), None, False,
+    out.reshape(*shape5, -1), lse5, dout.reshape(*shape5, -1), None, False, whole_rows=False,
   )
   return dq.reshape(q.shape), dk, dv
 
@@ -181,10 +181,15 @@ def _reduce_last(combine, reduce, x):
   and the final 32-wide reduce escapes XLA CPU's tree-reduction rewrite: about
   15% off the forward of a 256-wide tile on CPU (docs/performance.md).
   """
-  while x.shape[-1] > _CPU_REDUCE_WINDOW and x.shape[-1] % 2 == 0:
-    half = x.shape[-1] // 2
-    x = combine(x[..., :half], x[..., half:])
-  return reduce(x, axis=-1)
+  return reduce(_fold_halves(combine, x, x.ndim - 1), axis=-1)
+
+
+def _fold_halves(combine, x, axis: int):
+  """`x` with `axis` combined half onto half while longer than 32 and even."""
+  while x.shape[axis] > _CPU_REDUCE_WINDOW and x.shape[axis] % 2 == 0:
+    half = x.shape[axis] // 2
+    x = combine(lax.slice_in_dim(x, 0, half, axis=axis), lax.slice_in_dim(x, half, 2 * half, axis=axis))
+  return x
 
 
 def _einsum32(spec, a, b):
@@ -404,20 +409,35 @@ def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets
 
 
 def _flash_backward(
-  t: _Tiles, q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets, origin, out, lse, dout, dlse, mask_grad
+  t: _Tiles, q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets, origin, out, lse, dout, dlse, mask_grad,
+  whole_rows=True,
 ):
+  """Gradients of the blocked attention (or, `whole_rows=False`, of one block of a
+  longer one, `lse` the whole row's).
+
+  dS = P·(dP - δ) cancels where one key dominates a row, so P and δ must carry the
+  same rounding as dP, as in torch's softmax backward. When one key tile holds every
+  key a row sees (`whole_rows` and a single tile: short sequences), P is the tile's
+  own softmax and δ = rowsum(P·dP): as close to float64 as torch's float32. Otherwise
+  P = exp(s - lse) and δ = rowsum(dout·out), FlashAttention's one-pass form: an lse
+  rounded to fp32 and a recomputed s each move P by ~eps·|s|, which on peaked rows
+  (|s| ~ 60) puts dQ and dK some 6× further from float64 than torch's float32.
+  """
   batch, hkv, groups, length, dim = q.shape
   kv_length = k.shape[2]
   qp, kp, vp, maskp, q_segp, kv_segp = _padded_inputs(t, q, k, v, mask, q_seg, kv_seg)
   lp, sp = t.padded
   n_q, n_kv = lp // t.block_q, sp // t.block_kv
   doutp = pad_to(dout, 3, lp)
-  out_dot_dout = doutp.astype(jnp.float32) * pad_to(out, 3, lp).astype(jnp.float32)
-  delta = _reduce_last(jnp.add, jnp.sum, out_dot_dout)
-  if dlse is not None:  # d lse / d s = the softmax itself: it joins dP's row term
-    delta = delta - dlse
+  in_tile = whole_rows and n_kv == 1
+  delta = None
+  if not in_tile or sinks is not None:
+    out_dot_dout = doutp.astype(jnp.float32) * pad_to(out, 3, lp).astype(jnp.float32)
+    delta = _reduce_last(jnp.add, jnp.sum, out_dot_dout)
+    if dlse is not None:  # d lse / d s = the softmax itself: it joins dP's row term
+      delta = delta - dlse
   lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
-  dsinks = None
+  dsinks = p_sink = None
   if sinks is not None:  # d/d sink of a row is -p(sink) · Σ dout·out
     p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, :, None] - lse_safe)
     dsinks = -(p_sink * delta).sum(axis=(0, 3)).astype(sinks.dtype)
@@ -439,6 +459,8 @@ def _flash_backward(
       # Tiles are keys-first, (B, K, bk, G, bq): dK and dV contract their trailing axes.
       s = _scores(t, qi, kj, mask_ij, q_seg_i, kv_seg_j, i, j, origin, keys_first=True)
       p = jnp.exp(s - _tile(lse_safe, 3, i, t.block_q)[:, :, None])
+      if in_tile:
+        p = _renormalized(p, None if p_sink is None else _tile(p_sink, 3, i, t.block_q)[:, :, None])
       dp = _einsum32("bksd,bkgqd->bksgq", vj, doi)
       if t.rate > 0:
         keep = _drop(t, seed, offsets, s.shape, i, j, origin, keys_first=True)
@@ -446,7 +468,13 @@ def _flash_backward(
       else:
         pd = p
       dv = dv + _einsum32("bksgq,bkgqd->bksd", pd.astype(doi.dtype), doi)
-      ds = p * (dp - _tile(delta, 3, i, t.block_q)[:, :, None])
+      if in_tile:  # dp already carries the dropout
+        delta_i = _reduce_keys(jnp.add, jnp.sum, p * dp)
+        if dlse is not None:
+          delta_i = delta_i - _tile(dlse, 3, i, t.block_q)[:, :, None]
+      else:
+        delta_i = _tile(delta, 3, i, t.block_q)[:, :, None]
+      ds = p * (dp - delta_i)
       dq_i = _einsum32("bksd,bksgq->bkdgq", kj, ds.astype(kj.dtype))
       dq = lax.dynamic_update_slice_in_dim(
         dq, _tile(dq, 4, i, t.block_q) + dq_i * t.scale, i * t.block_q, 4
@@ -468,6 +496,22 @@ def _flash_backward(
   if dmask is not None:
     dmask = dmask[:, :, :, : mask.shape[3], : mask.shape[4]].astype(mask.dtype)
   return dq, dk, dv, dmask, dsinks
+
+
+def _reduce_keys(combine, reduce, x):
+  """`reduce` over the key axis of a keys-first tile (B, K, bk, G, bq), kept as size 1;
+  folded in halves first as `_reduce_last` does."""
+  return reduce(_fold_halves(combine, x, 2), axis=2, keepdims=True)
+
+
+def _renormalized(p, p_sink):
+  """A keys-first tile of exp(s - lse) holding whole rows, divided by its own row sums
+  (plus the sink's share `p_sink`): exactly a softmax of the recomputed scores, free of
+  the rounding in the saved lse and of a recomputed s that differs from the forward's."""
+  total = _reduce_keys(jnp.add, jnp.sum, p)
+  if p_sink is not None:
+    total = total + p_sink
+  return p / jnp.where(total > 0, total, 1.0)
 
 
 def _accumulate_mask_grad(t: _Tiles, dmask, ds, i, j):
