@@ -10,7 +10,10 @@ pipeline — checks the initial weights are equal under their original names, th
 trains both 5 AdamW steps (clipping at 1.0) on the same batches and reports the
 worst relative error ‖Δ‖/‖ref‖ of the 5 losses, of the trained weights (per
 original name) and, for the grad_accum rows, of the gradients of a 2-way
-accumulated step. The models: torchtitan's Llama 3 debugmodel made 8 layers deep, an
+accumulated step. The reference sums the same microbatches' gradients the pipeline
+does (`grad_accum` = its microbatch count), so the figures are the pipeline's own;
+`1-pass` is the trained weights against the model without stages in one pass per
+step, which adds the rounding of that sum (not gated). The models: torchtitan's Llama 3 debugmodel made 8 layers deep, an
 8-layer HF Llama, and (EP inside stages) a 4-layer HF Mixtral with its experts over `ep`.
 The suite runs a slice of this (`tests/test_pipeline.py`).
 
@@ -131,10 +134,16 @@ def _per_name(jm) -> dict:
 
 def compare(
   model, axes, ref_axes, preset, virtual, microbatches, *, grad_accum=1, steps=STEPS, batch=BATCH, attention="auto",
-  check_grads=True, compute_dtype=None,
+  check_grads=True, compute_dtype=None, one_pass=False,
 ) -> dict:
   """One run: worst relative errors of losses, trained weights (and with grad_accum, unless
-  `check_grads=False`, of the accumulated gradients before the first step)."""
+  `check_grads=False`, of the accumulated gradients before the first step).
+
+  The reference runs `grad_accum × microbatches` passes per step: the pipeline sums its
+  microbatches' gradients, and so does the reference, in the same pieces, so what is left
+  is the pipeline's own error. `one_pass=True` also reports `weights_one_pass`: the
+  trained weights against the reference at `grad_accum` alone (the microbatch sum's
+  rounding included)."""
   import optax
 
   import torch_on_tpu as tot
@@ -149,10 +158,10 @@ def compare(
   if list(before_ref) != list(before_pp):
     raise AssertionError("the pipelined model's state_dict names differ from the reference's")
   init = max(_rel(before_pp[n], before_ref[n]) for n in before_ref)
-  make = lambda jm: tot.make_train_step(  # noqa: E731
-    jm, _loss, optax.adamw(1e-3), clip_norm=1.0, grad_accum=grad_accum, compute_dtype=compute_dtype
+  make = lambda jm, accum: tot.make_train_step(  # noqa: E731
+    jm, _loss, optax.adamw(1e-3), clip_norm=1.0, grad_accum=accum, compute_dtype=compute_dtype
   )
-  step_ref, step_pp = make(ref), make(pp)
+  step_ref, step_pp = make(ref, grad_accum * microbatches), make(pp, grad_accum)
   vocab = 2048 if model == "titan" else ref.module.config.vocab_size
   batches = _batches(vocab, steps, batch)
   out = {"init": init}
@@ -170,6 +179,13 @@ def compare(
   out["losses"] = _rel(losses_pp, losses_ref)
   after_ref, after_pp = _per_name(ref), _per_name(pp)
   out["weights"] = max(_rel(after_pp[n], after_ref[n]) for n in after_ref)
+  if one_pass:
+    single = tot.ShardedModule(builder(), mesh=tot.make_mesh(**ref_axes), **common)
+    step_single = make(single, grad_accum)
+    for tokens, labels in batches:
+      step_single(_inputs(model, tokens), labels)
+    after_single = _per_name(single)
+    out["weights_one_pass"] = max(_rel(after_pp[n], after_single[n]) for n in after_single)
   out["moved"] = max(_rel(after_ref[n], before_ref[n]) for n in after_ref)  # the steps did train
   out["bubble"] = pp.pipeline.schedule.bubble_fraction
   return out
@@ -233,19 +249,19 @@ def main(argv=None) -> int:
 
   tot.setup()
   names = args.only or list(RUNS)
-  print(f"{'run':42} {'M':>3} {'bubble':>7} {'init':>8} {'losses':>9} {'weights':>9} {'grads(ga=2)':>12} {'s':>5}")
+  print(f"{'run':42} {'M':>3} {'bubble':>7} {'init':>8} {'losses':>9} {'weights':>9} {'1-pass':>9} {'grads(ga=2)':>12} {'s':>5}")
   worst = 0.0
   for name in names:
     model, axes, ref_axes, preset, virtual, microbatches = RUNS[name]
     start = time.perf_counter()
     dtype = dict(compute_dtype="bfloat16") if args.bf16 else {}
-    r = compare(model, axes, ref_axes, preset, virtual, microbatches, **dtype)
+    r = compare(model, axes, ref_axes, preset, virtual, microbatches, one_pass=True, **dtype)
     ga = compare(model, axes, ref_axes, preset, virtual, microbatches, grad_accum=2, steps=1, **dtype) if virtual == 1 else {}
     grads = f"{ga['grads']:.1e}" if ga else "-"
     worst = max(worst, r["losses"], r["weights"], ga.get("grads", 0.0), ga.get("losses", 0.0))
     print(
       f"{name:42} {microbatches:>3} {r['bubble']:>7.1%} {r['init']:>8.1e} {r['losses']:>9.1e} "
-      f"{r['weights']:>9.1e} {grads:>12} {time.perf_counter() - start:>5.0f}",
+      f"{r['weights']:>9.1e} {r['weights_one_pass']:>9.1e} {grads:>12} {time.perf_counter() - start:>5.0f}",
       flush=True,
     )
   print(f"worst {worst:.1e} (tolerance {TOLERANCE:.0e}{', not applied in bf16' if args.bf16 else ''})")
