@@ -121,6 +121,9 @@ class MemoryPlan:
   logits_grad: int
   cpu_upcasts: int  # what XLA CPU adds widening a scan's bf16 residuals to fp32 (0 elsewhere)
   host_offloaded: int
+  # With index checks (device_checks) the update is a branch that skips it on a bad index;
+  # XLA holds a copy of the trained params across that branch instead of updating in place.
+  update_branch: int
   device_bytes: int | None
   device_note: str
   description: str
@@ -142,7 +145,7 @@ class MemoryPlan:
   def total(self) -> int:
     return (
       self.params + self.optimizer + self.compute_params + self.saved_activations + self.cpu_upcasts
-      + self.backward_peak
+      + self.update_branch + self.backward_peak
     )
 
   @property
@@ -161,6 +164,7 @@ class MemoryPlan:
       ("params in the compute dtype", self.compute_params),
       ("activations saved for backward", self.saved_activations),
       ("+ widened to fp32 (XLA CPU)", self.cpu_upcasts),
+      ("params kept across the checked update", self.update_branch),
       ("backward peak, the largest of:", self.backward_peak),
       ("  logits + their gradient", self.logits + self.logits_grad),
       ("  logits' gradient + gradients", self.logits_grad + self.grads),
@@ -305,6 +309,8 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
     logits_grad=logits + (logits * 4 // compute if cpu_upcast else 0),
     cpu_upcasts=saved * (4 - compute) // compute if cpu_upcast and scanned else 0,
     host_offloaded=int(s.layers * offloaded * per_token),
+    update_branch=_sharded_bytes(trained, {k: shardings[k] for k in trained})
+    if step.check_indices and not step.skip_nonfinite else 0,
     device_bytes=None,
     device_note="",
     description=description,
