@@ -208,3 +208,15 @@ def test_a_difference_is_named_by_its_first_entry():
   assert fingerprint._difference("code", theirs, ours) == f"jax 0.0.1 there, {ours['versions']['jax']} on process 0"
   assert fingerprint._difference("data", {"seed": 1}, {"seed": 0}) == "seed=1 there, seed=0 on process 0"
   fingerprint.check_same(config={"lr": 1.0})  # one process: nothing to compare
+
+
+def test_the_fault_tables_trials_signal_at_or_after_their_step_and_count_runs_that_finished_first():
+  from tests import helpers as h
+
+  table = h.load_module(ROOT / "tools" / "fault_table.py")
+  assert table._reached("running step 7 (writing checkpoint step 6 meanwhile)", "running step 5")
+  assert not table._reached("running step 4", "running step 5")
+  assert table._reached("saving checkpoint step 6", "saving checkpoint step 6")
+  assert not table._reached("running step 9", "saving checkpoint step 6")  # a save is waited for as such
+  summary = table._summary([{"code": 124, "tracebacks": 0}, {"code": "finished before the signal", "tracebacks": 0}], [2.0])
+  assert "exit [124, 'finished before the signal']" in summary

@@ -257,11 +257,12 @@ class _Launch:
       return {}
 
   def signal_when(self, index: int, prefix: str, sig: int, delay: float) -> float | None:
-    """`sig` to process `index` `delay` s after it says it is doing `prefix`...; when sent (None: it never did)."""
-    while not self.activity(index).get("activity", "").startswith(prefix):
+    """`sig` to process `index` `delay` s after it says it is doing `prefix`... (for "running step
+    N": that step or a later one, which can pass between two looks); when sent (None: it never did)."""
+    while not _reached(self.activity(index).get("activity", ""), prefix):
       if self.proc.poll() is not None or time.monotonic() - self.started > 900:
         return None
-      time.sleep(0.02)
+      time.sleep(0.005)
     time.sleep(delay)
     os.kill(self.activity(index)["pid"], sig)
     return time.monotonic()
@@ -279,13 +280,20 @@ class _Launch:
     }
 
 
+def _reached(activity: str, prefix: str) -> bool:
+  running, wanted = re.match(r"running step (\d+)", activity), re.match(r"running step (\d+)$", prefix)
+  if running and wanted:
+    return int(running.group(1)) >= int(wanted.group(1))
+  return activity.startswith(prefix)
+
+
 def _kept(line: str) -> str:
   found = re.search(r"step (\d+) is the newest complete checkpoint", line)
   return f"step {found.group(1)}" if found else ("none yet" if "no complete checkpoint" in line else "not named")
 
 
 def _summary(results: list[dict], noticed: list[float]) -> str:
-  codes = sorted({r["code"] for r in results})
+  codes = sorted({r["code"] for r in results}, key=str)  # an exit status, or "finished before the signal"
   tracebacks = sum(r["tracebacks"] for r in results)
   aborts = sum(r.get("jax_aborts", 0) for r in results)
   timing = f"noticed and stopped in {statistics.median(noticed):.1f} s median, {max(noticed):.1f} s max; " if noticed else ""
