@@ -78,6 +78,18 @@ def test_tp_and_ep_maps_come_from_torchtitans_own_plans():
   assert tuple(jm.params["layers.0.moe.routed_experts.inner_experts.w1_EFD"].sharding.spec)[0] == "ep"
 
 
+def test_qwen3_5_under_tp_puts_fsdp_on_a_dim_it_can_split_and_matches_eager():
+  """Its depthwise conv weights are (channels, 1, kernel): fsdp goes on the kernel dim, not the 1."""
+  from torch_on_tpu.models.torchtitan import fsdp_tp_map
+
+  spec = "qwen3_5:debugmodel"
+  with torch.device("meta"):
+    model = tiny(spec, layers=1).build()
+  table = fsdp_tp_map(model)
+  assert table["layers.0.attn.conv_q.weight"] == ("tp", None, "fsdp")
+  assert tp.check(spec, "tp", config=tiny(spec, layers=2))["forward"] < 1e-5
+
+
 def test_moe_trains_scanned_with_torchtitans_load_balancing():
   """5 AdamW steps of Qwen3-MoE, scanned, fsdp=8, against torchtitan's eager trainer with its
   load-balancing hook: losses, every weight, and the balancing buffers (expert_bias_E moved by

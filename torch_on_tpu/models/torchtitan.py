@@ -101,7 +101,8 @@ def parallel_plan(module: torch.nn.Module, *, ep: bool = False) -> dict[str, dic
 
 def fsdp_tp_map(module: torch.nn.Module) -> dict | None:
   """torchtitan's own TP plan as a sharding map: each parameter's TP dim over `tp`,
-  its first other dim over `fsdp` (1-D parameters replicated)."""
+  its first other dim longer than 1 over `fsdp` (1-D parameters replicated; a depthwise
+  conv's `(channels, 1, kernel)` takes fsdp on its kernel dim)."""
   if not is_torchtitan(module):
     return None
   plan = parallel_plan(module)
@@ -113,8 +114,9 @@ def fsdp_tp_map(module: torch.nn.Module) -> dict | None:
     spec = [None] * param.ndim
     if tp is not None:
       spec[tp % param.ndim] = "tp"
-    if param.ndim >= 2:
-      spec[next(d for d in range(param.ndim) if spec[d] is None)] = "fsdp"
+    free = [d for d in range(param.ndim) if spec[d] is None and param.shape[d] > 1]
+    if param.ndim >= 2 and free:
+      spec[free[0]] = "fsdp"
     table[name] = tuple(spec)
   return table
 
