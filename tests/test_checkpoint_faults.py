@@ -8,6 +8,7 @@ import logging
 import shutil
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -147,7 +148,19 @@ def test_a_full_disk_is_named_with_the_free_space_and_the_last_step_survives(tmp
     np.testing.assert_array_equal(restored.state["w"], np.ones(1000))
 
 
+def _waiting_threads(before: set, seconds: float = 10.0) -> list[str]:
+  """Non-daemon threads started since `before` that are still alive after `seconds` (one that
+  is merely finishing its shutdown, as an asyncio executor's may be, gets that long)."""
+  deadline = time.monotonic() + seconds
+  while True:
+    extra = [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread() and t not in before]
+    if not extra or time.monotonic() > deadline:
+      return [t.name for t in extra]
+    time.sleep(0.05)
+
+
 def test_a_read_only_filesystem_is_named_and_save_fails_in_the_caller(tmp_path, capfd):
+  before = set(threading.enumerate())  # other tests of this worker may leave idle executor threads
   with tmpfs(tmp_path / "disk", size="4m") as disk:
     ckpt = checkpoint.Checkpointer(disk / "ckpt")
     ckpt.save(1, state(1), force=True)
@@ -160,7 +173,7 @@ def test_a_read_only_filesystem_is_named_and_save_fails_in_the_caller(tmp_path, 
       subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
     ckpt.close()
     # no save thread left waiting, which would keep the process from exiting
-    assert [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()] == []
+    assert _waiting_threads(before) == []
     assert_one_sentence_and_no_traceback(str(err.value), capfd)
     assert checkpoint.Checkpointer(disk / "ckpt", read_only=True).restore(target()).step == 1
 
