@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -22,6 +23,12 @@ from torchax.interop import jax_view, torch_view  # noqa: E402
 
 SEQ = 16
 BATCH = 8
+
+
+@functools.cache
+def titan_parity():
+  """tools/titan_parity.py, loaded once: the eager torchtitan references the tests share."""
+  return load_module("tools/titan_parity.py")
 
 
 def load_module(path):
@@ -138,27 +145,6 @@ def random_batch(vocab, batch=BATCH, seq=SEQ, seed=0):
   return tokens, labels
 
 
-def dense_flex_attention(q, k, v, *, score_mod=None, block_mask, scale=None, enable_gqa=False, return_aux=None,
-                         kernel_options=None):
-  """torch's `flex_attention` by its definition, in plain differentiable torch (torch's own
-  eager flex has no backward on CPU): the mask is the BlockMask's `mask_mod` evaluated
-  on every (batch, query, key) at once, by broadcasting (torch's `create_mask` vmaps it,
-  slowly); rows that see nothing give 0."""
-  from torch.nn.attention import flex_attention as flex
-
-  batch, heads, length, dim = q.shape
-  index = lambda n, axis: torch.arange(n).view([n if a == axis else 1 for a in range(4)])  # noqa: E731
-  mask = block_mask.mask_mod(index(batch, 0), torch.zeros(1, 1, 1, 1, dtype=torch.long), index(length, 2), index(k.shape[2], 3))
-  mask = mask.expand(batch, 1, length, k.shape[2])
-  if enable_gqa:
-    k, v = (t.repeat_interleave(heads // t.shape[1], 1) for t in (k, v))
-  scores = (q @ k.transpose(-1, -2)) * (dim**-0.5 if scale is None else scale)
-  scores = scores.masked_fill(~mask, float("-inf"))
-  lse = torch.logsumexp(scores, -1)
-  weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-  return weights @ v, flex.AuxOutput(lse=lse if return_aux is not None and return_aux.lse else None)
-
-
 class eager_torchtitan:  # noqa: N801 (a context manager, named for what it does)
   """While active, torchtitan's models run in eager CPU torch as its own code says, with
   its compiled pieces (BlockMask builder, flex attention) swapped for eager torch's: the
@@ -178,7 +164,7 @@ class eager_torchtitan:  # noqa: N801 (a context manager, named for what it does
       torch.get_num_threads(),
     )
     attention._compiled_create_block_mask = flex.create_block_mask
-    attention.FlexAttention._compiled_flex_attn = dense_flex_attention
+    attention.FlexAttention._compiled_flex_attn = titan_parity().dense_flex_attention
     dist_utils.set_spmd_backend("partial_dtensor")
     torch.set_num_threads(1)
     return self

@@ -110,3 +110,35 @@ def test_bf16_ops_round_where_torch_rounds():
     assert rows[op]["forward"] == 1.0 and rows[op]["backward"] == 1.0, rows[op]
   assert rows["gelu"]["forward"] > 0.97 and rows["gelu"]["backward"] > 0.95, rows["gelu"]  # erf's last bit
   assert rows["layer_norm"]["forward"] == 1.0, rows["layer_norm"]
+
+
+class _Scatter(torch.nn.Module):
+  def __init__(self, op):
+    super().__init__()
+    self.op = op
+
+  def forward(self, x, index, src):
+    return self.op(x, index, src)
+
+
+SCATTERS = {
+  "scatter": lambda x, i, s: x.scatter(0, i, s),
+  "scatter_add": lambda x, i, s: x.clone().scatter_add_(0, i, s),
+  "scatter_reduce": lambda x, i, s: x.scatter_reduce(0, i, s, "amax"),
+  "index_add": lambda x, i, s: x.index_add(0, i[:, 0], s, alpha=2.5),
+}
+
+
+@pytest.mark.parametrize("name", SCATTERS)
+def test_scatters_take_what_torch_takes_and_refuse_what_it_refuses(name):
+  """Same dtypes: torch's result. A src of another dtype: torch raises, and so do we (jnp would
+  cast it silently: torchtitan's gpt-oss in fp32 scatters its bf16 experts' output into fp32)."""
+  op = SCATTERS[name]
+  x, src = torch.randn(5, 3), torch.randn(4, 3)
+  index = torch.tensor([[0, 1, 2], [4, 4, 0], [2, 0, 1], [4, 3, 3]])
+  jm = tot.ShardedModule(_Scatter(op), mesh=tot.make_mesh(jax.devices()[:1], fsdp=1))
+  assert torch.allclose(tot.to_cpu(jm(x, index, src)), op(x, index, src), rtol=1e-6, atol=1e-6)
+  with pytest.raises(RuntimeError):
+    op(x, index, src.bfloat16())
+  with pytest.raises(tot.TorchOnTpuError, match=f"{name}: self is torch.float32 but (src|source) is torch.bfloat16"):
+    jm(x, index, src.bfloat16())

@@ -53,6 +53,10 @@ VOCAB = 256
 # (qwen3 debugmodel: gradients 2e-6 apart, one such element puts tok_embeddings 4.7e-4 off
 # after 5 steps); 1e-6 keeps the comparison about the gradients. `--eps` sets it.
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-6, 0.1
+# Families compared in the precision torchtitan trains them in (bf16 compute, fp32 weights)
+# because torchtitan's own fp32 forward cannot run: gpt-oss's experts return bf16 into an fp32
+# scatter-add. `--precision` overrides it for every family.
+PRECISION = {"gpt_oss": "bf16"}
 
 
 def registry_config(spec: str, **registry_kwargs):
@@ -62,10 +66,13 @@ def registry_config(spec: str, **registry_kwargs):
 
 
 def shrink(config, *, layers: int | None = 3, vocab: int = VOCAB, experts: int = 8, top_k: int = 2,
-           expert_hidden: int = 64, seqlen: int = SEQ):
+           expert_hidden: int = 64, seqlen: int = SEQ, window: int = SEQ // 2, round_robin: bool = False):
   """The same torchtitan config, small: its first `layers` blocks (a hybrid keeps one of
   each kind it has), `vocab` tokens, `experts` routed experts of `expert_hidden` units
-  (top-`top_k`), RoPE tables of `seqlen` positions. Changes `config` in place."""
+  (top-`top_k`), RoPE tables of `seqlen` positions, sliding windows of `window` tokens
+  (shorter than the sequence, so the window masks something). `round_robin` routes tokens
+  by torchtitan's own debug rule (`_debug_force_load_balance`) instead of by score: no
+  routing flip can then hide a difference in the experts' numerics. Changes `config` in place."""
   if layers is not None:
     kinds = {}
     for i, block in enumerate(config.layers):
@@ -95,6 +102,12 @@ def shrink(config, *, layers: int | None = 3, vocab: int = VOCAB, experts: int =
         setattr(node, name, expert_hidden)
       elif name == "max_seq_len" and isinstance(value, int):
         setattr(node, name, seqlen)
+      elif name == "_debug_force_load_balance":
+        setattr(node, name, round_robin)
+      elif name == "sliding_window_size" and isinstance(value, int):
+        setattr(node, name, window)
+      elif name == "window_size" and isinstance(value, tuple) and value[0] >= 0:  # varlen's (window - 1, 0)
+        setattr(node, name, (window - 1, value[1]))
       elif name in ("num_expert_groups", "num_limited_groups") and value is not None:
         setattr(node, name, min(value, 2 if name == "num_expert_groups" else 1))
       elif isinstance(value, list):
@@ -122,17 +135,19 @@ def build(config, device="meta"):
 
 
 @contextlib.contextmanager
-def eager_flex():
+def eager_flex(p_in_fp32=False):
   """torchtitan's flex attention computed in plain eager torch: its BlockMask's
   mask_mod evaluated densely, then softmax attention (and the log-sum-exp where
-  asked). torch's own flex_attention cannot serve as the reference here: uncompiled it
-  still calls torch.compile (which cannot run once torchax has claimed torch's spare
-  device backend) and it has no CPU backward."""
+  asked), `dense_flex_attention`. torch's own flex_attention cannot serve as the
+  reference here: uncompiled it still calls torch.compile (which cannot run once torchax
+  has claimed torch's spare device backend) and it has no CPU backward."""
+  import functools
+
   from torch.nn.attention.flex_attention import create_block_mask
   from torchtitan.models.common import attention
 
   saved = attention.FlexAttention._compiled_flex_attn, attention._compiled_create_block_mask
-  attention.FlexAttention._compiled_flex_attn = _dense_flex_attention
+  attention.FlexAttention._compiled_flex_attn = functools.partial(dense_flex_attention, p_in_fp32=p_in_fp32)
   attention._compiled_create_block_mask = create_block_mask  # uncompiled by default
   try:
     yield
@@ -186,21 +201,63 @@ def eager_linear_attention():
     model._causal_conv1d_varlen, model.GatedDeltaKernel.forward = saved
 
 
-def _dense_flex_attention(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-                          return_aux=None, kernel_options=None):
+def dense_flex_attention(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                         return_aux=None, kernel_options=None, p_in_fp32=False):
+  """torch's flex attention by its definition, in plain differentiable torch (torch's own eager
+  flex has no CPU backward), as its kernels (and FlashAttention's) round: scores, softmax
+  statistics and the log-sum-exp in fp32 whatever the inputs' dtype; below fp32 the
+  unnormalized probabilities exp(s - max) are rounded to V's dtype for P·V, which accumulates
+  in fp32 and is divided by the row sum before the output's one rounding (`p_in_fp32` keeps
+  them fp32: the math path). The mask is the BlockMask's `mask_mod` evaluated on every (batch,
+  query, key) at once by broadcasting; rows that see nothing give 0."""
   import torch
-  from torch.nn.attention.flex_attention import AuxOutput, create_mask
+  from torch.nn.attention.flex_attention import AuxOutput
 
   assert score_mod is None
   B, H, L, D = q.shape
+  index = lambda n, axis: torch.arange(n).view([n if a == axis else 1 for a in range(4)])  # noqa: E731
+  mask = block_mask.mask_mod(index(B, 0), torch.zeros(1, 1, 1, 1, dtype=torch.long), index(L, 2), index(k.shape[2], 3))
+  mask = mask.expand(B, 1, L, k.shape[2])
   if enable_gqa and k.shape[1] != H:
     k, v = (t.repeat_interleave(H // t.shape[1], dim=1) for t in (k, v))
-  mask = create_mask(block_mask.mask_mod, B, 1, L, k.shape[2], device=q.device)
-  scores = (q @ k.transpose(-2, -1)) * (D**-0.5 if scale is None else scale)
+  scores = (q.float() @ k.float().transpose(-2, -1)) * (D**-0.5 if scale is None else scale)
   scores = scores.masked_fill(~mask, float("-inf"))
-  lse = torch.logsumexp(scores, dim=-1)
-  out = torch.softmax(scores, dim=-1) @ v
-  return out, AuxOutput(lse=lse if return_aux is not None and return_aux.lse else None)
+  top = scores.amax(-1, keepdim=True)
+  p = torch.exp(scores - top.masked_fill(top.isneginf(), 0.0))
+  total = p.sum(-1, keepdim=True)
+  lse = (top + torch.log(total)).squeeze(-1)
+  if not p_in_fp32:
+    p = p.to(v.dtype).float()
+  out = (p @ v.float()) / total.masked_fill(total == 0, 1.0)
+  return out.to(q.dtype), AuxOutput(lse=lse if return_aux is not None and return_aux.lse else None)
+
+
+@contextlib.contextmanager
+def cuda_router_autocast():
+  """torchtitan's MoE router computes its gate under `torch.autocast(dtype=torch.float32)`:
+  on CUDA (where torchtitan trains) that runs the gate in fp32 when the parameters are bf16;
+  CPU autocast refuses fp32 and would run it in bf16. The reference computes it as CUDA
+  does: inputs and weights cast to fp32."""
+  import torch.nn.functional as F
+  from torchtitan.models.common.moe import TokenChoiceTopKRouter
+
+  original = TokenChoiceTopKRouter.forward
+
+  def forward(self, x, expert_bias=None):
+    gate = self.gate
+    saved = gate.forward
+    bias = lambda: None if gate.bias is None else gate.bias.float()  # noqa: E731
+    gate.forward = lambda h: F.linear(h.float(), gate.weight.float(), bias())
+    try:
+      return original(self, x, expert_bias)
+    finally:
+      gate.forward = saved
+
+  TokenChoiceTopKRouter.forward = forward
+  try:
+    yield
+  finally:
+    TokenChoiceTopKRouter.forward = original
 
 
 @contextlib.contextmanager
@@ -281,30 +338,86 @@ class _ParallelDims:
     return None
 
 
-def eager_reference(config, state):
-  """The same torchtitan model in eager torch (fp32, CPU), loaded with `state`, and a
-  `torch.optim.AdamW` with torchtitan's MoE load-balancing hook registered on it."""
-  import torch
-  from torchtitan.components.optimizer import register_moe_load_balancing_hook
+class EagerReference:
+  """The same torchtitan model in eager torch on CPU, loaded with `state`, trained by a
+  `torch.optim.AdamW` with torchtitan's MoE load-balancing hook registered on it as its
+  trainer registers it.
 
-  model = build(config, device="cpu")
-  model.load_state_dict(state, strict=False)
-  for name, _ in list(model.named_buffers()):
-    if name in state:
-      model.get_buffer(name).copy_(state[name])
-  optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-  register_moe_load_balancing_hook(optimizer, [model], _ParallelDims())
-  return model, optimizer
+  `precision="bf16"` is how torchtitan trains (FSDP's `MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)`): forward and backward see bf16 copies of the fp32 parameters (buffers
+  stay as they are), the gradients come back in fp32, AdamW updates the fp32 weights; the
+  router's fp32 autocast computes as on CUDA (`cuda_router_autocast`). `exact=True` is the
+  second valid reference of the spread: every fp32 `F.linear` accumulated in fp64
+  (`fp64_linears`) and attention's probabilities kept in fp32 for P·V."""
 
+  def __init__(self, config, state, *, precision="fp32", exact=False):
+    import torch
+    from torchtitan.components.optimizer import register_moe_load_balancing_hook
 
-def eager_call(model, tokens, positions):
-  from torch_on_tpu.models.torchtitan import TorchtitanFamily
+    self.model = build(config, device="cpu")
+    self.model.load_state_dict(state, strict=False)
+    for name, _ in list(self.model.named_buffers()):
+      if name in state:
+        self.model.get_buffer(name).copy_(state[name])
+    self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    register_moe_load_balancing_hook(self.optimizer, [self.model], _ParallelDims())
+    self.precision, self.exact = precision, exact
 
-  extra = {}
-  if "special_tokens" in inspect.signature(model.forward).parameters:
-    extra["special_tokens"] = {"image_id": -1, "video_id": -1}  # text only, as the bridge calls it
-  with TorchtitanFamily().running(model), eager_flex(), eager_linear_attention():
-    return model(tokens, positions=positions, attention_masks=model.get_attention_masks(positions), **extra)
+  def __call__(self, tokens, positions, params=None):
+    import torch
+
+    from torch_on_tpu.models.torchtitan import TorchtitanFamily
+
+    model = self.model
+    extra = {}
+    if "special_tokens" in inspect.signature(model.forward).parameters:
+      extra["special_tokens"] = {"image_id": -1, "video_id": -1}  # text only, as the bridge calls it
+    with contextlib.ExitStack() as stack:
+      for context in (TorchtitanFamily().running(model), eager_flex(p_in_fp32=self.exact), eager_linear_attention()):
+        stack.enter_context(context)
+      if self.exact:
+        stack.enter_context(fp64_linears())
+      if self.precision == "bf16":
+        stack.enter_context(cuda_router_autocast())
+      masks = model.get_attention_masks(positions)
+      if params is None:
+        return model(tokens, positions=positions, attention_masks=masks, **extra)
+      return torch.func.functional_call(
+        model, params, (tokens,), dict(positions=positions, attention_masks=masks, **extra), strict=False
+      )
+
+  def compute_params(self, requires_grad=False):
+    """The parameters forward sees: bf16 copies in mixed precision, else the weights themselves."""
+    import torch
+
+    if self.precision != "bf16":
+      return None
+    return {
+      n: p.detach().to(torch.bfloat16).requires_grad_(requires_grad) for n, p in self.model.named_parameters()
+    }
+
+  def forward(self, tokens, positions):
+    import torch
+
+    self.model.eval()
+    with torch.no_grad():
+      out = self(tokens, positions, self.compute_params())
+    self.model.train()
+    return out
+
+  def step(self, tokens, labels, positions) -> float:
+    self.optimizer.zero_grad()
+    params = self.compute_params(requires_grad=True)
+    loss = ce(self(tokens, positions, params), labels)
+    loss.backward()
+    if params is not None:
+      for n, p in self.model.named_parameters():
+        p.grad = None if params[n].grad is None else params[n].grad.float()
+    self.optimizer.step()
+    return loss.item()
+
+  def tensors(self) -> dict:
+    return {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
 
 
 def all_tensors(jm):
@@ -322,50 +435,89 @@ def wrap(config, mode):
   return tot.ShardedModule(build(config), mesh=tot.make_mesh(**axes), sharding=sharding, scan=mode.startswith("scan"))
 
 
-def check(spec: str, mode: str, *, steps: int = 5, config=None) -> dict:
+def precision_of(spec: str) -> str:
+  """The precision torchtitan trains a family in, for this comparison: fp32, except where its
+  own fp32 forward cannot run (`PRECISION`)."""
+  return PRECISION.get(spec.split(":")[0], "fp32")
+
+
+def flex_config(config):
+  """`config` with varlen attention (FlashAttention's kernel: no CPU implementation) replaced
+  by flex attention, the same masks: what the eager reference can run on CPU. The windows stay
+  in the attention configs (`sliding_window_size`), which flex reads."""
+  import copy
+
+  from torchtitan.models.common.attention import VarlenAttention
+  from torchtitan.models.common.config_utils import get_attention_config
+
+  config = copy.deepcopy(config)
+
+  def walk(node):
+    if not dataclasses.is_dataclass(node):
+      return
+    for field in dataclasses.fields(node):
+      value = getattr(node, field.name)
+      if isinstance(value, VarlenAttention.Config):
+        setattr(node, field.name, get_attention_config("flex"))
+      elif isinstance(value, list):
+        for item in value:
+          walk(item)
+      else:
+        walk(value)
+
+  walk(config)
+  return config
+
+
+@contextlib.contextmanager
+def computing_in(jm, precision):
+  """The wrapped model's forward with its floating parameters cast to bf16 (as the train
+  step's `compute_dtype` casts them), in `precision="bf16"`."""
+  import jax.numpy as jnp
+
+  if precision != "bf16":
+    yield
+    return
+  saved = jm.params
+  jm.params = {n: v.astype(jnp.bfloat16) if jnp.issubdtype(v.dtype, jnp.floating) else v for n, v in saved.items()}
+  try:
+    yield
+  finally:
+    jm.params = saved
+
+
+def check(spec: str, mode: str, *, steps: int = 5, config=None, precision: str | None = None) -> dict:
   """One family in one mode: {forward | losses, weights, buffers: worst rel error}.
-  Mode `spread` compares two valid eager references instead (`fp64_linears`): the noise
-  floor of the computation."""
+  Mode `spread` compares two valid eager references instead (`EagerReference(exact=True)`):
+  the noise floor of the computation. `precision` defaults to `precision_of(spec)`."""
+  import jax.numpy as jnp
   import optax
   import torch
 
   import torch_on_tpu as tot
 
+  precision = precision or precision_of(spec)
   config = config if config is not None else shrink(registry_config(spec))
   jm = wrap(config, "train" if mode == "spread" else mode)
   state = all_tensors(jm)
-  ref, optimizer = eager_reference(config, state)
+  ref = EagerReference(flex_config(config), state, precision=precision)
   tokens, labels, positions = packed_batch()
   if mode in ("forward", "scan", "tp", "ep"):
     inputs = jm.family.model_inputs(jm.module, {"input_ids": tokens, "positions": positions})
-    ref.eval()
     jm.module.eval()
-    got = tot.to_cpu(jm(**inputs))
-    with torch.no_grad():
-      want = eager_call(ref, tokens, positions)
-    return {"forward": rel(got, want)}
+    with computing_in(jm, precision):
+      got = tot.to_cpu(jm(**inputs))
+    return {"forward": rel(got.float(), ref.forward(tokens, positions).float())}
   if mode == "spread":
-    other, other_optimizer = eager_reference(config, state)
-    ref.eval(), other.eval()  # the forward's spread (eval: no token counted)
-    with torch.no_grad():
-      whole = eager_call(ref, tokens, positions)
-      with fp64_linears():
-        more_exact = eager_call(other, tokens, positions)
-    forward_spread = rel(more_exact, whole)
-    ref.train(), other.train()
+    other = EagerReference(flex_config(config), state, precision=precision, exact=True)
+    forward_spread = rel(other.forward(tokens, positions).float(), ref.forward(tokens, positions).float())
 
-    def step(inputs, labels):  # the second reference: every fp32 F.linear accumulated in fp64
-      tokens, positions = inputs
-      other_optimizer.zero_grad()
-      with fp64_linears():
-        loss = ce(eager_call(other, tokens, positions), labels)
-        loss.backward()
-      other_optimizer.step()
-      return loss.item()
-
-    trained_of = lambda: {**dict(other.named_parameters()), **dict(other.named_buffers())}  # noqa: E731
+    step = lambda inputs, labels: other.step(inputs[0], labels, inputs[1])  # noqa: E731
+    trained_of = other.tensors
   else:
-    step = tot.make_train_step(jm, ce, optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD))
+    compute_dtype = jnp.bfloat16 if precision == "bf16" else None
+    adamw = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
+    step = tot.make_train_step(jm, ce, adamw, compute_dtype=compute_dtype)
     trained_of = lambda: all_tensors(jm)  # noqa: E731
   losses = []
   for i in range(steps):
@@ -375,21 +527,17 @@ def check(spec: str, mode: str, *, steps: int = 5, config=None) -> dict:
     else:
       inputs = jm.family.model_inputs(jm.module, {"input_ids": tokens, "positions": positions})
     got = float(step(inputs, labels))
-    optimizer.zero_grad()
-    loss = ce(eager_call(ref, tokens, positions), labels)
-    loss.backward()
-    optimizer.step()
-    losses.append(rel(got, loss.item()))
+    losses.append(rel(got, ref.step(tokens, labels, positions)))
   trained = trained_of()
-  want = {**dict(ref.named_parameters()), **dict(ref.named_buffers())}
-  params = {n for n, _ in ref.named_parameters()}
+  want = ref.tensors()
+  params = {n for n, _ in ref.model.named_parameters()}
   per_weight = {n: rel(torch.as_tensor(trained[n]).detach(), want[n].detach()) for n in params}
   buffers = {
     n: rel(torch.as_tensor(trained[n]).detach(), want[n]) for n in want if n not in params and want[n].is_floating_point()
   }
   return {
     **({"forward": forward_spread} if mode == "spread" else {}),
-    "losses": max(losses), "weights": max(per_weight.values()), "buffers": max(buffers.values(), default=0.0),
+    "losses": max(losses, default=0.0), "weights": max(per_weight.values()), "buffers": max(buffers.values(), default=0.0),
     "_buffers": buffers, "_weights": per_weight,
   }
 
@@ -399,6 +547,10 @@ def main(argv=None):
   p.add_argument("specs", nargs="*", default=list(SPECS))
   p.add_argument("--modes", default=",".join(MODES))
   p.add_argument("--eps", type=float, default=EPS, help="AdamW eps of both sides")
+  p.add_argument("--round_robin", action="store_true",
+                 help="MoE routing by torchtitan's round-robin debug rule (shrink's round_robin)")
+  p.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                 help="every family in this precision (default: fp32, gpt_oss in bf16: PRECISION)")
   args = p.parse_args(argv)
   globals()["EPS"] = args.eps
   from torch_on_tpu import xla_flags
@@ -410,7 +562,8 @@ def main(argv=None):
         continue
       start = time.perf_counter()
       try:
-        result = check(spec, mode)
+        config = shrink(registry_config(spec), round_robin=args.round_robin)
+        result = check(spec, mode, config=config, precision=args.precision)
         shown = ", ".join(f"{k} {v:.1e}" for k, v in result.items() if not k.startswith("_"))
       except Exception as e:  # noqa: BLE001 (a table of outcomes: each failure is one row)
         shown = f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"

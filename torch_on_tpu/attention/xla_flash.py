@@ -390,17 +390,23 @@ def _flash_forward(t: _Tiles, q, k, v, mask, q_seg, kv_seg, sinks, seed, offsets
       pv = _einsum32("bkgqs,bksd->bkgqd", p.astype(vj.dtype), vj)
       return m_new, l, acc * correction[..., None] + pv
 
-    if sinks is None:
-      m0, l0 = jnp.full(stat_shape, -jnp.inf, jnp.float32), jnp.zeros(stat_shape, jnp.float32)
-    else:  # a sink is a column of its own from the start: max = sink, sum = exp(0)
-      m0 = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, :, None], stat_shape)
-      l0 = jnp.ones(stat_shape, jnp.float32)
-    init = (m0, l0, jnp.zeros((*stat_shape, dv), jnp.float32))
+    init = (
+      jnp.full(stat_shape, -jnp.inf, jnp.float32), jnp.zeros(stat_shape, jnp.float32),
+      jnp.zeros((*stat_shape, dv), jnp.float32),
+    )
     m, l, acc = _for(*_kv_tiles_seen(t, i, n_kv, origin), step, init)
     seen = l > 0
     out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-    return out.astype(q.dtype), lse
+    if sinks is None:
+      return out.astype(q.dtype), lse
+    # A sink is one more logit in each row's softmax, with no value: the rows' own softmax
+    # times sigmoid(lse - sink). Applied after it, with torch's roundings of gpt-oss's
+    # out_transform: the output and the factor each rounded to q's dtype, then their product.
+    sink = sinks.astype(jnp.float32)[None, :, :, None]
+    factor = jax.nn.sigmoid(lse - sink)
+    out = (out.astype(q.dtype) * factor[..., None].astype(q.dtype)).astype(q.dtype)
+    return out, jnp.logaddexp(lse, sink)
 
   outs, lses = _map(query_tile, n_q)
   out = jnp.moveaxis(outs, 0, 3).reshape(batch, hkv, groups, lp, dv)[:, :, :, :length]

@@ -453,6 +453,38 @@ def _stats_without_gradient(original):
   return lowered
 
 
+def _same_dtype_as_self(name, original):
+  """A scatter lowering that refuses a `src` of another dtype than `self`, as torch does
+  (jnp's scatter would cast it silently)."""
+
+  def lowered(*args, **kwargs):
+    src = args[3] if len(args) > 3 else kwargs.get("src")
+    if hasattr(src, "dtype") and src.dtype != args[0].dtype:
+      raise TorchOnTpuError(
+        f"{name}: self is {mappings.j2t_dtype(args[0].dtype)} but src is {mappings.j2t_dtype(src.dtype)}; "
+        f"torch refuses scatters between dtypes: cast src to self's dtype, or compute the model in src's "
+        f"(a train step's compute_dtype, a recipe's --dtype)."
+      )
+    return original(*args, **kwargs)
+
+  return lowered
+
+
+def _index_add(x, dim, index, source, *, alpha=1):
+  """torch's index_add, with its refusal of a `source` of another dtype than `self` (torch's
+  decomposition, which torchax ran, cast it silently)."""
+  if source.dtype != x.dtype:
+    raise TorchOnTpuError(
+      f"index_add: self is {mappings.j2t_dtype(x.dtype)} but source is {mappings.j2t_dtype(source.dtype)}; "
+      f"torch refuses index_add between dtypes: cast source to self's dtype, or compute the model in "
+      f"source's (a train step's compute_dtype, a recipe's --dtype)."
+    )
+  if x.ndim == 0:
+    return x + (source * alpha).reshape(())
+  dim = dim % x.ndim
+  return x.at[(slice(None),) * dim + (index,)].add(source if alpha == 1 else source * alpha)
+
+
 def register(env) -> None:
   aten = torch.ops.aten
 
@@ -483,3 +515,9 @@ def register(env) -> None:
     jax_op(torch.linalg.det, lambda a: _linalg_det(a, det.func))
   layer_norm = _compat.registered_op(env, aten.native_layer_norm)
   jax_op(aten.native_layer_norm, _stats_without_gradient(layer_norm.func))
+  jax_op(aten.index_add, _index_add)
+  for packet in (aten.scatter, aten.scatter_, aten.scatter_add, aten.scatter_add_, aten.scatter_reduce, aten.scatter_reduce_):
+    for target in (packet, *(getattr(packet, name) for name in packet.overloads())):
+      prior = _compat.registered_op(env, target)
+      if prior is not None and prior.is_jax_function:
+        jax_op(target, _same_dtype_as_self(packet.__name__.split(".")[-1], prior.func))
