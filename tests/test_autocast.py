@@ -156,3 +156,171 @@ def _copy(module):
   clone = type(module)()
   clone.load_state_dict(module.state_dict())
   return clone
+
+
+# ---- fp32 regions in bf16 models: torchtitan's MoE router -------------------------------------
+
+
+def test_torchtitans_router_scores_in_fp32_inside_a_bf16_model():
+  """`TokenChoiceTopKRouter` computes its gate under `torch.autocast(x.device.type, fp32)`; with
+  bf16 parameters its scores are the fp32 gate's, as on CUDA (a bf16 gate is 2e-3 off)."""
+  from torchtitan.models.common.linear import Linear
+  from torchtitan.models.common.moe import TokenChoiceTopKRouter
+
+  torch.manual_seed(0)
+  config = TokenChoiceTopKRouter.Config(
+    num_experts=8, gate=Linear.Config(in_features=16, out_features=8), top_k=2, score_func="softmax"
+  )
+  router = config.build()
+  nn.init.normal_(router.gate.weight, std=0.5)
+  router = router.to(BF16)
+  x = torch.randn(2, 6, 16).to(BF16)
+  weight = router.gate.weight.detach().clone()
+  fp32_gate = F.softmax(F.linear(x.float(), weight.float()), dim=-1)
+  bf16_gate = F.softmax(F.linear(x, weight).float(), dim=-1)
+  assert rel(bf16_gate, fp32_gate) > 1e-3
+
+  top_scores, experts, scores = tot.ShardedModule(router, mesh=tot.make_mesh(jax.devices()[:1], fsdp=1))(x)
+  assert scores.dtype == top_scores.dtype == torch.float32
+  assert rel(tot.to_cpu(scores), fp32_gate) <= 1e-6
+  chosen = tot.to_cpu(experts).sort(-1).values
+  assert torch.equal(chosen, fp32_gate.topk(2, dim=-1).indices.sort(-1).values)
+
+
+# ---- the policy is CUDA's ---------------------------------------------------------------------
+
+
+def test_the_policy_table_is_the_ops_torch_casts_under_cuda_autocast():
+  assert {f"aten::{name}" for name in autocast.CUDA_POLICY} == _compat.cuda_autocast_ops()
+
+
+def _t(*shape, dtype=torch.float32):
+  return (shape, dtype)
+
+
+_LONG = torch.long
+# (call, inputs): each input a (shape, dtype) spec or a plain value
+_CALLS = {
+  "mm": (torch.mm, [_t(3, 4), _t(4, 5)]),
+  "matmul of bf16 and fp32": (torch.matmul, [_t(3, 4, dtype=BF16), _t(4, 5)]),
+  "bmm": (torch.bmm, [_t(2, 3, 4), _t(2, 4, 5)]),
+  "addmm": (torch.addmm, [_t(5), _t(3, 4), _t(4, 5)]),
+  "baddbmm": (torch.baddbmm, [_t(2, 3, 5), _t(2, 3, 4), _t(2, 4, 5)]),
+  "linear": (F.linear, [_t(3, 4), _t(5, 4), _t(5)]),
+  "einsum": (lambda a, b: torch.einsum("ij,jk->ik", a, b), [_t(3, 4), _t(4, 5)]),
+  "sdpa with a float mask": (F.scaled_dot_product_attention, [_t(1, 2, 4, 8), _t(1, 2, 4, 8), _t(1, 2, 4, 8), _t(4, 4)]),
+  "conv2d": (F.conv2d, [_t(1, 2, 5, 5), _t(3, 2, 3, 3)]),
+  "exp of bf16": (torch.exp, [_t(3, 4, dtype=BF16)]),
+  "log": (torch.log, [_t(3, 4, dtype=BF16)]),
+  "pow scalar exponent": (lambda a: a**2, [_t(3, dtype=BF16)]),
+  "pow scalar base": (lambda a: torch.pow(2.0, a), [_t(3, dtype=BF16)]),
+  "rsqrt": (torch.rsqrt, [_t(3, dtype=BF16)]),
+  "softplus": (F.softplus, [_t(3, dtype=BF16)]),
+  "layer_norm": (lambda a, w: F.layer_norm(a, (4,), w), [_t(3, 4, dtype=BF16), _t(4, dtype=BF16)]),
+  "group_norm": (lambda a: F.group_norm(a, 2), [_t(2, 4, 3, dtype=BF16)]),
+  "rms_norm": (lambda a: F.rms_norm(a, (4,)), [_t(3, 4, dtype=BF16)]),
+  "mse_loss": (F.mse_loss, [_t(3, dtype=BF16), _t(3, dtype=BF16)]),
+  "cross_entropy": (F.cross_entropy, [_t(3, 5, dtype=BF16), _t(3, dtype=_LONG)]),
+  "logsumexp": (lambda a: torch.logsumexp(a, -1), [_t(3, 4, dtype=BF16)]),
+  "cdist": (torch.cdist, [_t(3, 4, dtype=BF16), _t(2, 4, dtype=BF16)]),
+  "norm": (torch.norm, [_t(3, 4, dtype=BF16)]),
+  "norm over a dim": (lambda a: torch.norm(a, dim=0), [_t(3, 4, dtype=BF16)]),
+  "softmax": (lambda a: torch.softmax(a, -1), [_t(3, 4, dtype=BF16)]),
+  "softmax with its dtype": (lambda a: torch.softmax(a, -1, dtype=torch.float16), [_t(3, 4, dtype=BF16)]),
+  "log_softmax": (lambda a: F.log_softmax(a, -1), [_t(3, 4, dtype=BF16)]),
+  "sum": (torch.sum, [_t(3, 4, dtype=BF16)]),
+  "sum over a dim": (lambda a: a.sum(0), [_t(3, 4, dtype=BF16)]),
+  "sum of ints": (torch.sum, [_t(3, dtype=_LONG)]),
+  "cumsum": (lambda a: a.cumsum(0), [_t(3, dtype=BF16)]),
+  "prod": (torch.prod, [_t(3, dtype=BF16)]),
+  "addcmul": (torch.addcmul, [_t(3), _t(3, dtype=BF16), _t(3, dtype=BF16)]),
+  "addcmul in bf16": (torch.addcmul, [_t(3, dtype=BF16), _t(3, dtype=BF16), _t(3, dtype=BF16)]),
+  "atan2": (torch.atan2, [_t(3, dtype=BF16), _t(3)]),
+  "scatter_add": (lambda a, i, s: a.scatter_add(0, i, s), [_t(4, dtype=BF16), _t(3, dtype=_LONG), _t(3)]),
+  "gelu (not cast)": (F.gelu, [_t(3)]),
+  "add (not cast)": (torch.add, [_t(3, dtype=BF16), _t(3)]),
+}
+
+
+def _inputs(specs, device):
+  return [
+    torch.zeros(spec[0], dtype=spec[1], device=device) if isinstance(spec, tuple) else spec for spec in specs
+  ]
+
+
+def _cuda_dtypes(call, specs, dtype):
+  """Output dtypes of `call` under torch's own CUDA autocast (its kernels, on fake CUDA tensors)."""
+  from torch._subclasses.fake_tensor import FakeTensorMode
+
+  with FakeTensorMode():
+    before = torch.get_autocast_dtype("cuda")
+    torch.set_autocast_dtype("cuda", dtype)
+    torch.set_autocast_enabled("cuda", True)
+    try:
+      return _outcome(call, specs, "cuda")
+    finally:
+      torch.set_autocast_enabled("cuda", False)
+      torch.set_autocast_dtype("cuda", before)
+
+
+def _outcome(call, specs, device):
+  """The output dtypes, or "refused" (CUDA's autocast refuses to mix bf16 and fp16 in its promote ops)."""
+  try:
+    out = call(*_inputs(specs, device))
+  except (tot.TorchOnTpuError, RuntimeError) as e:
+    if "promote" in str(e) or "prioritize" in str(e):
+      return "refused"
+    raise
+  return [t.dtype for t in _compat.torch_pytree.tree_leaves(out)]
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
+def test_every_call_gets_the_dtypes_cuda_autocast_gives_it(dtype):
+  tot.setup()
+  wrong = {}
+  with _compat.torchax_env(), torch.autocast("jax", dtype=dtype):
+    for name, (call, specs) in _CALLS.items():
+      ours = _outcome(call, specs, "jax")
+      cuda = _cuda_dtypes(call, specs, dtype)
+      if ours != cuda:
+        wrong[name] = (ours, cuda)
+  assert not wrong
+
+
+# ---- regions and programs ---------------------------------------------------------------------
+
+
+def test_a_region_around_the_call_compiles_its_own_program():
+  class Plain(nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.l = nn.Linear(8, 4, bias=False)
+
+    def forward(self, x):
+      return self.l(x)
+
+  jm = tot.ShardedModule(Plain(), mesh=tot.make_mesh(fsdp=8))
+  x = torch.randn(8, 8)
+  assert jm(x).dtype == torch.float32
+  with torch.autocast("jax", dtype=BF16):
+    assert jm(x).dtype == BF16
+  assert jm(x).dtype == torch.float32
+
+
+def test_what_cuda_autocast_refuses_is_refused():
+  tot.setup()
+  with _compat.torchax_env(), torch.autocast("jax", dtype=BF16):
+    a = torch.rand(3, device="jax")
+    with pytest.raises(tot.TorchOnTpuError, match="binary_cross_entropy_with_logits"):
+      F.binary_cross_entropy(a, a)
+    with pytest.raises(tot.TorchOnTpuError, match="refuses to promote"):
+      torch.addcmul(a.half(), a.bfloat16(), a.bfloat16())
+    with pytest.raises(tot.TorchOnTpuError, match=r"torch.cov .*enabled=False"):
+      torch.cov(torch.rand(3, 4, device="jax"))
+
+
+def test_cpu_tensors_in_a_jax_region_are_left_as_they_are():
+  tot.setup()
+  with _compat.torchax_env(), torch.autocast("jax", dtype=BF16):
+    a = torch.randn(3, 4)
+    assert (a @ a.T).dtype == torch.float32
