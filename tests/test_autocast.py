@@ -6,6 +6,7 @@ on fake CUDA tensors, and fp32 regions inside bf16 models (torchtitan's MoE rout
 import warnings
 
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
 import torch
@@ -161,9 +162,7 @@ def _copy(module):
 # ---- fp32 regions in bf16 models: torchtitan's MoE router -------------------------------------
 
 
-def test_torchtitans_router_scores_in_fp32_inside_a_bf16_model():
-  """`TokenChoiceTopKRouter` computes its gate under `torch.autocast(x.device.type, fp32)`; with
-  bf16 parameters its scores are the fp32 gate's, as on CUDA (a bf16 gate is 2e-3 off)."""
+def _router(bf16=True):
   from torchtitan.models.common.linear import Linear
   from torchtitan.models.common.moe import TokenChoiceTopKRouter
 
@@ -173,7 +172,13 @@ def test_torchtitans_router_scores_in_fp32_inside_a_bf16_model():
   )
   router = config.build()
   nn.init.normal_(router.gate.weight, std=0.5)
-  router = router.to(BF16)
+  return router.to(BF16) if bf16 else router
+
+
+def test_torchtitans_router_scores_in_fp32_inside_a_bf16_model():
+  """`TokenChoiceTopKRouter` computes its gate under `torch.autocast(x.device.type, fp32)`; with
+  bf16 parameters its scores are the fp32 gate's, as on CUDA (a bf16 gate is 2e-3 off)."""
+  router = _router()
   x = torch.randn(2, 6, 16).to(BF16)
   weight = router.gate.weight.detach().clone()
   fp32_gate = F.softmax(F.linear(x.float(), weight.float()), dim=-1)
@@ -185,6 +190,27 @@ def test_torchtitans_router_scores_in_fp32_inside_a_bf16_model():
   assert rel(tot.to_cpu(scores), fp32_gate) <= 1e-6
   chosen = tot.to_cpu(experts).sort(-1).values
   assert torch.equal(chosen, fp32_gate.topk(2, dim=-1).indices.sort(-1).values)
+
+
+def test_torchtitans_router_trains_its_fp32_gate_under_a_bf16_compute_dtype():
+  """torchtitan's setting: fp32 master weights, bf16 compute (`compute_dtype`), the gate in fp32."""
+  router = _router(bf16=False)
+  master = router.gate.weight.detach().clone().requires_grad_()
+  x, target = torch.randn(2, 6, 16).to(BF16), torch.rand(2, 6, 8)
+
+  def loss_fn(outputs, target):
+    return ((outputs[2] - target) ** 2).mean()
+
+  jm = tot.ShardedModule(router, mesh=tot.make_mesh(jax.devices()[:1], fsdp=1))
+  lr = 0.5
+  step = tot.make_train_step(jm, loss_fn, optax.sgd(lr), compute_dtype=jnp.bfloat16)
+  loss = step(x, target).item()
+  scores = F.softmax(F.linear(x.float(), master.to(BF16).float()), dim=-1)  # cast to bf16, gate in fp32
+  ref_loss = loss_fn((None, None, scores), target)
+  ref_loss.backward()
+  assert abs(loss - ref_loss.item()) <= 1e-6 * ref_loss.item()
+  trained = tot.to_cpu(jm.state_dict()["gate.weight"])
+  assert rel((master.detach() - trained) / lr, master.grad) <= 1e-6
 
 
 # ---- the policy is CUDA's ---------------------------------------------------------------------
@@ -324,3 +350,16 @@ def test_cpu_tensors_in_a_jax_region_are_left_as_they_are():
   with _compat.torchax_env(), torch.autocast("jax", dtype=BF16):
     a = torch.randn(3, 4)
     assert (a @ a.T).dtype == torch.float32
+
+
+def test_functions_torchax_lowers_first_get_the_casts_too():
+  """`F.interpolate` is lowered before torch's dispatcher: CUDA runs its `upsample_*` in fp32,
+  its "area" mode (an adaptive average pool) as given; `F.linear` and `torch.einsum` likewise."""
+  tot.setup()
+  with _compat.torchax_env(), torch.autocast("jax", dtype=BF16):
+    a = torch.randn(1, 2, 4, 4, device="jax").to(BF16)
+    assert F.interpolate(a, scale_factor=2.0).dtype == torch.float32
+    assert F.interpolate(a, scale_factor=2.0, mode="bilinear").dtype == torch.float32
+    assert F.interpolate(a, size=(2, 2), mode="area").dtype == BF16
+    w = torch.randn(3, 4, device="jax")
+    assert F.linear(a.float(), w).dtype == torch.einsum("...j,kj->...k", a.float(), w).dtype == BF16
