@@ -210,13 +210,19 @@ def _on_function(mode, func, args, kwargs, torchax_call):
   if not torch.is_autocast_enabled(DEVICE) or _compat.registered_op(mode.env, func) is None:
     return torchax_call(args, kwargs)  # reaches the dispatcher, where the kernels apply
   name = getattr(func, "__name__", "")
+  if name in _LOWERED_WHOLE:
+    raise TorchOnTpuError(
+      f"torch.{name} inside torch.autocast('{DEVICE}'): the bridge lowers it whole, so CUDA's "
+      f"autocast casts of its pieces cannot be applied; call it under "
+      f"torch.autocast('{DEVICE}', enabled=False)."
+    )
   policy = _function_policy(name, func, args, kwargs)
   if policy is None:
     return torchax_call(args, kwargs)
   if policy not in (LOWER_PRECISION, FP32, PROMOTE):
     raise TorchOnTpuError(
-      f"torch.{name} inside torch.autocast('{DEVICE}'): the bridge lowers it whole, so CUDA's "
-      f"autocast casts of its pieces cannot be applied; call it under "
+      f"torch.{name} inside torch.autocast('{DEVICE}') runs a lowering of the whole function "
+      f"(an override of it), to which CUDA's {policy} policy cannot be applied; call it under "
       f"torch.autocast('{DEVICE}', enabled=False)."
     )
   with _autocast_off():
@@ -226,8 +232,6 @@ def _on_function(mode, func, args, kwargs, torchax_call):
 
 def _function_policy(name, func, args, kwargs):
   """The policy of torch function `func` as CUDA's autocast applies it, or None."""
-  if name in _LOWERED_WHOLE:
-    return BANNED
   if name == "interpolate" and _bound(func, args, kwargs).get("mode") == "area":
     return None
   return _FUNCTION_EQUIVALENTS.get(name) or CUDA_POLICY.get(name)
