@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import jax
 import optax
@@ -380,6 +381,47 @@ def _check_torchax_modes():
       assert torch.overrides._get_current_function_mode_stack().count(_compat.torchax_env()._function_mode) == 1
 
 
+def _check_amp_supported_dtypes():
+  tot.setup()
+  assert torch.get_device_module("jax").get_amp_supported_dtype() == [torch.float16, torch.bfloat16, torch.float32]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # torch says "Disabling autocast" for a dtype the module lacks
+    with torch.autocast("jax", dtype=torch.float32):
+      assert torch.is_autocast_enabled("jax") and torch.get_autocast_dtype("jax") == torch.float32
+
+
+def _check_function_mode_routed():
+  from torchax import tensor
+
+  tot.setup()
+  env = _compat.torchax_env()
+  assert isinstance(env._function_mode, tensor.XLAFunctionMode) and env._function_mode.routes_torch_functions
+  with env:
+    assert env._function_mode in torch.overrides._get_current_function_mode_stack()
+
+
+def _check_autocast_key_included():
+  key = torch._C.DispatchKey.AutocastPrivateUse1
+  assert not torch._C._dispatch_tls_is_dispatch_key_included(key)
+  with _compat.autocast_key_included():
+    assert torch._C._dispatch_tls_is_dispatch_key_included(key)
+    with _compat.autocast_key_included():
+      pass
+    assert torch._C._dispatch_tls_is_dispatch_key_included(key)  # the inner exit restores
+  assert not torch._C._dispatch_tls_is_dispatch_key_included(key)
+
+
+def _check_op_schema():
+  names = [a.name for a in _compat.op_schema(torch.ops.aten.softmax.int).arguments]
+  assert names == ["self", "dim", "dtype"]
+
+
+def _check_cuda_autocast_ops():
+  ops = _compat.cuda_autocast_ops()
+  assert {"aten::mm", "aten::softmax.int", "aten::layer_norm", "aten::addcmul"} <= ops
+  assert "aten::relu" not in ops
+
+
 class _SignGradient(torch.autograd.Function):
   """x ↦ 2x whose backward passes the gradient's sign: jax differentiating the forward would give 2."""
 
@@ -470,6 +512,11 @@ _INTERNAL_API_CHECKS = {
   "jax._src.xla_bridge.backends_are_initialized": _check_backend_started,
   "jax._src.clusters.ClusterEnv": _check_clusters,
   "torchax.device_module.is_available": _check_device_module,
+  "torchax.device_module.get_amp_supported_dtype": _check_amp_supported_dtypes,
+  "torchax.tensor.Environment._function_mode": _check_function_mode_routed,
+  "torch._C dispatch TLS (AutocastPrivateUse1 included)": _check_autocast_key_included,
+  "torch._ops.OpOverload._schema": _check_op_schema,
+  "torch._C._dispatch_get_registrations_for_dispatch_key": _check_cuda_autocast_ops,
   "jax._src.distributed.global_state.client": _check_distributed_client,
   "torchax.tensor.Environment._function_mode/_dispatch_mode, torch's mode stacks": _check_torchax_modes,
   "torch.autograd.Function.apply": _check_function_apply,

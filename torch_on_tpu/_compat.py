@@ -133,6 +133,20 @@ def keep_torch_accelerator_off_torchax(torchax) -> None:
   torchax.device_module.is_available = lambda: False
 
 
+def accept_fp32_autocast(torchax) -> None:
+  """`torch.autocast` asks the device module which dtypes autocast on `jax` supports; torchax
+  says fp16 and bf16 and torch disables the region for any other, with a warning. CUDA's
+  autocast accepts fp32 too (a region computing in fp32 inside a low-precision model), and so
+  does ours (`lowerings.autocast`)."""
+  torchax.device_module.get_amp_supported_dtype = lambda: [torch.float16, torch.bfloat16, torch.float32]
+
+
+def is_jax_backed(tensor) -> bool:
+  """`tensor` is one of torchax's (a jax array, or a view of one)."""
+  torchax = import_torchax()
+  return isinstance(tensor, (torchax.tensor.Tensor, torchax.view.View))
+
+
 def import_torchax():
   """Imports torchax (with the shims, through `torchax_import`) after torchvision."""
   if "torchax" not in sys.modules:
@@ -176,6 +190,11 @@ INTERNAL_APIS = {
   "jax._src.interpreters.ad.JVPTracer/LinearizeTracer": "a Function's forward that reads a tensor it was not given (autograd_functions)",
   "torch.autograd.Function.apply": "routed for every subclass, so a Function on jax-backed tensors runs its own backward (autograd_functions)",
   "torchao.float8.float8_training_tensor.Float8TrainingTensor.__torch_dispatch__": "runs inside torchax's modes when it wraps jax-backed tensors",
+  "torchax.device_module.get_amp_supported_dtype": "widened to fp32, so torch.autocast('jax', dtype=torch.float32) is accepted as CUDA's is",
+  "torchax.tensor.Environment._function_mode": "the function-mode instance an environment enters, replaced to apply autocast casts",
+  "torch._C dispatch TLS (AutocastPrivateUse1 included)": "torch dispatches to the AutocastPrivateUse1 kernels though torchax's tensors do not carry that key",
+  "torch._ops.OpOverload._schema": "an op's arguments by name and position (autocast's dtype argument)",
+  "torch._C._dispatch_get_registrations_for_dispatch_key": "the ops torch's CUDA autocast casts (AutocastCUDA), the reference for ours",
 }
 
 def torchax_env():
@@ -243,6 +262,69 @@ def route_other_namespaces(env, handler) -> None:
       return super().__torch_dispatch__(func, types, args, kwargs)
 
   env._dispatch_mode = RoutingDispatchMode(env)
+
+
+def route_torch_functions(env, handler, while_entered) -> None:
+  """Makes `env`'s function mode hand every torch function call to
+  `handler(mode, func, args, kwargs, torchax_call)` (`torchax_call(args, kwargs)` runs
+  torchax's own handling), with `while_entered()` (a context manager) active for as long as
+  the mode is entered."""
+  from torchax import tensor
+
+  if getattr(env._function_mode, "routes_torch_functions", False):
+    return
+
+  class RoutingFunctionMode(tensor.XLAFunctionMode):
+    routes_torch_functions = True
+
+    def __init__(self, env):
+      super().__init__(env)
+      self.entered = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+      def torchax_call(args, kwargs):
+        return tensor.XLAFunctionMode.__torch_function__(self, func, types, args, kwargs)
+
+      return handler(self, func, args, kwargs or {}, torchax_call)
+
+    def __enter__(self):
+      stack = contextlib.ExitStack()
+      stack.enter_context(while_entered())
+      self.entered.append(stack)
+      return super().__enter__()
+
+    def __exit__(self, *exc):
+      try:
+        return super().__exit__(*exc)
+      finally:
+        self.entered.pop().close()
+
+  env._function_mode = RoutingFunctionMode(env)
+
+
+@contextlib.contextmanager
+def autocast_key_included():
+  """Context: torch dispatches ops to their `AutocastPrivateUse1` kernels (where autocast on
+  `jax`, torch's renamed private backend, is enabled). torchax's tensors are meta tensors to
+  torch's dispatcher, without that key, so it is included for the thread instead."""
+  key = torch._C.DispatchKey.AutocastPrivateUse1
+  before = torch._C._dispatch_tls_is_dispatch_key_included(key)
+  torch._C._dispatch_tls_set_dispatch_key_included(key, True)
+  try:
+    yield
+  finally:
+    torch._C._dispatch_tls_set_dispatch_key_included(key, before)
+
+
+def op_schema(op):
+  """An ATen OpOverload's schema (its arguments: names, positions, defaults)."""
+  return op._schema
+
+
+def cuda_autocast_ops() -> set[str]:
+  """The ops torch's CUDA autocast casts ("aten::mm", "aten::softmax.int", ...): those with an
+  `AutocastCUDA` kernel in this torch (registered in CPU builds too)."""
+  return set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA"))
 
 
 def decomposition(op):

@@ -390,9 +390,10 @@ class ShardedModule:
   def program(self, key, build: Callable):
     """The program compiled for this model under `key` (its forward per call signature,
     `generate`'s loop per shape): `build()` once, then the same one. The op overrides in
-    force (`op_table.generation()`) and every submodule's train/eval mode are part of the key,
-    so either change compiles afresh (a program traced in train mode runs dropout)."""
-    key = (key, op_table.generation(), self._modes())
+    force (`op_table.generation()`), every submodule's train/eval mode and a `torch.autocast`
+    region around the call are part of the key, so any change compiles afresh (a program
+    traced in train mode runs dropout)."""
+    key = (key, op_table.generation(), self._modes(), lowerings.autocast_state())
     if key not in self._compiled:
       self._compiled[key] = build()
     return self._compiled[key]

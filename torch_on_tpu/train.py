@@ -603,7 +603,7 @@ class TrainStep:
   # ---- compilation ------------------------------------------------------------------
 
   def _executable(self, leaves, static):
-    signature = (static, tuple(_leaf_signature(x) for x in leaves), op_table.generation())
+    signature = (static, tuple(_leaf_signature(x) for x in leaves), op_table.generation(), lowerings.autocast_state())
     compiled = self._executables.get(signature)
     if compiled is None:
       if self._signature is not None:
@@ -816,10 +816,12 @@ def _leaf_signature(x):
 
 def _signature_change(old, new) -> str:
   """One phrase naming what differs between two step signatures."""
-  old_static, old_leaves, old_gen = old
-  new_static, new_leaves, new_gen = new
+  old_static, old_leaves, old_gen, old_autocast = old
+  new_static, new_leaves, new_gen, new_autocast = new
   if old_gen != new_gen:
     return "op overrides changed (tot.override_op)"
+  if old_autocast != new_autocast:
+    return f"the torch.autocast region around the step changed: {old_autocast} → {new_autocast}"
   if old_static.names != new_static.names or old_static.treedef != new_static.treedef:
     return f"the batch structure changed from {list(old_static.names)} to {list(new_static.names)}"
   if old_static.statics != new_static.statics:

@@ -18,6 +18,8 @@ One module per concern:
 - `custom_ops`: ops of other `torch.library` namespaces (torchtitan's
   custom ops, a user's own) traced through their decomposition or composite
   implementation, or refused naming `override_op`;
+- `autocast`: `torch.autocast("jax", dtype=...)` regions inside a model computed
+  with CUDA's autocast policy (fp32 accepted as a target);
 - `low_precision`: bf16 / fp16 activations, softmax and layer norm rounded
   once as torch does; registered last, each wrapping the lowering the groups
   above left, so it wins only for low-precision inputs.
@@ -25,11 +27,12 @@ One module per concern:
 
 from __future__ import annotations
 
-from torch_on_tpu.lowerings import added_ops, custom_ops, factories, index_checks, low_precision, model_ops, torch_semantics
+from torch_on_tpu.lowerings import added_ops, autocast, custom_ops, factories, index_checks, low_precision, model_ops, torch_semantics
+from torch_on_tpu.lowerings.autocast import state as autocast_state
 from torch_on_tpu.lowerings.factories import made_on_device
 from torch_on_tpu.lowerings.model_ops import cpu_linear
 
-__all__ = ["cpu_linear", "made_on_device", "register"]
+__all__ = ["autocast_state", "cpu_linear", "made_on_device", "register"]
 
 
 def register(env) -> list[str]:
@@ -41,4 +44,5 @@ def register(env) -> list[str]:
   added = model_ops.register(env)
   low_precision.register(env)
   custom_ops.register(env)
+  autocast.register(env)
   return added

@@ -25,7 +25,7 @@ def register(env) -> None:
 def _run_custom_op(mode, op, types, args, kwargs):
   env = mode.env
   tensors = [t for t in _compat.torch_pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-  if not any(_is_jax_backed(t) for t in tensors):
+  if not any(_compat.is_jax_backed(t) for t in tensors):
     return op(*args, **kwargs)  # plain torch tensors: the op's own kernel, as torch runs it
   if _compat.registered_op(env, op) or _compat.registered_op(env, op.overloadpacket):
     return env.dispatch(op, types, args, kwargs)
@@ -43,8 +43,3 @@ def _run_custom_op(mode, op, types, args, kwargs):
     f"tot.override_op(torch.ops.{op.namespace}.{op.__name__}, impl) where "
     f"impl computes it in torch ops."
   )
-
-
-def _is_jax_backed(tensor) -> bool:
-  torchax = _compat.import_torchax()
-  return isinstance(tensor, (torchax.tensor.Tensor, torchax.view.View))

@@ -18,6 +18,8 @@ returning a different answer without an error:
   `cholesky_inverse(upper=True)` inverts UᴴU, `lstsq` with the `gels` driver
   solves through QR (the accuracy torch's LAPACK call has);
 - `as_strided_scatter` gets the gradient of a strided write;
+- `sum(..., dtype=)` sums in that dtype (torchax ignored it: a bf16 sum asked
+  for fp32, as CUDA's autocast asks, came back bf16);
 - `native_layer_norm` / batch norm: the saved mean and inverse deviation
   outputs carry no gradient (torch's autograd ignores them).
 """
@@ -453,6 +455,17 @@ def _stats_without_gradient(original):
   return lowered
 
 
+def _sum_in_dtype(original):
+  """torchax's sum, after converting to the `dtype=` it was given (torch's meaning)."""
+
+  def lowered(x, dim=None, keepdim=False, dtype=None):
+    if dtype is not None:
+      x = x.astype(mappings.t2j_dtype(dtype))
+    return original(x, dim, keepdim)
+
+  return lowered
+
+
 def _same_dtype_as_self(name, original):
   """A scatter lowering that refuses a `src` of another dtype than `self`, as torch does
   (jnp's scatter would cast it silently)."""
@@ -513,6 +526,7 @@ def register(env) -> None:
   det = _compat.registered_op(env, torch.linalg.det)
   if det is not None:
     jax_op(torch.linalg.det, lambda a: _linalg_det(a, det.func))
+  jax_op(aten.sum, _sum_in_dtype(_compat.registered_op(env, aten.sum).func))
   layer_norm = _compat.registered_op(env, aten.native_layer_norm)
   jax_op(aten.native_layer_norm, _stats_without_gradient(layer_norm.func))
   jax_op(aten.index_add, _index_add)
