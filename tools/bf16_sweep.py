@@ -78,6 +78,8 @@ OPS = {
   "layer_norm": (lambda x, w: F.layer_norm(x, (ROW,), w[0], w[1]), 2),
   "rms_norm": (lambda x, w: F.rms_norm(x, (ROW,), w[0], 1e-6), 2),
   "swiglu": (lambda x, y: F.silu(x) * y, 2),
+  "linear_bias": (lambda x, w: F.linear(x, w[:ROW], w[ROW]), 2),
+  "addmm": (lambda x, w: torch.addmm(w[ROW], x, w[:ROW]), 2),
 }
 
 

@@ -96,6 +96,28 @@ def _low_precision(x) -> bool:
   return isinstance(x, jax.Array) and x.dtype in _LOW_PRECISION
 
 
+def accumulator(*operands):
+  """The dtype a matmul of `operands` accumulates in before its one rounding: fp32 for
+  bf16/fp16, else their own."""
+  dtype = jnp.result_type(*operands)
+  return jnp.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def _linear32(x, weight, bias=None):
+  """`F.linear` of low-precision inputs as torch's addmm computes it: the bias joins the fp32
+  accumulator and the sum is rounded once (jax's `dot + bias` rounds the product, then the sum)."""
+  out = jnp.einsum("...a,ba->...b", x, weight, preferred_element_type=jnp.float32)
+  if bias is not None:
+    out = out + bias.astype(jnp.float32)
+  return out.astype(jnp.result_type(x, weight))
+
+
+def _addmm32(bias, mat1, mat2, *, beta=1.0, alpha=1.0):
+  """`addmm` of low-precision inputs: beta·bias + alpha·mat1@mat2 in fp32, rounded once."""
+  out = alpha * jnp.matmul(mat1, mat2, preferred_element_type=jnp.float32) + beta * bias.astype(jnp.float32)
+  return out.astype(jnp.result_type(mat1, mat2))
+
+
 def _native_layer_norm32(x, normalized_shape, weight=None, bias=None, eps=1e-5):
   """`native_layer_norm` of a low-precision input as torch computes it: statistics and
   affine in fp32, each output rounded once (jax differentiates the fp32 form, so the
@@ -124,7 +146,8 @@ def _rounded_like_torch(prior, rounded):
 
 
 def _low_precision_lowerings() -> dict:
-  """packet → jax function of (x, *op args) for the ops `_ROUNDED_ONCE` covers."""
+  """packet (or torch function) → jax function of (x, *op args): the ops `_ROUNDED_ONCE`
+  covers, layer norm, and the matmuls with a bias."""
   aten = torch.ops.aten
   once = _ROUNDED_ONCE
   softmax = lambda x, dim, half_to_float=False: once["softmax"](x, (dim % x.ndim,))  # noqa: E731
@@ -137,13 +160,17 @@ def _low_precision_lowerings() -> dict:
     aten._softmax: softmax,
     aten.softmax: softmax,
     aten.native_layer_norm: _native_layer_norm32,
+    aten.linear: _linear32,
+    torch.nn.functional.linear: _linear32,
+    aten.addmm: _addmm32,  # its first argument is the bias
   }
 
 
 def register(env) -> None:
   """Installs the bf16/fp16 lowerings over the registered ones (each keeps the prior one for other dtypes)."""
   for packet, rounded in _low_precision_lowerings().items():
-    for target in (packet, *(getattr(packet, name) for name in packet.overloads())):
+    overloads = packet.overloads() if hasattr(packet, "overloads") else ()
+    for target in (packet, *(getattr(packet, name) for name in overloads)):
       prior = _compat.registered_op(env, target)
       if prior is None or not prior.is_jax_function or prior.is_user_defined:
         continue  # nothing to keep for other dtypes, or a user's override_op

@@ -61,7 +61,7 @@ import torch
 from torch_on_tpu import _compat, device_checks, float8, host, op_table, ragged
 from torch_on_tpu import remat as remat_lib
 from torch_on_tpu.errors import TorchOnTpuError
-from torch_on_tpu.lowerings import factories
+from torch_on_tpu.lowerings import factories, low_precision
 
 torchax = _compat.import_torchax()
 import jax  # noqa: E402
@@ -234,8 +234,13 @@ def cpu_linear(mesh):
 
 
 def _linear_with_bias(x, weight, bias=None):
-  out = checkpoint_name(_linear(x, weight), remat_lib.MATMUL_NAME)
-  return out if bias is None else out + bias
+  """`x @ weight.T + bias` accumulated in `low_precision.accumulator` and rounded once, as
+  torch's addmm (cuBLAS's bias epilogue likewise): a bf16 bias add after a rounded product
+  would round twice."""
+  out = _linear(x, weight)
+  if bias is not None:
+    out = out + bias.astype(out.dtype)
+  return checkpoint_name(out.astype(jnp.result_type(x, weight)), remat_lib.MATMUL_NAME)
 
 
 @jax.custom_vjp
@@ -247,7 +252,7 @@ def _linear(x, weight):
   written this way it transposes the activation X and the small result
   instead (docs/performance.md has the measurements).
   """
-  return jnp.einsum("...a,ba->...b", x, weight)
+  return jnp.einsum("...a,ba->...b", x, weight, preferred_element_type=low_precision.accumulator(x, weight))
 
 
 def _linear_fwd(x, weight):

@@ -175,15 +175,20 @@ def _elu(x, alpha=1.0, scale=1.0, input_scale=1.0):
 
 
 def _elu_fn(alpha, scale, input_scale):
+  """Computed in fp32 (at least) and rounded once each way, as torch's kernels compute a
+  bf16/fp16 elu and its backward."""
+
   @jax.custom_jvp
   def elu(x):
-    return jnp.where(x > 0, x * scale, alpha * scale * jnp.expm1(x * input_scale)).astype(x.dtype)
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return jnp.where(x32 > 0, x32 * scale, alpha * scale * jnp.expm1(x32 * input_scale)).astype(x.dtype)
 
   @elu.defjvp
   def elu_jvp(primals, tangents):
     (x,), (t,) = primals, tangents
-    slope = jnp.where(x > 0, scale, alpha * scale * input_scale * jnp.exp(jnp.minimum(x, 0) * input_scale))
-    return elu(x), (slope * t).astype(t.dtype)
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    slope = jnp.where(x32 > 0, scale, alpha * scale * input_scale * jnp.exp(jnp.minimum(x32, 0) * input_scale))
+    return elu(x), (slope * t.astype(slope.dtype)).astype(t.dtype)
 
   return elu
 
