@@ -37,6 +37,17 @@ def test_an_moe_family_trains_two_steps_expert_parallel(tmp_path):
   assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
 
 
+def test_gpt_oss_trains_in_torchtitans_precision_and_its_fp32_forward_is_refused_as_torch_refuses_it(tmp_path):
+  """gpt-oss's experts return bf16 into an fp32 scatter-add: torch raises there, so torchtitan
+  trains it with bf16 compute (`--dtype=bfloat16`); in fp32 the bridge says so in one sentence
+  instead of casting silently."""
+  summary = titan_recipe.run(flags(tmp_path, "gpt_oss:debugmodel", dtype="bfloat16"))
+  losses = [r["loss"] for r in summary["records"] if "loss" in r]
+  assert summary["steps"] == 2 and len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+  with pytest.raises(tot.TorchOnTpuError, match="scatter_add: self is torch.float32 but src is torch.bfloat16.*--dtype"):
+    titan_recipe.run(flags(tmp_path / "fp32", "gpt_oss:debugmodel"))
+
+
 def test_unknown_families_and_flavors_are_one_sentence(tmp_path):
   with pytest.raises(tot.TorchOnTpuError, match="not <family>:<flavor>"):
     titan_recipe.run(flags(tmp_path, "gpt9:xl"))

@@ -2,17 +2,26 @@
 
     .venv/bin/python tools/titan_parity.py                       # the whole matrix (minutes)
     .venv/bin/python tools/titan_parity.py qwen3:debugmodel_moe --modes forward,train
+    .venv/bin/python tools/titan_parity.py gpt_oss:debugmodel --round_robin --modes spread,train
 
 Each model is torchtitan's own registry entry (`model_registry(flavor).model`),
 made small the same way for every family (`shrink`: fewer layers, a small
-vocabulary, 8 experts of top-2, RoPE tables sized to the sequence), built
-unmodified on meta, initialised with torchtitan's own init, called as
-torchtitan's trainer calls it (tokens, positions, `get_attention_masks`) on a
-packed batch with documents, through `ShardedModule` on 8 simulated CPU
-devices. The reference is the same torchtitan model in eager torch on CPU
-(fp32), its flex attention run uncompiled, with torchtitan's MoE
-load-balancing hook registered on a `torch.optim.AdamW` exactly as its
-trainer registers it. Numbers are ‖Δ‖/‖ref‖.
+vocabulary, 8 experts of top-2, RoPE tables sized to the sequence, sliding
+windows shorter than it), built unmodified on meta, initialised with
+torchtitan's own init, called as torchtitan's trainer calls it (tokens,
+positions, `get_attention_masks`) on a packed batch with documents, through
+`ShardedModule` on 8 simulated CPU devices. The reference (`EagerReference`)
+is the same torchtitan model in eager torch on CPU, its flex attention
+computed densely as its kernels round (a varlen model's reference runs flex:
+varlen needs FlashAttention), with torchtitan's MoE load-balancing hook
+registered on a `torch.optim.AdamW` exactly as its trainer registers it.
+Numbers are ‖Δ‖/‖ref‖.
+
+Precision: fp32, except the families torchtitan cannot run in fp32 (`PRECISION`:
+gpt-oss), compared as torchtitan trains them, bf16 compute from fp32 weights
+(FSDP's mixed precision; `compute_dtype` on our side); `--precision` sets it for
+all. `--round_robin` routes MoE tokens by torchtitan's debug rule instead of by
+score, so that no routing flip hides a difference in the numerics.
 
 Modes: `forward` (fsdp=8), `scan` (scan=True, fsdp=8), `train` (5 AdamW steps:
 every step's loss, then every parameter and buffer, persistent or not),
@@ -20,8 +29,8 @@ every step's loss, then every parameter and buffer, persistent or not),
 (ep=8, experts placed by torchtitan's EP plan; MoE families), `spread` (two
 valid eager references against each other, forward and the same 5 steps: the
 second with every fp32 `F.linear` accumulated in fp64, as tools/bf16_sweep.py
-defines it on the precision branch; the yardstick where torchtitan computes in
-bf16, as its MoE experts do).
+defines it, and attention's probabilities kept in fp32 for P·V; the yardstick
+where torchtitan computes in bf16, as its MoE experts do).
 """
 
 from __future__ import annotations
