@@ -37,6 +37,13 @@ def test_an_moe_family_trains_two_steps_expert_parallel(tmp_path):
   assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
 
 
+@pytest.mark.parametrize("model", ["qwen3:debugmodel_moe", "kimi_k2_7:debugmodel", "qwen3_5:debugmodel", "muse_glimmer:debugmodel"])
+def test_every_other_language_family_trains_two_steps(model, tmp_path):
+  summary = titan_recipe.run(flags(tmp_path, model))
+  losses = [r["loss"] for r in summary["records"] if "loss" in r]
+  assert summary["steps"] == 2 and len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), model
+
+
 def test_gpt_oss_trains_in_torchtitans_precision_and_its_fp32_forward_is_refused_as_torch_refuses_it(tmp_path):
   """gpt-oss's experts return bf16 into an fp32 scatter-add: torch raises there, so torchtitan
   trains it with bf16 compute (`--dtype=bfloat16`); in fp32 the bridge says so in one sentence

@@ -39,7 +39,7 @@ def test_a_family_forward_matches_eager_torch(spec, layers, scanned):
 
 
 def test_every_registry_family_is_recognised_with_its_shape():
-  for spec in tp.SPECS:
+  for spec in (*tp.SPECS, "muse_glimmer:debugmodel"):  # Muse Glimmer: its embedding wrapped with a norm
     with torch.device("meta"):
       model = tiny(spec).build()
     family = models.family_of(model)

@@ -534,14 +534,16 @@ class TorchtitanFamily(Family):
     else:
       head_dim, kv_heads = attention.head_dim, attention.n_kv_heads or attention.n_heads
     moes = [m for b in blocks for m in b.modules() if _is_moe(m)]
+    # the token table itself, also where it is wrapped (Muse Glimmer's EmbeddingWithNorm)
+    embedding = next(m for m in module.tok_embeddings.modules() if isinstance(m, torch.nn.Embedding))
     return DecoderShape(
       layers=len(blocks),
-      dim=module.tok_embeddings.embedding_dim,
+      dim=embedding.embedding_dim,
       ffn_dim=max(_ffn_width(b) for b in blocks),
       heads=attention.n_heads,
       kv_heads=kv_heads,
       head_dim=head_dim,
-      vocab=module.tok_embeddings.num_embeddings,
+      vocab=embedding.num_embeddings,
       attention_layers=len(attentions),
       inactive_params=sum(_inactive_expert_params(m) for m in moes),
     )
