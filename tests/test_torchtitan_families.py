@@ -161,6 +161,23 @@ def test_export_through_torchtitans_state_dict_adapter_gives_our_logits(spec, tm
     assert torch.equal(value, state[name]), name
 
 
+def test_an_adapter_that_drops_a_parameter_is_refused(tmp_path, monkeypatch):
+  """An adapter out of date with its model (torchtitan 0.3.0's gpt-oss adapter knows its experts
+  as `mlp1_weight`, the model names them `mlp1_weight_EGD`) would write an incomplete directory."""
+  from torch_on_tpu import export
+  from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+  original = Qwen3StateDictAdapter.to_hf
+  monkeypatch.setattr(
+    Qwen3StateDictAdapter, "to_hf",
+    lambda self, sd: {} if any(k.endswith("attention.q_norm.weight") for k in sd) else original(self, sd),
+  )
+  jm = tp.wrap(tiny("qwen3:debugmodel", layers=1), "forward")
+  with pytest.raises(tot.TorchOnTpuError, match=r"no HF name for parameter 'layers.0.attention.q_norm.weight' \(1 dropped"):
+    export.export(jm, tmp_path / "hf")
+  assert not (tmp_path / "hf").exists()
+
+
 def test_a_trained_expert_bias_hf_qwen3_moe_cannot_hold_is_refused(tmp_path):
   import jax.numpy as jnp
 

@@ -774,6 +774,15 @@ def hf_via_adapter(module: torch.nn.Module) -> HFForm | None:
   adapter = classes[0](module.config, None)
   config, check = make_config(module.config)
   shapes = module.state_dict()  # on meta: names and shapes only
+  # buffers (load-balancing state: `check`'s) and tied aliases (lm_head of tied embeddings) aside
+  aliases = {n for n, _ in module.named_parameters(remove_duplicate=False)} - {n for n, _ in module.named_parameters()}
+  skipped = {name for name, _ in module.named_buffers()} | aliases
+  dropped = [name for name in shapes if name not in skipped and not adapter.to_hf({name: shapes[name]})]
+  if dropped:
+    raise TorchOnTpuError(
+      f"torchtitan's {family} state_dict_adapter gives no HF name for parameter '{dropped[0]}' ({len(dropped)} "
+      f"dropped in all), so its export would be incomplete; export_safetensors writes the model's own names."
+    )
 
   def rename(name):
     return [(hf, functools.partial(_to_hf, adapter, name, hf)) for hf in adapter.to_hf({name: shapes[name]})]
