@@ -161,6 +161,34 @@ def test_export_through_torchtitans_state_dict_adapter_gives_our_logits(spec, tm
     assert torch.equal(value, state[name]), name
 
 
+def test_gpt_oss_exports_as_hf_gpt_oss_with_our_logits(tmp_path):
+  """torchtitan's own gpt-oss adapter would drop the experts (its names predate the model's),
+  so gpt-oss is written by our table (`hf_gpt_oss`): transformers loads the directory as GptOss (YaRN RoPE,
+  sinks, a sliding window shorter than the sequence, biased experts and router) and computes
+  our fp32 logits (the experts' bf16 casts out on our side, `fp32_experts`: HF's experts run
+  in the weights' fp32); every weight is written, the experts transposed to HF's layout."""
+  from safetensors.torch import load_file
+
+  # flex attention: fp32 as HF's (varlen casts q, k, v to bf16 for FlashAttention, as torchtitan does)
+  config = tp.shrink(tp.registry_config("gpt_oss:debugmodel", attn_backend="flex"), layers=2)
+  jm = tp.wrap(config, "forward")
+  hf = _export_and_load(jm, tmp_path)
+  assert hf.config.layer_types[:2] == ["sliding_attention", "full_attention"] and hf.config.sliding_window == 16
+  tokens, _, _ = tp.packed_batch()
+  positions = torch.arange(tp.SEQ).repeat(tokens.shape[0], 1)  # one document per row: HF's causal LM sees the same
+  with tp.fp32_experts():
+    jm.module.eval()
+    ours = tot.to_cpu(jm(**jm.family.model_inputs(jm.module, {"input_ids": tokens, "positions": positions})))
+  with torch.no_grad():
+    assert h.rel(ours, hf(tokens).logits) < 1e-5
+  written = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+  state = jm.state_dict()
+  assert torch.equal(written["model.layers.0.mlp.experts.gate_up_proj"],
+                     state["layers.0.moe.routed_experts.inner_experts.mlp1_weight_EGD"].transpose(-1, -2))
+  buffers = {n for n, _ in jm.module.named_buffers()}
+  assert len(written) == len([n for n in state if n not in buffers])  # every weight (wq, wk, wv apart), no buffer
+
+
 def test_an_adapter_that_drops_a_parameter_is_refused(tmp_path, monkeypatch):
   """An adapter out of date with its model (torchtitan 0.3.0's gpt-oss adapter knows its experts
   as `mlp1_weight`, the model names them `mlp1_weight_EGD`) would write an incomplete directory."""

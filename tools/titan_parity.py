@@ -271,24 +271,36 @@ def cuda_router_autocast():
 
 @contextlib.contextmanager
 def fp32_experts():
-  """torchtitan's GroupedExperts without its bf16 casts, for ours and the reference alike:
-  the MoE mechanics (routing, dispatch, combine, load balancing) checked at fp32 exactness,
-  apart from the bf16 numerics (measured by the `spread` mode)."""
+  """torchtitan's GroupedExperts (and gpt-oss's, with their biases and clamped SwiGLU) without
+  their bf16 casts, for ours and the reference alike: the MoE mechanics (routing, dispatch,
+  combine, load balancing) checked at fp32 exactness, apart from the bf16 numerics (measured
+  by the `spread` mode)."""
   import torch
   import torch.nn.functional as F
   from torchtitan.models.common.moe import GroupedExperts
+  from torchtitan.models.gpt_oss import moe as gpt_oss_moe
 
   def forward(self, x, counts):
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     mm = lambda a, w: self._grouped_mm(A=a, B_t=w.transpose(-2, -1), offs=offsets)  # noqa: E731
     return mm(F.silu(mm(x, self.w1_EFD)) * mm(x, self.w3_EFD), self.w2_EDF).type_as(x)
 
-  original = GroupedExperts.forward
-  GroupedExperts.forward = forward
+  def gpt_oss_forward(self, x, counts):
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    per_row = torch.cat([counts, (x.shape[0] - offsets[-1]).unsqueeze(0).to(counts.dtype)]).long()
+    mm = lambda a, w: self._grouped_mm(A=a, B_t=w.transpose(-2, -1), offs=offsets)  # noqa: E731
+    rows = lambda b: torch.cat([b, b.new_zeros(1, b.shape[-1])]).repeat_interleave(  # noqa: E731
+      per_row, dim=0, output_size=x.shape[0]
+    )
+    h = gpt_oss_moe.swiglu(mm(x, self.mlp1_weight_EGD) + rows(self.mlp1_bias_EG), limit=self.swiglu_limit)
+    return mm(h, self.mlp2_weight_EDF) + rows(self.mlp2_bias_ED)
+
+  originals = GroupedExperts.forward, gpt_oss_moe.GptOssGroupedExperts.forward
+  GroupedExperts.forward, gpt_oss_moe.GptOssGroupedExperts.forward = forward, gpt_oss_forward
   try:
     yield
   finally:
-    GroupedExperts.forward = original
+    GroupedExperts.forward, gpt_oss_moe.GptOssGroupedExperts.forward = originals
 
 
 @contextlib.contextmanager

@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import re
 import sys
 import weakref
 
@@ -610,8 +611,11 @@ class TorchtitanFamily(Family):
     return None, "torchtitan's decoders have no KV cache"
 
   def hf_form(self, module):
-    """Llama 3 as HF Llama (its q/k rows permuted for HF's RoPE); the other families
-    through torchtitan's own `state_dict_adapter` (`hf_via_adapter`)."""
+    """Llama 3 as HF Llama (its q/k rows permuted for HF's RoPE), gpt-oss as HF GptOss
+    (`hf_gpt_oss`); the other families through torchtitan's own `state_dict_adapter`
+    (`hf_via_adapter`)."""
+    if type(module).__module__ == "torchtitan.models.gpt_oss.model":
+      return hf_gpt_oss(module)
     if type(module).__module__ != "torchtitan.models.llama3.model":
       return hf_via_adapter(module)
     config, to_hf = hf_llama(module)
@@ -830,8 +834,8 @@ def _qwen3_hf_config(config):
   return hf, _no_expert_bias(len(config.layers)) if moe.load_balance_coeff is not None else None
 
 
-def _no_expert_bias(layers: int):
-  """HF's Qwen3-MoE routes without torchtitan's load-balancing bias: a trained (nonzero) one is refused."""
+def _no_expert_bias(layers: int, hf_name: str = "Qwen3-MoE"):
+  """HF's `hf_name` routes without torchtitan's load-balancing bias: a trained (nonzero) one is refused."""
 
   def check(read):
     for i in range(layers):
@@ -839,7 +843,7 @@ def _no_expert_bias(layers: int):
       if bool(jnp.any(bias != 0)):
         raise TorchOnTpuError(
           f"layers.{i}.moe.expert_bias_E is nonzero (torchtitan's MoE load balancing moved it) and HF's "
-          f"Qwen3-MoE routes without an expert bias, so its logits would differ; export_safetensors writes "
+          f"{hf_name} routes without an expert bias, so its logits would differ; export_safetensors writes "
           f"the model with it."
         )
 
@@ -848,6 +852,83 @@ def _no_expert_bias(layers: int):
 
 # torchtitan family → (its config → (the transformers config, a check of the values or None)).
 _HF_CONFIGS = {"qwen3": _qwen3_hf_config}
+
+# gpt-oss's names: torchtitan's state_dict name (layer number as {}) → (HF name, transposed)
+_GPT_OSS_NAMES = {
+  "tok_embeddings.weight": ("model.embed_tokens.weight", False),
+  "norm.weight": ("model.norm.weight", False),
+  "lm_head.weight": ("lm_head.weight", False),
+  **{f"layers.{{}}.attention.qkv_linear.w{x}.{p}": (f"model.layers.{{}}.self_attn.{x}_proj.{p}", False)
+     for x in "qkv" for p in ("weight", "bias")},
+  "layers.{}.attention.wo.weight": ("model.layers.{}.self_attn.o_proj.weight", False),
+  "layers.{}.attention.wo.bias": ("model.layers.{}.self_attn.o_proj.bias", False),
+  "layers.{}.attention.sinks": ("model.layers.{}.self_attn.sinks", False),
+  "layers.{}.attention_norm.weight": ("model.layers.{}.input_layernorm.weight", False),
+  "layers.{}.ffn_norm.weight": ("model.layers.{}.post_attention_layernorm.weight", False),
+  "layers.{}.moe.router.gate.weight": ("model.layers.{}.mlp.router.weight", False),
+  "layers.{}.moe.router.gate.bias": ("model.layers.{}.mlp.router.bias", False),
+  # experts: torchtitan keeps (experts, out, in), HF (experts, in, out)
+  "layers.{}.moe.routed_experts.inner_experts.mlp1_weight_EGD": ("model.layers.{}.mlp.experts.gate_up_proj", True),
+  "layers.{}.moe.routed_experts.inner_experts.mlp1_bias_EG": ("model.layers.{}.mlp.experts.gate_up_proj_bias", False),
+  "layers.{}.moe.routed_experts.inner_experts.mlp2_weight_EDF": ("model.layers.{}.mlp.experts.down_proj", True),
+  "layers.{}.moe.routed_experts.inner_experts.mlp2_bias_ED": ("model.layers.{}.mlp.experts.down_proj_bias", False),
+}
+
+
+def hf_gpt_oss(module: torch.nn.Module) -> HFForm:
+  """torchtitan's gpt-oss as HF's GptOss. Not through torchtitan's own adapter: in torchtitan
+  0.3.0 it predates the model's expert names (`mlp1_weight` for `mlp1_weight_EGD`) and writes
+  the names of the MXFP4 checkpoint (`gate_up_proj_blocks`), so it would drop every expert;
+  these are HF's unquantized names, the experts transposed to HF's (experts, in, out)."""
+  import transformers
+
+  config = module.config
+  attention = [layer.attention for layer in config.layers]
+  moes = [layer.moe for layer in config.layers]
+  first, router, experts = attention[0], moes[0].router, moes[0].routed_experts.inner_experts
+  rope, windows = first.rope, {a.sliding_window_size for a in attention} - {None}
+  problem = None
+  if router.score_func != "softmax" or not router.route_norm or router.route_scale != 1.0:
+    problem = "its router is not HF's (a softmax over the top-k logits)"
+  elif len(windows) > 1:
+    problem = f"its layers use sliding windows of {len(windows)} sizes (HF has one)"
+  elif rope.scaling not in ("none", "yarn"):
+    problem = f"its RoPE scaling is '{rope.scaling}'"
+  elif config.enable_weight_tying:
+    problem = "its embedding is tied to its output"
+  if problem is not None:
+    raise TorchOnTpuError(f"This torchtitan gpt-oss cannot be written as HF GptOss: {problem}; export_safetensors writes its own names.")
+  rope_parameters = dict(rope_type="default", rope_theta=float(rope.theta))
+  if rope.scaling == "yarn":
+    rope_parameters = dict(
+      rope_type="yarn", rope_theta=float(rope.theta), factor=float(rope.rope_factor), beta_fast=float(rope.beta_fast),
+      beta_slow=float(rope.beta_slow), truncate=bool(rope.truncate), original_max_position_embeddings=rope.original_seq_len,
+    )
+  hf = transformers.GptOssConfig(
+    vocab_size=config.vocab_size, hidden_size=config.dim, num_hidden_layers=len(config.layers),
+    num_attention_heads=first.n_heads, num_key_value_heads=first.n_kv_heads, head_dim=first.head_dim,
+    intermediate_size=experts.hidden_dim, num_local_experts=moes[0].num_experts, num_experts_per_tok=router.top_k,
+    rms_norm_eps=config.norm.eps, max_position_embeddings=rope.max_seq_len,
+    **({"sliding_window": windows.pop()} if windows else {}),  # HF's default where no layer slides
+    layer_types=["sliding_attention" if a.sliding_window_size else "full_attention" for a in attention],
+    rope_parameters=rope_parameters, swiglu_limit=float(experts.swiglu_limit), tie_word_embeddings=False,
+    attention_bias=True, architectures=["GptOssForCausalLM"],
+  )
+  buffers = {name for name, _ in module.named_buffers()}
+
+  def rename(name):
+    if name in buffers:
+      return []  # RoPE tables and load-balancing state (the check refuses a moved expert bias)
+    layer = re.match(r"layers\.(\d+)\.", name)
+    key = name if layer is None else name.replace(layer.group(0), "layers.{}.", 1)
+    if key not in _GPT_OSS_NAMES:
+      raise TorchOnTpuError(f"torchtitan gpt-oss tensor '{name}' has no HF GptOss name; export_safetensors writes its own names.")
+    hf_name, transposed = _GPT_OSS_NAMES[key]
+    hf_name = hf_name if layer is None else hf_name.format(layer.group(1))
+    return [(hf_name, (lambda w: jnp.swapaxes(w, -1, -2)) if transposed else None)]
+
+  check = _no_expert_bias(len(config.layers), "GptOss") if moes[0].load_balance_coeff is not None else None
+  return HFForm(hf, rename, check)
 
 # Models whose forward checks that it got its masks by key (weakly held: a model can go).
 _checked_masks: weakref.WeakSet = weakref.WeakSet()
