@@ -142,3 +142,24 @@ def test_scatters_take_what_torch_takes_and_refuse_what_it_refuses(name):
     op(x, index, src.bfloat16())
   with pytest.raises(tot.TorchOnTpuError, match=f"{name}: self is torch.float32 but (src|source) is torch.bfloat16"):
     jm(x, index, src.bfloat16())
+
+
+class _Cosine(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.w = torch.nn.Parameter(torch.randn(6, 8))
+
+  def forward(self, x):
+    self.described = repr(x)  # a message naming a tensor mid-trace describes it, no values
+    return torch.nn.functional.cosine_similarity(x, self.w, dim=1)
+
+
+def test_cosine_similarity_runs_and_a_traced_tensor_has_a_repr():
+  """torch's cosine_similarity formats a tensor while it runs; repr of a traced tensor raised
+  (it read values that do not exist yet), so the op was refused."""
+  torch.manual_seed(0)
+  model, x = _Cosine(), torch.randn(6, 8)
+  want = torch.nn.functional.cosine_similarity(x, model.w.detach(), dim=1)
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(jax.devices()[:1], fsdp=1))
+  assert torch.allclose(tot.to_cpu(jm(x)), want, atol=1e-6)
+  assert jm.module.described == "tensor(<traced float32[6, 8]>, device='jax')"

@@ -27,6 +27,7 @@ from torch_on_tpu.errors import TorchOnTpuError
 torchax = _compat.import_torchax()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from torchax.ops import mappings  # noqa: E402
 
 
 def _float(x):
@@ -378,6 +379,22 @@ def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean
   return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
 
 
+def _searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=None, sorter=None):
+  """torch's searchsorted: `side` (or `right`), a `sorter`, and an N-d sorted sequence searched
+  row by row (torchax's lowering took none of them and searched 1-d only)."""
+  side = side or ("right" if right else "left")
+  values = jnp.asarray(values)
+  if sorter is not None:
+    sorted_sequence = jnp.take_along_axis(sorted_sequence, sorter, axis=-1)
+  if sorted_sequence.ndim <= 1:
+    out = jnp.searchsorted(sorted_sequence, values, side=side)
+  else:
+    rows = sorted_sequence.reshape(-1, sorted_sequence.shape[-1])
+    out = jax.vmap(lambda row, v: jnp.searchsorted(row, v, side=side))(rows, values.reshape(rows.shape[0], -1))
+    out = out.reshape(values.shape)
+  return out.astype(jnp.int32 if out_int32 else mappings.t2j_dtype(torch.int64))
+
+
 def register(env) -> None:
   aten = torch.ops.aten
 
@@ -386,6 +403,8 @@ def register(env) -> None:
 
   jax_op(aten.ldexp.Tensor, _ldexp)
   jax_op(aten.nonzero_static, _nonzero_static)
+  for overload in (aten.searchsorted.Tensor, aten.searchsorted.Scalar):
+    jax_op(overload, _searchsorted)
   # composite in torch (decomposed before dispatch, into value reads): lowered as functions
   for function, fn in ((torch.nn.functional.gaussian_nll_loss, _gaussian_nll_loss), (torch.narrow, _narrow), (torch.Tensor.narrow, _narrow), (torch.combinations, _combinations), (torch.cov, _cov), (torch.Tensor.cov, _cov)):
     jax_op(function, fn)

@@ -355,6 +355,8 @@ def _repr(self) -> str:
   """torch's repr of the values, marked as living on a jax device; an array other
   processes hold parts of is described, not gathered."""
   array = self.jax()
+  if isinstance(array, jax.core.Tracer):  # inside a trace (an error message naming the tensor): no values yet
+    return f"tensor(<traced {array.dtype}{list(array.shape)}>, device='jax')"
   if not array.is_fully_addressable:
     return f"tensor(<{array.dtype}{list(array.shape)} over {len(array.sharding.device_set)} devices>, device='jax')"
   text = repr(_to_host(self))
