@@ -124,6 +124,23 @@ def test_gpt_oss_in_torchtitans_precision_is_within_the_spread_of_eager_referenc
   assert tp.check(spec, "forward", config=learned)["forward"] < 3 * spread["forward"]
 
 
+def _export_and_compare_logits(jm, tmp_path, seq) -> dict:
+  """Exports `jm`, loads it in transformers and checks its logits against ours (fp32, the
+  experts' bf16 casts out on our side: HF's experts run in the weights' fp32); returns the
+  tensors written."""
+  from safetensors.torch import load_file
+
+  hf = _export_and_load(jm, tmp_path)
+  tokens, _, _ = tp.packed_batch(batch=2, seq=seq)
+  positions = torch.arange(seq).repeat(2, 1)  # one document per row: HF's causal LM sees the same
+  with tp.fp32_experts():
+    jm.module.eval()
+    ours = tot.to_cpu(jm(**jm.family.model_inputs(jm.module, {"input_ids": tokens, "positions": positions})))
+  with torch.no_grad():
+    assert h.rel(ours, hf(tokens).logits) < 1e-5
+  return {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
 def _export_and_load(jm, tmp_path):
   import transformers
 
@@ -144,17 +161,7 @@ def test_export_through_torchtitans_state_dict_adapter_gives_our_logits(spec, tm
 
   config = tiny(spec)
   jm = tp.wrap(config, "forward")
-  hf = _export_and_load(jm, tmp_path)
-  tokens, _, _ = tp.packed_batch(batch=2, seq=16)
-  positions = torch.arange(16).repeat(2, 1)  # one document per row: HF's causal LM sees the same
-  with tp.fp32_experts():
-    jm.module.eval()
-    ours = tot.to_cpu(jm(**jm.family.model_inputs(jm.module, {"input_ids": tokens, "positions": positions})))
-  with torch.no_grad():
-    assert h.rel(ours, hf(tokens).logits) < 1e-5
-  from safetensors.torch import load_file
-
-  written = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+  written = _export_and_compare_logits(jm, tmp_path, seq=16)
   back = Qwen3StateDictAdapter(config, None).from_hf(written)
   state = jm.state_dict()
   for name, value in back.items():
@@ -167,21 +174,14 @@ def test_gpt_oss_exports_as_hf_gpt_oss_with_our_logits(tmp_path):
   sinks, a sliding window shorter than the sequence, biased experts and router) and computes
   our fp32 logits (the experts' bf16 casts out on our side, `fp32_experts`: HF's experts run
   in the weights' fp32); every weight is written, the experts transposed to HF's layout."""
-  from safetensors.torch import load_file
+  import transformers
 
   # flex attention: fp32 as HF's (varlen casts q, k, v to bf16 for FlashAttention, as torchtitan does)
   config = tp.shrink(tp.registry_config("gpt_oss:debugmodel", attn_backend="flex"), layers=2)
   jm = tp.wrap(config, "forward")
-  hf = _export_and_load(jm, tmp_path)
-  assert hf.config.layer_types[:2] == ["sliding_attention", "full_attention"] and hf.config.sliding_window == 16
-  tokens, _, _ = tp.packed_batch()
-  positions = torch.arange(tp.SEQ).repeat(tokens.shape[0], 1)  # one document per row: HF's causal LM sees the same
-  with tp.fp32_experts():
-    jm.module.eval()
-    ours = tot.to_cpu(jm(**jm.family.model_inputs(jm.module, {"input_ids": tokens, "positions": positions})))
-  with torch.no_grad():
-    assert h.rel(ours, hf(tokens).logits) < 1e-5
-  written = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+  written = _export_and_compare_logits(jm, tmp_path, seq=tp.SEQ)
+  hf_config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+  assert hf_config.layer_types[:2] == ["sliding_attention", "full_attention"] and hf_config.sliding_window == 16
   state = jm.state_dict()
   assert torch.equal(written["model.layers.0.mlp.experts.gate_up_proj"],
                      state["layers.0.moe.routed_experts.inner_experts.mlp1_weight_EGD"].transpose(-1, -2))
