@@ -899,7 +899,9 @@ def hf_gpt_oss(module: torch.nn.Module) -> HFForm:
   if problem is not None:
     raise TorchOnTpuError(f"This torchtitan gpt-oss cannot be written as HF GptOss: {problem}; export_safetensors writes its own names.")
   rope_parameters = dict(rope_type="default", rope_theta=float(rope.theta))
+  max_positions = rope.max_seq_len  # the RoPE table's length; YaRN's stretched context below
   if rope.scaling == "yarn":
+    max_positions = int(rope.original_seq_len * rope.rope_factor)
     rope_parameters = dict(
       rope_type="yarn", rope_theta=float(rope.theta), factor=float(rope.rope_factor), beta_fast=float(rope.beta_fast),
       beta_slow=float(rope.beta_slow), truncate=bool(rope.truncate), original_max_position_embeddings=rope.original_seq_len,
@@ -908,7 +910,7 @@ def hf_gpt_oss(module: torch.nn.Module) -> HFForm:
     vocab_size=config.vocab_size, hidden_size=config.dim, num_hidden_layers=len(config.layers),
     num_attention_heads=first.n_heads, num_key_value_heads=first.n_kv_heads, head_dim=first.head_dim,
     intermediate_size=experts.hidden_dim, num_local_experts=moes[0].num_experts, num_experts_per_tok=router.top_k,
-    rms_norm_eps=config.norm.eps, max_position_embeddings=rope.max_seq_len,
+    rms_norm_eps=config.norm.eps, max_position_embeddings=max_positions,
     **({"sliding_window": windows.pop()} if windows else {}),  # HF's default where no layer slides
     layer_types=["sliding_attention" if a.sliding_window_size else "full_attention" for a in attention],
     rope_parameters=rope_parameters, swiglu_limit=float(experts.swiglu_limit), tie_word_embeddings=False,
