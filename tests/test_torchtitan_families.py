@@ -189,6 +189,79 @@ def test_gpt_oss_exports_as_hf_gpt_oss_with_our_logits(tmp_path):
   assert len(written) == len([n for n in state if n not in buffers])  # every weight (wq, wk, wv apart), no buffer
 
 
+@pytest.fixture
+def hf_gated_deltanet_in_torch(monkeypatch):
+  """transformers' Qwen3.5 runs its Gated DeltaNet through flash-linear-attention when that is
+  installed (as torchtitan needs it), whose Triton kernels have no CPU backend: its own
+  PyTorch path instead."""
+  import importlib
+
+  for family in ("qwen3_5", "qwen3_5_moe"):
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    for kernel in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update"):
+      monkeypatch.setattr(modeling, kernel, getattr(modeling, kernel).__wrapped__)
+
+
+@pytest.mark.parametrize("spec", ["qwen3_5:debugmodel", "qwen3_5:debugmodel_moe"])
+def test_qwen3_5_exports_as_hf_qwen3_5_with_our_logits(spec, tmp_path, hf_gated_deltanet_in_torch):
+  """torchtitan's Qwen3.5 adapter fuses a layer's q/k/v and conv entries into one HF tensor
+  (the export hands it those entries together) and writes fused experts in a layout
+  transformers does not read (they are written per expert, as Qwen3.5-MoE checkpoints are).
+  transformers computes our logits, loads the whole multimodal model with no key missing or
+  left over, and every parameter comes back from the files."""
+  import transformers
+  from torchtitan.models.qwen3_5.state_dict_adapter import Qwen35StateDictAdapter
+
+  config = tiny(spec, layers=4)  # three Gated DeltaNet layers, then full attention
+  jm = tp.wrap(config, "forward")
+  written = _export_and_compare_logits(jm, tmp_path, seq=tp.SEQ)
+  _, info = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", output_loading_info=True)
+  assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+  back = Qwen35StateDictAdapter(config, None).from_hf(written)
+  buffers = {n for n, _ in jm.module.named_buffers()}
+  for name, value in jm.state_dict().items():
+    if ".inner_experts.w" in name:
+      layer, w = name.split(".")[1], name.split(".")[-1][:2]
+      proj = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}[w]
+      back[name] = torch.stack([written[f"model.language_model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] for e in range(len(value))])
+    if name not in buffers:
+      assert torch.equal(back[name], value), name
+
+
+def test_qwen3_5s_vision_encoder_is_written_in_hf_layout(tmp_path, hf_gated_deltanet_in_torch):
+  """The vision tower is written too (the bridge runs the text path; its weights are those
+  loaded): transformers' Qwen3.5 vision model computes torchtitan's eager one from the files,
+  once torchtitan's patch merger uses HF's exact GELU (torchtitan's config has tanh's
+  approximation there, which no HF config can express: docs/checkpoints.md)."""
+  import transformers
+
+  from torch_on_tpu import export
+
+  config = tiny("qwen3_5:debugmodel", layers=4)
+  jm = tp.wrap(config, "forward")
+  export.export(jm, tmp_path / "hf")
+  hf = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+  eager = tp.build(config, device="cpu")
+  eager.load_state_dict(jm.state_dict())
+  eager.vision_encoder.merger.act_fn = torch.nn.GELU()
+  grid = torch.tensor([[1, 4, 4]])  # one image of 4 × 4 patches
+  pixels = torch.randn(1, 16, config.vision_encoder.patch_embed_proj.in_features, generator=torch.Generator().manual_seed(0))
+  with torch.no_grad(), tp.eager_flex():
+    ours = eager.vision_encoder(pixels, grid_thw=grid)[0]
+    assert h.rel(ours, hf.model.visual(pixels[0], grid_thw=grid).pooler_output) < 1e-5
+
+
+def test_a_qwen3_5_hf_cannot_express_is_refused():
+  import dataclasses
+
+  config = tiny("qwen3_5:debugmodel_moe", layers=4)
+  for layer in config.layers:
+    layer.moe.router = dataclasses.replace(layer.moe.router, route_norm=False)
+  module = tp.build(config)
+  with pytest.raises(tot.TorchOnTpuError, match="cannot be written as HF Qwen3.5: its MoE router or shared expert differs"):
+    models.family_of(module).hf_form(module)
+
+
 def test_an_adapter_that_drops_a_parameter_is_refused(tmp_path, monkeypatch):
   """An adapter out of date with its model (torchtitan 0.3.0's gpt-oss adapter knows its experts
   as `mlp1_weight`, the model names them `mlp1_weight_EGD`) would write an incomplete directory."""

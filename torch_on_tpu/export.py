@@ -38,6 +38,7 @@ from jax.experimental import multihost_utils
 from torch_on_tpu import data, lora, models, storage
 from torch_on_tpu.checkpoint import state_entries
 from torch_on_tpu.errors import TorchOnTpuError, arg
+from torch_on_tpu.models.family import FromSeveral
 
 MODES = ("full", "merged", "adapter")
 _CHUNK_BYTES = 64 * 2**20  # host memory one exported array chunk may take
@@ -195,7 +196,7 @@ def _as_hf(model, tensors: list[_Tensor]):
   form = models.family_of(model).hf_form(model)
   if form is None:
     raise TorchOnTpuError(
-      f"export writes HF directories for models with an HF form (HF causal LMs; torchtitan's Llama 3, Qwen3 dense and MoE, gpt-oss), not "
+      f"export writes HF directories for models with an HF form (HF causal LMs; torchtitan's Llama 3, Qwen3 and Qwen3.5 dense and MoE, gpt-oss), not "
       f"{type(model).__name__}; use export_safetensors for its state_dict."
     )
   if form.check is not None:
@@ -203,6 +204,7 @@ def _as_hf(model, tensors: list[_Tensor]):
     form.check(lambda name: arrays[name]())
   if form.rename is None:
     return tensors, form.config
+  by_name = {t.name: t for t in tensors}
   out = []
   for t in tensors:
     renamed = form.rename(t.name)
@@ -210,8 +212,13 @@ def _as_hf(model, tensors: list[_Tensor]):
       if transform is None:
         out.append(dataclasses.replace(t, name=name))
         continue
-      made = jax.eval_shape(transform, jax.ShapeDtypeStruct(t.shape, t.dtype))
-      array = lambda t=t, transform=transform: transform(t.array())  # noqa: E731
+      if isinstance(transform, FromSeveral):
+        sources = [by_name[s] for s in transform.sources]
+        made = jax.eval_shape(transform.make, *(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in sources))
+        array = lambda sources=sources, make=transform.make: make(*(s.array() for s in sources))  # noqa: E731
+      else:
+        made = jax.eval_shape(transform, jax.ShapeDtypeStruct(t.shape, t.dtype))
+        array = lambda t=t, transform=transform: transform(t.array())  # noqa: E731
       out.append(_Tensor(name, tuple(made.shape), np.dtype(made.dtype), array))
   return out, form.config
 

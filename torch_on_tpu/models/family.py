@@ -31,12 +31,20 @@ class DecoderShape:
 
 
 @dataclasses.dataclass(frozen=True)
+class FromSeveral:
+  """An HF tensor made of several of the model's (a fused projection): `make(*their arrays)`."""
+
+  sources: tuple[str, ...]  # state_dict names, in `make`'s argument order
+  make: Callable
+
+
+@dataclasses.dataclass(frozen=True)
 class HFForm:
   """How a model is written as an HF transformers model (`export`)."""
 
   config: object  # a transformers PretrainedConfig: its save_pretrained writes config.json
-  # state_dict name → (HF name, a transform of the array or None), or a list of such pairs
-  # (one tensor written as several, or as none); None: names unchanged
+  # state_dict name → (HF name, a transform of the array, a `FromSeveral`, or None), or a list
+  # of such pairs (one tensor written as several, or as none); None: names unchanged
   rename: Callable[[str], tuple[str, Callable | None] | list[tuple[str, Callable | None]]] | None = None
   # refuses (raises) a model whose values HF's form cannot hold, given `read(name) → array`
   check: Callable[[Callable[[str], object]], None] | None = None

@@ -50,7 +50,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from torch_on_tpu import _compat, extras
 from torch_on_tpu.errors import TorchOnTpuError
-from torch_on_tpu.models.family import DecoderShape, Family, HFForm
+from torch_on_tpu.models.family import DecoderShape, Family, FromSeveral, HFForm
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
@@ -760,9 +760,9 @@ def _gated_delta_rule(q, k, v, g, beta, documents=None):
 
 def hf_via_adapter(module: torch.nn.Module) -> HFForm | None:
   """The model as transformers writes it: names and layouts from the family's own
-  `torchtitan.models.<name>.state_dict_adapter` (its `to_hf`, run entry by entry on the
-  device arrays: MoE experts split per expert, as torchtitan splits them), the config from
-  `_HF_CONFIGS`. None for a family without either."""
+  `torchtitan.models.<name>.state_dict_adapter` (its `to_hf`, run on the device arrays entry by
+  entry, or on the few entries it fuses into one HF tensor), the config from `_HF_CONFIGS`.
+  None for a family without either."""
   import importlib
 
   family = type(module).__module__.split(".")[2] if is_torchtitan(module) else None
@@ -775,28 +775,69 @@ def hf_via_adapter(module: torch.nn.Module) -> HFForm | None:
   classes = [c for c in vars(adapters).values() if isinstance(c, type) and issubclass(c, BaseStateDictAdapter) and c.__module__ == adapters.__name__]
   if len(classes) != 1:
     return None
-  adapter = classes[0](module.config, None)
+  adapter = _ADAPTER_FIXES.get(family, lambda a: a)(classes[0](module.config, None))
   config, check = make_config(module.config)
-  shapes = module.state_dict()  # on meta: names and shapes only
-  # buffers (load-balancing state: `check`'s) and tied aliases (lm_head of tied embeddings) aside
+  # on meta: names and shapes only; buffers (load-balancing state: `check`'s) and tied aliases
+  # (lm_head of tied embeddings) aside
   aliases = {n for n, _ in module.named_parameters(remove_duplicate=False)} - {n for n, _ in module.named_parameters()}
   skipped = {name for name, _ in module.named_buffers()} | aliases
-  dropped = [name for name in shapes if name not in skipped and not adapter.to_hf({name: shapes[name]})]
+  shapes = {name: value for name, value in module.state_dict().items() if name not in skipped}
+  made_at = {}  # an HF tensor is written where its first entry is
+  for hf, parts in _adapter_sources(adapter, shapes, family).items():
+    make = functools.partial(_hf_tensor, adapter, parts, hf)
+    made_at.setdefault(parts[0], []).append((hf, make if len(parts) == 1 else FromSeveral(parts, make)))
+  return HFForm(config, lambda name: made_at.get(name, []), check)
+
+
+def _adapter_sources(adapter, shapes: dict, family: str) -> dict[str, tuple[str, ...]]:
+  """HF name → the state_dict entries the adapter's `to_hf` makes it of: alone where an entry
+  converts by itself; the rest by layer (an adapter fuses a layer's q/k/v or its experts' w1/w3),
+  each HF tensor narrowed to the entries it needs. Checked against one pass over the whole
+  dict (names and shapes, on meta), so a grouping the adapter does not make is refused."""
+
+  def to_hf(names) -> dict:
+    try:
+      return adapter.to_hf({n: shapes[n] for n in names})
+    except Exception:  # noqa: BLE001 (an adapter may index the partner of an entry it fuses: a part is missing)
+      return {}
+
+  whole = {hf: tuple(v.shape) for hf, v in adapter.to_hf(dict(shapes)).items()}
+  sources, fused = {}, {}
+  for name in shapes:
+    alone = to_hf([name])
+    sources.update({hf: (name,) for hf in alone})
+    if not alone:
+      fused.setdefault(re.match(r"(.*?\.\d+\.|)", name).group(1), []).append(name)
+  for group in fused.values():
+    for hf, value in to_hf(group).items():
+      needed = list(group)
+      for name in group:  # drop the entries this HF tensor is made without
+        rest = [n for n in needed if n != name]
+        made = to_hf(rest).get(hf)
+        if made is not None and made.shape == value.shape:
+          needed = rest
+      sources[hf] = tuple(needed)
+  used = {name for parts in sources.values() for name in parts}
+  dropped = [name for name in shapes if name not in used]
   if dropped:
     raise TorchOnTpuError(
       f"torchtitan's {family} state_dict_adapter gives no HF name for parameter '{dropped[0]}' ({len(dropped)} "
       f"dropped in all), so its export would be incomplete; export_safetensors writes the model's own names."
     )
+  ours = {hf: tuple(to_hf(parts)[hf].shape) for hf, parts in sources.items()}
+  if ours != whole:
+    differ = sorted(set(ours.items()) ^ set(whole.items()))[0][0]
+    raise TorchOnTpuError(
+      f"torchtitan's {family} state_dict_adapter makes '{differ}' differently from the whole state_dict than "
+      f"from its parts, so the export cannot be written tensor by tensor; export_safetensors writes the model's own names."
+    )
+  return sources
 
-  def rename(name):
-    return [(hf, functools.partial(_to_hf, adapter, name, hf)) for hf in adapter.to_hf({name: shapes[name]})]
 
-  return HFForm(config, rename, check)
-
-
-def _to_hf(adapter, name: str, hf_name: str, array: jax.Array) -> jax.Array:
+def _hf_tensor(adapter, names: tuple[str, ...], hf_name: str, *arrays: jax.Array) -> jax.Array:
+  """The adapter's `to_hf` on device arrays (through torchax's view of them)."""
   with torchax.default_env():
-    return jax_view(adapter.to_hf({name: torch_view(array)})[hf_name])
+    return jax_view(adapter.to_hf({n: torch_view(a) for n, a in zip(names, arrays)})[hf_name])
 
 
 def _qwen3_hf_config(config):
@@ -850,8 +891,87 @@ def _no_expert_bias(layers: int, hf_name: str = "Qwen3-MoE"):
   return check
 
 
+def _qwen3_5_hf_config(config):
+  """HF's Qwen3.5 (dense) or Qwen3.5-MoE config (language model and vision encoder) for
+  torchtitan's Qwen3.5; refuses what HF cannot express."""
+  import transformers
+
+  attentions = [layer.attention for layer in config.layers if layer.attention is not None]
+  deltas = [layer.delta_net for layer in config.layers if layer.delta_net is not None]
+  moes = [layer.moe for layer in config.layers if layer.moe is not None]
+  first, delta, vision = attentions[0], deltas[0], config.vision_encoder
+  rope = first.rope
+  problem = None
+  if rope.scaling != "none":
+    problem = f"its RoPE scaling is '{rope.scaling}'"
+  elif first.wq.out_features != 2 * first.n_heads * first.head_dim:
+    problem = "its attention has no output gate"  # HF's q_proj makes the query and the gate
+  elif moes and len(moes) != len(config.layers):
+    problem = "it mixes dense and MoE layers"
+  elif moes and (moes[0].shared_experts is None or moes[0].router.score_func != "softmax" or not moes[0].router.route_norm
+                 or moes[0].router.route_scale != 1.0 or moes[0].router.num_expert_groups):
+    problem = "its MoE router or shared expert differs from HF Qwen3.5-MoE's"
+  elif vision.block.mlp.act_fn.approximate != "tanh":
+    problem = "its vision MLP's GELU is not the tanh approximation"
+  elif len({(a.n_heads, a.n_kv_heads, a.head_dim, a.rotary_dim) for a in attentions}) > 1 or len(
+    {(d.in_proj_q.out_features, d.in_proj_v.out_features, d.conv_kernel_size) for d in deltas}) > 1:
+    problem = "its layers differ in size"
+  if problem is not None:
+    raise TorchOnTpuError(f"This torchtitan Qwen3.5 cannot be written as HF Qwen3.5: {problem}; export_safetensors writes its own names.")
+  text = dict(
+    vocab_size=config.vocab_size, hidden_size=config.dim, num_hidden_layers=len(config.layers),
+    num_attention_heads=first.n_heads, num_key_value_heads=first.n_kv_heads, head_dim=first.head_dim,
+    rms_norm_eps=config.norm.eps, max_position_embeddings=rope.max_seq_len, tie_word_embeddings=bool(config.enable_weight_tying),
+    rope_parameters=dict(rope_type="default", rope_theta=float(rope.theta), partial_rotary_factor=first.rotary_dim / first.head_dim,
+                         mrope_section=list(rope.mrope_section), mrope_interleaved=True),
+    layer_types=["full_attention" if layer.attention is not None else "linear_attention" for layer in config.layers],
+    linear_conv_kernel_dim=delta.conv_kernel_size, linear_key_head_dim=delta.key_head_dim, linear_value_head_dim=delta.value_head_dim,
+    linear_num_key_heads=delta.in_proj_q.out_features // delta.key_head_dim,
+    linear_num_value_heads=delta.in_proj_v.out_features // delta.value_head_dim,
+  )
+  if moes:
+    moe = moes[0]
+    text.update(moe_intermediate_size=moe.routed_experts.inner_experts.hidden_dim, num_experts=moe.num_experts,
+                num_experts_per_tok=moe.router.top_k, shared_expert_intermediate_size=moe.shared_experts.w1.out_features)
+  else:
+    text.update(intermediate_size=config.layers[0].feed_forward.w1.out_features)
+  vision_config = dict(
+    depth=vision.num_layers, hidden_size=vision.dim, hidden_act="gelu_pytorch_tanh", intermediate_size=vision.block.mlp.fc1.out_features,
+    num_heads=vision.num_heads, in_channels=vision.in_channels, patch_size=vision.patch_size,
+    spatial_merge_size=vision.spatial_merge_size, temporal_patch_size=vision.temporal_patch_size,
+    out_hidden_size=vision.merger.fc2.out_features, num_position_embeddings=vision.num_position_embeddings,
+  )
+  make, architecture = (transformers.Qwen3_5MoeConfig, "Qwen3_5MoeForConditionalGeneration") if moes else (
+    transformers.Qwen3_5Config, "Qwen3_5ForConditionalGeneration")
+  hf = make(text_config=text, vision_config=vision_config, tie_word_embeddings=bool(config.enable_weight_tying), architectures=[architecture])
+  return hf, _no_expert_bias(len(config.layers), "Qwen3.5-MoE") if moes and moes[0].load_balance_coeff is not None else None
+
+
+class _Qwen3_5ExpertsPerExpert:
+  """torchtitan 0.3.0's Qwen3.5 adapter writes the experts fused as (experts, dim, 2·hidden), a
+  layout transformers does not read; it reads Qwen3.5-MoE checkpoints' per-expert gate, up and
+  down projections, which this writes (the rest is the adapter's)."""
+
+  _PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+  def __init__(self, adapter):
+    self.adapter = adapter
+
+  def to_hf(self, state: dict) -> dict:
+    out = self.adapter.to_hf({k: v for k, v in state.items() if ".inner_experts." not in k})
+    for name, value in state.items():
+      if m := re.fullmatch(r"layers\.(\d+)\.moe\.routed_experts\.inner_experts\.(w[123])_E[DF]{2}", name):
+        prefix = f"model.language_model.layers.{m[1]}.mlp.experts"
+        out.update({f"{prefix}.{e}.{self._PROJECTIONS[m[2]]}.weight": value[e] for e in range(value.shape[0])})
+    return out
+
+
+# torchtitan family → a wrapper of its state_dict_adapter where the adapter's `to_hf` is not what
+# transformers reads
+_ADAPTER_FIXES = {"qwen3_5": _Qwen3_5ExpertsPerExpert}
+
 # torchtitan family → (its config → (the transformers config, a check of the values or None)).
-_HF_CONFIGS = {"qwen3": _qwen3_hf_config}
+_HF_CONFIGS = {"qwen3": _qwen3_hf_config, "qwen3_5": _qwen3_5_hf_config}
 
 # gpt-oss's names: torchtitan's state_dict name (layer number as {}) → (HF name, transposed)
 _GPT_OSS_NAMES = {
