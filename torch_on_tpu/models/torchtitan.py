@@ -975,7 +975,7 @@ def _deepseek_hf_config(config):
   linears += [w for f in dense + [m.shared_experts for m in moes if m.shared_experts] for w in (f.w1, f.w2, f.w3)]
   problem = None
   if getattr(config, "vision_encoder", None) is not None:
-    problem = "it has a vision encoder (Kimi's), which HF's DeepSeek causal LMs have no place for"
+    problem = "it has a vision encoder, which HF's DeepSeek causal LMs have no place for"
   elif config.mtp_layers:
     problem = f"it has {len(config.mtp_layers)} multi-token-prediction layers"
   elif not moes:
@@ -1005,7 +1005,8 @@ def _deepseek_hf_config(config):
     problem = ("it routes by softmax with " + ("normalised top-k weights" if router.route_norm else "group-limited routing")
                + ", which HF DeepSeek-V2 computes differently (its groups rank by their best expert, not their best two)")
   if problem is not None:
-    raise TorchOnTpuError(f"This torchtitan DeepSeek cannot be written as HF DeepSeek: {problem}; export_safetensors writes its own names.")
+    model = type(config).__qualname__.split(".")[0]  # DeepSeekV3Model, KimiK25Model
+    raise TorchOnTpuError(f"This torchtitan {model} cannot be written as HF DeepSeek: {problem}; export_safetensors writes its own names.")
   yarn = rope.scaling == "yarn" and rope.rope_factor > 1.0
   rope_parameters = dict(rope_type="default", rope_theta=float(rope.theta))
   if yarn:  # torchtitan folds mscale into the softmax scale only; HF's cos/sin stay unscaled (attention_factor 1)
@@ -1037,13 +1038,15 @@ def _deepseek_hf_config(config):
   return hf, None  # its e_score_correction_bias is torchtitan's expert_bias_E
 
 
-def hf_deepseek(module: torch.nn.Module) -> HFForm:
+def hf_deepseek(module: torch.nn.Module) -> HFForm | None:
   """torchtitan's DeepSeek-V3 or Kimi (text model) as HF's DeepSeek-V2/V3 (`_deepseek_hf_config`),
   named by torchtitan's own adapter, with two changes HF's form needs: DeepSeek-V2 has no expert
   bias (not written; a nonzero one refused), and HF's latent norms run at eps 1e-6 where
   torchtitan's have their config's (1e-5 by default): the rows of `wkv_a` (its latent part) and
   `wq_a` that feed them are scaled by sqrt(1e-6 / eps), since RMSNorm(c·x, c²·eps) = RMSNorm(x, eps)."""
   form = hf_via_adapter(module)
+  if form is None:
+    return None
   v2 = form.config.model_type == "deepseek_v2"
   first = module.config.layers[0].attention
   latent = {"wkv_a": (first.kv_norm.eps, first.kv_lora_rank), "wq_a": (first.q_norm.eps, None)}
