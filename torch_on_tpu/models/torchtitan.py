@@ -935,6 +935,7 @@ def hf_gpt_oss(module: torch.nn.Module) -> HFForm:
   check = _no_expert_bias(len(config.layers), "GptOss") if moes[0].load_balance_coeff is not None else None
   return HFForm(hf, rename, check)
 
+
 # HF's DeepSeek latent norms (q_a_layernorm, kv_a_layernorm) take RMSNorm's default eps, not the config's.
 _HF_LATENT_NORM_EPS = 1e-6
 
@@ -943,7 +944,7 @@ def _deepseek_hf_config(config):
   """HF's DeepSeek config for torchtitan's DeepSeek-V3 (and Kimi's text model, the same
   decoder): DeepSeek-V2's (transformers `deepseek_v2`) where it routes by softmax over all
   experts (torchtitan's debugmodel, 16B), DeepSeek-V3's (`deepseek_v3`) where it routes by
-  sigmoid with the load-balancing bias, optionally group-limited (671B, Kimi K2.5). Both are
+  sigmoid with the load-balancing bias, optionally group-limited (671B, Moonlight). Both are
   MLA with interleaved RoPE pairs (torchtitan's ComplexRoPE) and YaRN's softmax scale from
   `mscale_all_dim`; refuses in one sentence what neither can express."""
   import transformers
@@ -1002,8 +1003,9 @@ def _deepseek_hf_config(config):
   elif router._debug_force_load_balance:
     problem = "it routes round-robin (_debug_force_load_balance)"
   elif router.score_func == "softmax" and (router.route_norm or router.num_expert_groups is not None):
-    problem = ("it routes by softmax with " + ("normalised top-k weights" if router.route_norm else "group-limited routing")
-               + ", which HF DeepSeek-V2 computes differently (its groups rank by their best expert, not their best two)")
+    problem = ("it routes by softmax with normalised top-k weights, which HF DeepSeek-V2 does not normalise" if router.route_norm
+               else "it routes by softmax with group-limited routing, which HF DeepSeek-V2 ranks by each group's best "
+               "expert where torchtitan ranks by its best two")
   if problem is not None:
     model = type(config).__qualname__.split(".")[0]  # DeepSeekV3Model, KimiK25Model
     raise TorchOnTpuError(f"This torchtitan {model} cannot be written as HF DeepSeek: {problem}; export_safetensors writes its own names.")
