@@ -124,7 +124,7 @@ def test_gpt_oss_in_torchtitans_precision_is_within_the_spread_of_eager_referenc
   assert tp.check(spec, "forward", config=learned)["forward"] < 3 * spread["forward"]
 
 
-def _export_and_compare_logits(jm, tmp_path, seq) -> dict:
+def _export_and_compare_logits(jm, tmp_path, seq, tolerance=1e-5) -> dict:
   """Exports `jm`, loads it in transformers and checks its logits against ours (fp32, the
   experts' bf16 casts out on our side: HF's experts run in the weights' fp32); returns the
   tensors written."""
@@ -137,7 +137,7 @@ def _export_and_compare_logits(jm, tmp_path, seq) -> dict:
     jm.module.eval()
     ours = tot.to_cpu(jm(**jm.family.model_inputs(jm.module, {"input_ids": tokens, "positions": positions})))
   with torch.no_grad():
-    assert h.rel(ours, hf(tokens).logits) < 1e-5
+    assert h.rel(ours, hf(tokens).logits) < tolerance
   return {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
@@ -286,3 +286,123 @@ def test_a_trained_expert_bias_hf_qwen3_moe_cannot_hold_is_refused(tmp_path):
   jm.buffers["layers.0.moe.expert_bias_E"] = jnp.full(8, 1e-3)
   with pytest.raises(tot.TorchOnTpuError, match="expert_bias_E is nonzero.*export_safetensors"):
     _export_and_load(jm, tmp_path)
+
+
+def _deepseek(spec="deepseek_v3:debugmodel", **registry):
+  """The family's debugmodel, small (a dense layer, then two MoE layers); Kimi's without its vision encoder."""
+  config = tp.shrink(tp.registry_config(spec, **registry), layers=3)
+  if spec.startswith("kimi_k2_7"):
+    config.vision_encoder = None
+  return config
+
+
+def _check_deepseek_export(jm, tmp_path, adapter, *, bias_written):
+  """Exports `jm`: transformers computes our logits at 1e-6 (what is left when HF's latent norms
+  run at their own eps is 7e-6: 1e-5 would not see it), loads every tensor written and misses
+  none, the experts written one per expert; torchtitan's adapter's from_hf gives back our
+  state_dict: exactly, but for the latent-norm inputs (`wkv_a`'s latent rows, `wq_a`), scaled
+  by sqrt(1e-6 / 1e-5) for HF's eps and back to fp32 rounding."""
+  import transformers
+
+  written = _export_and_compare_logits(jm, tmp_path, seq=tp.SEQ, tolerance=1e-6)
+  _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+  assert not info["missing_keys"] and not info["unexpected_keys"], info
+  state = jm.state_dict()
+  params = len(list(jm.module.named_parameters()))
+  moe_layers = sum(layer.moe is not None for layer in jm.module.config.layers)
+  assert len(written) == params + moe_layers * 3 * (8 - 1) + (moe_layers if bias_written else 0)
+  back = adapter.from_hf(written)
+  assert len(back) == len(written) - moe_layers * 3 * (8 - 1)
+  for name, value in back.items():
+    if ".wkv_a." in name or ".wq_a." in name:
+      rows = slice(0, 512) if ".wkv_a." in name else slice(None)
+      value = value.clone()
+      value[rows] = value[rows] / 0.1**0.5
+      assert h.rel(value, state[name]) < 1e-6 and torch.equal(value[512:], state[name][512:]), name
+    else:
+      assert torch.equal(value, state[name]), name
+
+
+@pytest.mark.parametrize("spec", ["deepseek_v3:debugmodel", "kimi_k2_7:debugmodel"])
+def test_softmax_routed_deepseek_exports_as_hf_deepseek_v2_with_our_logits(spec, tmp_path):
+  """DeepSeek-V3's debugmodel (and 16B) routes by softmax over all experts, unnormalised: HF's
+  DeepSeek-V2 (MLA, interleaved RoPE, YaRN with mscale 0.7 in the softmax scale, a dense first
+  layer, shared experts); named by torchtitan's own adapter. Kimi's text model is the same decoder."""
+  import transformers
+  import importlib
+
+  config = _deepseek(spec)
+  jm = tp.wrap(config, "forward")
+  family = spec.split(":")[0]
+  adapters = importlib.import_module(f"torchtitan.models.{family}.state_dict_adapter")
+  adapter = {"deepseek_v3": "DeepSeekV3StateDictAdapter", "kimi_k2_7": "KimiK25StateDictAdapter"}[family]
+  _check_deepseek_export(jm, tmp_path, getattr(adapters, adapter)(config, None), bias_written=False)
+  hf_config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+  assert hf_config.model_type == "deepseek_v2" and hf_config.first_k_dense_replace == 1
+  assert hf_config.rope_parameters["rope_type"] == "yarn" and hf_config.rope_parameters["mscale_all_dim"] == 0.7
+
+
+def test_sigmoid_routed_deepseek_exports_as_hf_deepseek_v3_with_its_expert_bias(tmp_path):
+  """DeepSeek-V3 671B's routing, small: sigmoid scores, group-limited (4 groups of 2, 2 kept),
+  the top-k normalised and scaled by 2.5, a trained load-balancing bias choosing the experts
+  (HF's e_score_correction_bias: zeroed there, the logits move), and q through its LoRA (wq_a,
+  q_norm, wq_b): HF's DeepSeek-V3."""
+  import dataclasses
+
+  import jax.numpy as jnp
+  import transformers
+  from torchtitan.models.common import Linear, RMSNorm
+  from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+
+  config = _deepseek()
+  for layer in config.layers:
+    a, rank = layer.attention, 64
+    a.q_lora_rank, a.q_norm = rank, RMSNorm.Config(normalized_shape=rank)
+    a.wq_a, a.wq_b, a.wq = Linear.Config(in_features=a.dim, out_features=rank), dataclasses.replace(a.wq, in_features=rank), None
+    if layer.moe is not None:
+      r = layer.moe.router
+      r.score_func, r.route_norm, r.route_scale, r.num_expert_groups, r.num_limited_groups = "sigmoid", True, 2.5, 4, 2
+  jm = tp.wrap(config, "forward")
+  for i in (1, 2):
+    jm.buffers[f"layers.{i}.moe.expert_bias_E"] = jnp.linspace(-0.05, 0.05, 8) * i
+  _check_deepseek_export(jm, tmp_path, DeepSeekV3StateDictAdapter(config, None), bias_written=True)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+  assert hf.config.model_type == "deepseek_v3" and (hf.config.n_group, hf.config.topk_group) == (4, 2)
+  tokens, _, _ = tp.packed_batch(batch=2, seq=tp.SEQ)
+  with torch.no_grad():
+    logits = hf(tokens).logits
+    for i in (1, 2):
+      hf.model.layers[i].mlp.gate.e_score_correction_bias.zero_()
+    assert h.rel(hf(tokens).logits, logits) > 1e-3  # the bias chose experts
+
+
+def _softmax_groups(config):
+  for layer in config.layers[1:]:
+    layer.moe.router.num_expert_groups, layer.moe.router.num_limited_groups = 4, 2
+  return config
+
+
+@pytest.mark.parametrize("make,refusal", [
+  (lambda: tiny("kimi_k2_7:debugmodel", layers=3), "a vision encoder"),
+  (lambda: _softmax_groups(_deepseek()), "softmax with group-limited routing"),  # DeepSeek-V3 236B's routing
+  (lambda: _deepseek(num_mtp_layers=1), "1 multi-token-prediction layers"),
+], ids=["kimi_vision", "softmax_groups", "mtp"])
+def test_a_deepseek_hf_cannot_express_is_refused(make, refusal, tmp_path):
+  from torch_on_tpu import export
+
+  with torch.device("meta"):
+    model = make().build()
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8), sharding="fsdp", abstract=True)
+  with pytest.raises(tot.TorchOnTpuError, match=f"cannot be written as HF DeepSeek: it (has|routes by) {refusal}.*export_safetensors"):
+    export.export(jm, tmp_path / "hf")
+  assert not (tmp_path / "hf").exists()
+
+
+def test_a_trained_expert_bias_hf_deepseek_v2_cannot_hold_is_refused(tmp_path):
+  import jax.numpy as jnp
+
+  jm = tp.wrap(_deepseek(), "forward")
+  jm.buffers["layers.2.moe.expert_bias_E"] = jnp.full(8, 1e-3)
+  with pytest.raises(tot.TorchOnTpuError, match="layers.2.moe.expert_bias_E is nonzero.*DeepSeek-V2.*export_safetensors"):
+    _export_and_load(jm, tmp_path)
+  assert not (tmp_path / "hf").exists()
