@@ -259,6 +259,17 @@ def test_muse_glimmer_exports_as_hf_muse_glimmer_with_our_logits(tmp_path):
     assert torch.equal(value, state[name]), name
 
 
+def test_muse_glimmer_on_varlen_exports_the_window_its_kernel_is_given():
+  """Under varlen attention each layer's window is the kernel's (left, 0) argument, baked in at
+  build time; that is the window torchtitan computes with and the one HF is given."""
+  config = tp.shrink(tp.registry_config("muse_glimmer:debugmodel", attn_backend="varlen"), layers=4)  # varlen windows: 16
+  assert {layer.attention.window_size for layer in config.layers} == {128, None}
+  with torch.device("meta"):
+    model = config.build()
+  text = models.family_of(model).hf_form(model).config.text_config
+  assert text.sliding_window == 16 and text.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
+
+
 def _tied(config):
   config.enable_weight_tying = True
 
@@ -270,6 +281,13 @@ def _two_windows(config):
 def _rope_scaled(config):
   for layer in config.layers:
     layer.attention.rope.scaling = "llama"
+
+
+def _sdpa(config):
+  from torchtitan.models.common.attention import ScaledDotProductAttention
+
+  for layer in config.layers:
+    layer.attention.inner_attention = ScaledDotProductAttention.Config()
 
 
 def _not_capped(config):
@@ -299,6 +317,7 @@ MUSE_REFUSALS = {  # id: (flavor, change to its config, the refusal's reason)
   "tied": ("debugmodel", _tied, "tied to its embedding"),
   "windows": ("debugmodel", _two_windows, "sliding windows of 2 sizes"),
   "rope": ("debugmodel", _rope_scaled, "scaling 'llama'"),
+  "sdpa": ("debugmodel", _sdpa, "run ScaledDotProductAttention, which attends past their windows"),
   "softcap": ("debugmodel", _not_capped, "not soft-capped"),
   "norms": ("debugmodel", _plain_layer_norm, r"norms are not HF's \(1 \+ weight"),
   "eps": ("debugmodel", _another_post_eps, "epsilons"),

@@ -858,11 +858,13 @@ def _muse_glimmer_hf_config(config):
   image and video placeholder ids by token 0 before embedding, so they are set to ids no
   token has."""
   import transformers
+  from torchtitan.models.common.attention import FlexAttention, VarlenAttention
   from torchtitan.models.common.rope import ComplexRoPE
 
   layers = [(layer, layer.attention) for layer in config.layers]
   first = layers[0][1]
-  windows = {a.window_size for _, a in layers} - {None}
+  heads, head_dim = first.n_heads, first.head_dim or config.dim // first.n_heads
+  windows = {_muse_window(a) for _, a in layers} - {None}
   final, embedding, lm_head = config.norm, config.tok_embeddings.norm, config.lm_head
   pre_eps = {final.eps, embedding.eps, *(n.eps for layer, a in layers for n in (layer.attention_norm, layer.ffn_norm, a.qk_norm) if n)}
   post_eps = {n.eps for layer, _ in layers for n in (layer.post_attention_norm, layer.post_ffn_norm)}
@@ -873,12 +875,14 @@ def _muse_glimmer_hf_config(config):
     problem = "its output is tied to its embedding"
   elif any(_muse_layer_shape(layer) != _muse_layer_shape(layers[0][0]) for layer, _ in layers):
     problem = "its layers differ in shape or query scale"
-  elif not isinstance(first.rope, ComplexRoPE.Config) or first.rope.scaling != "none" or first.rope.dim != first.head_dim:
-    problem = f"its RoPE is {type(first.rope).__qualname__} with scaling '{first.rope.scaling}' over {first.rope.dim} of {first.head_dim} dims"
+  elif not isinstance(first.rope, ComplexRoPE.Config) or first.rope.scaling != "none" or first.rope.dim != head_dim:
+    problem = f"its RoPE is {type(first.rope).__qualname__} with scaling '{first.rope.scaling}' over {first.rope.dim} of {head_dim} dims"
   elif first.qk_norm is None or first.o_gate is None:
     problem = "it has no q/k norm or no output gate (HF's always applies both)"
   elif len(windows) > 1:
     problem = f"its layers use sliding windows of {len(windows)} sizes (HF has one)"
+  elif {a.window_size for _, a in layers} != {None} and not isinstance(first.inner_attention, (FlexAttention.Config, VarlenAttention.Config)):
+    problem = f"its windowed layers run {type(first.inner_attention).__qualname__.split('.')[0]}, which attends past their windows (HF's does not)"
   elif any(_gain(n) != 1.0 for layer, _ in layers for n in (layer.attention_norm, layer.ffn_norm, layer.post_attention_norm, layer.post_ffn_norm)) \
       or _gain(final) != 0.0 or _gain(embedding) is not None or _gain(first.qk_norm) is not None:
     problem = "its norms are not HF's (1 + weight in the layers, weight at the end, none on the embedding and q/k)"
@@ -891,12 +895,12 @@ def _muse_glimmer_hf_config(config):
   theta = float(first.rope.theta)
   text = transformers.MuseGlimmerTextConfig(
     vocab_size=config.vocab_size, hidden_size=config.dim, intermediate_size=layers[0][0].feed_forward.w1.out_features,
-    num_hidden_layers=len(layers), num_attention_heads=first.n_heads, num_key_value_heads=first.n_kv_heads,
-    head_dim=first.head_dim, hidden_activation="silu", max_position_embeddings=first.rope.max_seq_len,
+    num_hidden_layers=len(layers), num_attention_heads=heads, num_key_value_heads=first.n_kv_heads or heads,
+    head_dim=head_dim, hidden_activation="silu", max_position_embeddings=first.rope.max_seq_len,
     rms_norm_eps=pre_eps.pop(), post_norm_eps=post_eps.pop(), tie_word_embeddings=False, attention_bias=False,
     rope_parameters=dict(rope_type="default", rope_theta=theta),
     **({"sliding_window": windows.pop()} if windows else {}),  # HF's default where no layer slides
-    layer_types=["sliding_attention" if a.window_size else "full_attention" for _, a in layers],
+    layer_types=["sliding_attention" if _muse_window(a) else "full_attention" for _, a in layers],
     layer_rope_theta=[theta if a.use_rope else 0 for _, a in layers],  # HF reads only 0 (no RoPE) or not
     qk_scale_factor=float(first.scale_query_by), output_multiplier=float(lm_head.output_multiplier),
     final_logit_softcapping=float(lm_head.output_soft_cap_temp), bos_token_id=None, eos_token_id=None,
@@ -911,6 +915,17 @@ def _muse_glimmer_hf_config(config):
     architectures=["MuseGlimmerForConditionalGeneration"],
   )
   return hf, None
+
+
+def _muse_window(attention) -> int | None:
+  """The window a Muse Glimmer layer attends in: varlen's kernel argument (left, 0) where it runs
+  varlen (what torchtitan computes with), its mask's key otherwise."""
+  from torchtitan.models.common.attention import VarlenAttention
+
+  inner = attention.inner_attention
+  if isinstance(inner, VarlenAttention.Config):
+    return inner.window_size[0] + 1 if inner.window_size[0] >= 0 else None
+  return attention.window_size
 
 
 def _muse_layer_shape(layer) -> tuple:
