@@ -195,7 +195,7 @@ def _as_hf(model, tensors: list[_Tensor]):
   form = models.family_of(model).hf_form(model)
   if form is None:
     raise TorchOnTpuError(
-      f"export writes HF directories for models with an HF form (HF causal LMs; torchtitan's Llama 3, Qwen3 dense and MoE, gpt-oss), not "
+      f"export writes HF directories for models with an HF form (HF causal LMs; torchtitan's Llama 3, Qwen3 dense and MoE, gpt-oss, Muse Glimmer's text model), not "
       f"{type(model).__name__}; use export_safetensors for its state_dict."
     )
   if form.check is not None:
