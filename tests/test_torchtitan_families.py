@@ -231,7 +231,8 @@ def test_muse_glimmer_exports_as_hf_muse_glimmer_with_our_logits(tmp_path):
   sequence, a NoPE global layer, q/k norms and query scale, output gate, centred norms,
   embedding norm, soft-capped logits) and computes our fp32 logits; every weight is written
   and the adapter's from_hf gives it back exactly. Norm gains moved off torchtitan's init (0:
-  its init logits are all zero), so every norm's convention shows."""
+  its init logits are all zero), so every norm's convention shows; the final one's to about 4,
+  so logits reach ±13, where the soft cap (20) bends them."""
   import transformers
   from torchtitan.models.muse_glimmer.state_dict_adapter import MuseGlimmerStateDictAdapter
 
@@ -243,7 +244,7 @@ def test_muse_glimmer_exports_as_hf_muse_glimmer_with_our_logits(tmp_path):
   with torch.no_grad():
     for name, p in model.named_parameters():
       if "norm" in name:
-        p.add_(torch.randn(p.shape, generator=g) * 0.2)
+        p.add_(torch.randn(p.shape, generator=g) * 0.2 + (4.0 if name == "norm.weight" else 0.0))
   jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8), sharding="fsdp")
   written = _export_and_compare_logits(jm, tmp_path, seq=40, auto="AutoModelForImageTextToText")
   hf_config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
