@@ -225,14 +225,16 @@ def tiny_muse_glimmer(flavor="debugmodel", window=16):
   return config
 
 
-def test_muse_glimmer_exports_as_hf_muse_glimmer_with_our_logits(tmp_path):
+@pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
+def test_muse_glimmer_exports_as_hf_muse_glimmer_with_our_logits(tmp_path, scan):
   """torchtitan's own MuseGlimmerStateDictAdapter names the tensors (q/k rows to HF's RoPE
   order); transformers loads the directory as MuseGlimmer (sliding windows shorter than the
   sequence, a NoPE global layer, q/k norms and query scale, output gate, centred norms,
   embedding norm, soft-capped logits) and computes our fp32 logits; every weight is written
   and the adapter's from_hf gives it back exactly. Norm gains moved off torchtitan's init (0:
   its init logits are all zero), so every norm's convention shows; the final one's to about 4,
-  so logits reach ±13, where the soft cap (20) bends them."""
+  so logits reach ±13, where the soft cap (20) bends them. Scanned too: the adapter is given
+  the names the model was built with, not its stacked ones."""
   import transformers
   from torchtitan.models.muse_glimmer.state_dict_adapter import MuseGlimmerStateDictAdapter
 
@@ -245,7 +247,7 @@ def test_muse_glimmer_exports_as_hf_muse_glimmer_with_our_logits(tmp_path):
     for name, p in model.named_parameters():
       if "norm" in name:
         p.add_(torch.randn(p.shape, generator=g) * 0.2 + (4.0 if name == "norm.weight" else 0.0))
-  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8), sharding="fsdp")
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8), sharding="fsdp", scan=scan)
   written = _export_and_compare_logits(jm, tmp_path, seq=40, auto="AutoModelForImageTextToText")
   hf_config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
   text = hf_config.text_config
@@ -253,9 +255,9 @@ def test_muse_glimmer_exports_as_hf_muse_glimmer_with_our_logits(tmp_path):
   assert text.layer_rope_theta[2] > 0 and text.layer_rope_theta[3] == 0  # the global layer has no RoPE
   assert min(hf_config.image_token_id, hf_config.video_token_id) >= tp.VOCAB  # HF zeroes those ids: none is a token
   state = jm.state_dict()
-  assert len(written) == len([n for n, _ in model.named_parameters()]) == 51  # every weight, no buffer
+  assert len(written) == len(state) == 51  # every weight (4 layers of 12, embedding, final norm, head), no buffer
   back = MuseGlimmerStateDictAdapter(config, None).from_hf(written)
-  assert back.keys() == {n for n, _ in model.named_parameters()}
+  assert back.keys() == state.keys()
   for name, value in back.items():
     assert torch.equal(value, state[name]), name
 

@@ -777,10 +777,12 @@ def hf_via_adapter(module: torch.nn.Module) -> HFForm | None:
     return None
   adapter = classes[0](module.config, None)
   config, check = make_config(module.config)
-  shapes = module.state_dict()  # on meta: names and shapes only
+  with torch.device("meta"):
+    built = module.config.build()  # the names as built (a scanned model's layers are stacked), shapes only
+  shapes = built.state_dict()
   # buffers (load-balancing state: `check`'s) and tied aliases (lm_head of tied embeddings) aside
-  aliases = {n for n, _ in module.named_parameters(remove_duplicate=False)} - {n for n, _ in module.named_parameters()}
-  skipped = {name for name, _ in module.named_buffers()} | aliases
+  aliases = {n for n, _ in built.named_parameters(remove_duplicate=False)} - {n for n, _ in built.named_parameters()}
+  skipped = {name for name, _ in built.named_buffers()} | aliases
   dropped = [name for name in shapes if name not in skipped and not adapter.to_hf({name: shapes[name]})]
   if dropped:
     raise TorchOnTpuError(
