@@ -870,6 +870,7 @@ def _muse_glimmer_hf_config(config):
   final, embedding, lm_head = config.norm, config.tok_embeddings.norm, config.lm_head
   pre_eps = {final.eps, embedding.eps, *(n.eps for layer, a in layers for n in (layer.attention_norm, layer.ffn_norm, a.qk_norm) if n)}
   post_eps = {n.eps for layer, _ in layers for n in (layer.post_attention_norm, layer.post_ffn_norm)}
+  layer_gains = {_gain(n) for layer, _ in layers for n in (layer.attention_norm, layer.ffn_norm, layer.post_attention_norm, layer.post_ffn_norm)}
   problem = None
   if config.vision_encoder is not None or config.vision_projection is not None:
     problem = "it has a vision tower, whose inputs (the image token id comes with each call) and numerics are not checked against HF's"
@@ -885,8 +886,7 @@ def _muse_glimmer_hf_config(config):
     problem = f"its layers use sliding windows of {len(windows)} sizes (HF has one)"
   elif {a.window_size for _, a in layers} != {None} and not isinstance(first.inner_attention, (FlexAttention.Config, VarlenAttention.Config)):
     problem = f"its windowed layers run {type(first.inner_attention).__qualname__.split('.')[0]}, which attends past their windows (HF's does not)"
-  elif any(_gain(n) != 1.0 for layer, _ in layers for n in (layer.attention_norm, layer.ffn_norm, layer.post_attention_norm, layer.post_ffn_norm)) \
-      or _gain(final) != 0.0 or _gain(embedding) is not None or _gain(first.qk_norm) is not None:
+  elif layer_gains != {1.0} or _gain(final) != 0.0 or {_gain(embedding), _gain(first.qk_norm)} != {None}:
     problem = "its norms are not HF's (1 + weight in the layers, weight at the end, none on the embedding and q/k)"
   elif len(pre_eps) > 1 or len(post_eps) > 1:
     problem = "its norms' epsilons are not HF's two (one before and one after each sub-layer)"
