@@ -155,24 +155,27 @@ def refuse_alone(sentence: str) -> None:
 
 
 def _publish() -> None:
-  _write_status()
-  if _watch is not None:
-    _watch.wake.set()  # the probe thread publishes it to the others
+  if _watch is None:
+    _write_status()
+  else:  # the probe thread publishes it to the others, then to the launcher: both hear the same
+    _watch.wake.set()
 
 
 def _index() -> int:
   return _watch.index if _watch is not None else int(os.environ.get("TOT_PROCESS_ID", "0") or 0)
 
 
-def _write_status(fault: dict | None = None) -> None:
-  """The launcher's view of this process: `p<i>.json`, and `p<i>.fault.json` for a verdict."""
+def _write_status(fault: dict | None = None, doing: dict | None = None) -> None:
+  """The launcher's view of this process: `p<i>.json`, and `p<i>.fault.json` for a verdict;
+  `doing`: the activity record the others were told (default: the current one)."""
   directory = os.environ.get(ENV_STATUS_DIR)
   if not directory:
     return
   index = _index()
+  doing = _record() if doing is None else doing
   record = {
-    "index": index, "host": socket.gethostname(), "pid": os.getpid(), "activity": activity(),
-    "since": _doing["since"], "checkpoints": str(storage.checkpoint_directory() or ""),
+    "index": index, "host": socket.gethostname(), "pid": os.getpid(), "activity": activity(doing),
+    "since": doing["since"], "checkpoints": str(storage.checkpoint_directory() or ""),
   }
   name = f"p{index}.fault.json" if fault else f"p{index}.json"
   path = Path(directory) / name
@@ -289,10 +292,12 @@ class _Watch:
     while not self.stopping:
       self.probe_sent = time.monotonic()
       try:
-        record = json.dumps(_record())
+        doing = _record()
+        record = json.dumps(doing)
         if record != self.published:
           self.client.key_value_set(f"{_KEY}doing/{self.index}", record, allow_overwrite=True)
           self.published = record
+          _write_status(doing=doing)
         if time.monotonic() - self.marks_read >= POLL_SECONDS:
           self.marks, self.marks_read = self.all_marks(), time.monotonic()
       except Exception as e:  # noqa: BLE001
