@@ -124,13 +124,13 @@ def test_gpt_oss_in_torchtitans_precision_is_within_the_spread_of_eager_referenc
   assert tp.check(spec, "forward", config=learned)["forward"] < 3 * spread["forward"]
 
 
-def _export_and_compare_logits(jm, tmp_path, seq, tolerance=1e-5) -> dict:
-  """Exports `jm`, loads it in transformers and checks its logits against ours (fp32, the
-  experts' bf16 casts out on our side: HF's experts run in the weights' fp32); returns the
-  tensors written."""
+def _export_and_compare_logits(jm, tmp_path, seq, tolerance=1e-5, auto="AutoModelForCausalLM") -> dict:
+  """Exports `jm`, loads it in transformers (with its `auto` class) and checks its logits
+  against ours (fp32, the experts' bf16 casts out on our side: HF's experts run in the
+  weights' fp32) within `tolerance`; returns the tensors written."""
   from safetensors.torch import load_file
 
-  hf = _export_and_load(jm, tmp_path)
+  hf = _export_and_load(jm, tmp_path, auto)
   tokens, _, _ = tp.packed_batch(batch=2, seq=seq)
   positions = torch.arange(seq).repeat(2, 1)  # one document per row: HF's causal LM sees the same
   with tp.fp32_experts():
@@ -141,13 +141,13 @@ def _export_and_compare_logits(jm, tmp_path, seq, tolerance=1e-5) -> dict:
   return {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-def _export_and_load(jm, tmp_path):
+def _export_and_load(jm, tmp_path, auto="AutoModelForCausalLM"):
   import transformers
 
   from torch_on_tpu import export
 
   export.export(jm, tmp_path / "hf")
-  model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+  model = getattr(transformers, auto).from_pretrained(tmp_path / "hf", dtype=torch.float32)
   return model.eval()
 
 
@@ -406,3 +406,128 @@ def test_a_trained_expert_bias_hf_deepseek_v2_cannot_hold_is_refused(tmp_path):
   with pytest.raises(tot.TorchOnTpuError, match="layers.2.moe.expert_bias_E is nonzero.*DeepSeek-V2.*export_safetensors"):
     _export_and_load(jm, tmp_path)
   assert not (tmp_path / "hf").exists()
+
+
+def tiny_muse_glimmer(flavor="debugmodel", window=16):
+  """Muse Glimmer's debugmodel with 4 layers (windowed with RoPE ×3, then global without: NoPE)
+  and windows of `window` tokens."""
+  config = tiny(f"muse_glimmer:{flavor}", layers=4, seqlen=64)
+  for layer in config.layers:
+    if layer.attention.window_size is not None:
+      layer.attention.window_size = window
+  return config
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
+def test_muse_glimmer_exports_as_hf_muse_glimmer_with_our_logits(tmp_path, scan):
+  """torchtitan's own MuseGlimmerStateDictAdapter names the tensors (q/k rows to HF's RoPE
+  order); transformers loads the directory as MuseGlimmer (sliding windows shorter than the
+  sequence, a NoPE global layer, q/k norms and query scale, output gate, centred norms,
+  embedding norm, soft-capped logits) and computes our fp32 logits; every weight is written
+  and the adapter's from_hf gives it back exactly. Norm gains moved off torchtitan's init (0:
+  its init logits are all zero), so every norm's convention shows; the final one's to about 4,
+  so logits reach ±13, where the soft cap (20) bends them. Scanned too: the adapter is given
+  the names the model was built with, not its stacked ones."""
+  import transformers
+  from torchtitan.models.muse_glimmer.state_dict_adapter import MuseGlimmerStateDictAdapter
+
+  config = tiny_muse_glimmer()
+  with h.eager_torchtitan():
+    model = tp.build(config, device="cpu")
+    model.init_states(buffer_device=torch.device("cpu"))
+  g = torch.Generator().manual_seed(1)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.add_(torch.randn(p.shape, generator=g) * 0.2 + (4.0 if name == "norm.weight" else 0.0))
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8), sharding="fsdp", scan=scan)
+  written = _export_and_compare_logits(jm, tmp_path, seq=40, auto="AutoModelForImageTextToText")
+  hf_config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+  text = hf_config.text_config
+  assert text.layer_types == ["sliding_attention"] * 3 + ["full_attention"] and text.sliding_window == 16
+  assert text.layer_rope_theta[2] > 0 and text.layer_rope_theta[3] == 0  # the global layer has no RoPE
+  assert min(hf_config.image_token_id, hf_config.video_token_id) >= tp.VOCAB  # HF zeroes those ids: none is a token
+  state = jm.state_dict()
+  assert len(written) == len(state) == 51  # every weight (4 layers of 12, embedding, final norm, head), no buffer
+  back = MuseGlimmerStateDictAdapter(config, None).from_hf(written)
+  assert back.keys() == state.keys()
+  for name, value in back.items():
+    assert torch.equal(value, state[name]), name
+
+
+def test_muse_glimmer_on_varlen_exports_the_window_its_kernel_is_given():
+  """Under varlen attention each layer's window is the kernel's (left, 0) argument, baked in at
+  build time; that is the window torchtitan computes with and the one HF is given."""
+  config = tp.shrink(tp.registry_config("muse_glimmer:debugmodel", attn_backend="varlen"), layers=4)  # varlen windows: 16
+  assert {layer.attention.window_size for layer in config.layers} == {128, None}
+  with torch.device("meta"):
+    model = config.build()
+  text = models.family_of(model).hf_form(model).config.text_config
+  assert text.sliding_window == 16 and text.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
+
+
+def _tied(config):
+  config.enable_weight_tying = True
+
+
+def _two_windows(config):
+  config.layers[0].attention.window_size = 8
+
+
+def _rope_scaled(config):
+  for layer in config.layers:
+    layer.attention.rope.scaling = "llama"
+
+
+def _sdpa(config):
+  from torchtitan.models.common.attention import ScaledDotProductAttention
+
+  for layer in config.layers:
+    layer.attention.inner_attention = ScaledDotProductAttention.Config()
+
+
+def _not_capped(config):
+  config.lm_head.output_soft_cap_temp = None
+
+
+def _plain_layer_norm(config):
+  for layer in config.layers:
+    layer.ffn_norm.gain_center = 0.0
+
+
+def _another_post_eps(config):
+  config.layers[1].post_ffn_norm.eps = 1e-6
+
+
+def _no_output_gate(config):
+  for layer in config.layers:
+    layer.attention.o_gate = None
+
+
+def _uneven_query_scale(config):
+  config.layers[1].attention.scale_query_by *= 2
+
+
+MUSE_REFUSALS = {  # id: (flavor, change to its config, the refusal's reason)
+  "vision": ("debugmodel_mm", None, "it has a vision tower"),
+  "tied": ("debugmodel", _tied, "tied to its embedding"),
+  "windows": ("debugmodel", _two_windows, "sliding windows of 2 sizes"),
+  "rope": ("debugmodel", _rope_scaled, "scaling 'llama'"),
+  "sdpa": ("debugmodel", _sdpa, "run ScaledDotProductAttention, which attends past their windows"),
+  "softcap": ("debugmodel", _not_capped, "not soft-capped"),
+  "norms": ("debugmodel", _plain_layer_norm, r"norms are not HF's \(1 \+ weight"),
+  "eps": ("debugmodel", _another_post_eps, "epsilons"),
+  "gate": ("debugmodel", _no_output_gate, "no output gate"),
+  "layers": ("debugmodel", _uneven_query_scale, "differ in shape or query scale"),
+}
+
+
+@pytest.mark.parametrize("flavor,edit,problem", MUSE_REFUSALS.values(), ids=MUSE_REFUSALS.keys())
+def test_a_muse_glimmer_hf_computes_differently_is_refused(flavor, edit, problem):
+  config = tiny_muse_glimmer(flavor)
+  if edit is not None:
+    edit(config)
+  with torch.device("meta"):
+    model = config.build()
+  with pytest.raises(tot.TorchOnTpuError, match=f"cannot be written as HF MuseGlimmer: .*{problem}.*; export_safetensors"):
+    models.family_of(model).hf_form(model)

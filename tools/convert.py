@@ -11,7 +11,8 @@ weights are read):
     python tools/convert.py to_orbax path/to/hf_model runs/c/ckpt [--hf_config=...] [--step=0]
 
 `to_hf` writes a directory `AutoModelForCausalLM.from_pretrained` loads
-(weights, config.json, the run's tokenizer); for a LoRA run (its saved config
+(weights, config.json, the run's tokenizer; Muse Glimmer, which HF has only as
+a vision-language class, loads with `AutoModelForImageTextToText`); for a LoRA run (its saved config
 names the rank) the adapters are merged into the base weights, or written
 alone for peft with `--mode=adapter` (`torch_on_tpu/export.py`).
 `to_safetensors` writes the model's own `state_dict` names (a LoRA run's are

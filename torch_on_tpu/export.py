@@ -196,7 +196,8 @@ def _as_hf(model, tensors: list[_Tensor]):
   form = models.family_of(model).hf_form(model)
   if form is None:
     raise TorchOnTpuError(
-      f"export writes HF directories for models with an HF form (HF causal LMs; torchtitan's Llama 3, Qwen3 and Qwen3.5 dense and MoE, gpt-oss, DeepSeek-V3, Kimi's text model), not "
+      f"export writes HF directories for models with an HF form (HF causal LMs; torchtitan's Llama 3, Qwen3 and Qwen3.5 dense and MoE, "
+      f"gpt-oss, DeepSeek-V3, Kimi's and Muse Glimmer's text models), not "
       f"{type(model).__name__}; use export_safetensors for its state_dict."
     )
   if form.check is not None:

@@ -779,16 +779,23 @@ def hf_via_adapter(module: torch.nn.Module) -> HFForm | None:
     return None
   adapter = _ADAPTER_FIXES.get(family, lambda a: a)(classes[0](module.config, None))
   config, check = make_config(module.config)
-  # on meta: names and shapes only; buffers (load-balancing state: `check`'s) and tied aliases
-  # (lm_head of tied embeddings) aside
-  aliases = {n for n, _ in module.named_parameters(remove_duplicate=False)} - {n for n, _ in module.named_parameters()}
-  skipped = {name for name, _ in module.named_buffers()} | aliases
-  shapes = {name: value for name, value in module.state_dict().items() if name not in skipped}
+  built = _as_built(module)
+  # buffers (load-balancing state: `check`'s) and tied aliases (lm_head of tied embeddings) aside
+  aliases = {n for n, _ in built.named_parameters(remove_duplicate=False)} - {n for n, _ in built.named_parameters()}
+  skipped = {name for name, _ in built.named_buffers()} | aliases
+  shapes = {name: value for name, value in built.state_dict().items() if name not in skipped}
   made_at = {}  # an HF tensor is written where its first entry is
   for hf, parts in _adapter_sources(adapter, shapes, family).items():
     make = functools.partial(_hf_tensor, adapter, parts, hf)
     made_at.setdefault(parts[0], []).append((hf, make if len(parts) == 1 else FromSeveral(parts, make)))
   return HFForm(config, lambda name: made_at.get(name, []), check)
+
+
+def _as_built(module: torch.nn.Module) -> torch.nn.Module:
+  """The model as its config builds it, on meta: the state_dict names an export reads (a scanned
+  model's own are its stacked layers'), shapes only."""
+  with torch.device("meta"):
+    return module.config.build()
 
 
 def _adapter_sources(adapter, shapes: dict, family: str) -> dict[str, tuple[str, ...]]:
@@ -973,8 +980,97 @@ class _Qwen3_5ExpertsPerExpert:
 # transformers reads
 _ADAPTER_FIXES = {"qwen3_5": _Qwen3_5ExpertsPerExpert}
 
-# torchtitan family → (its config → (the transformers config, a check of the values or None)).
-_HF_CONFIGS = {"qwen3": _qwen3_hf_config, "qwen3_5": _qwen3_5_hf_config}
+def _muse_glimmer_hf_config(config):
+  """HF's MuseGlimmer config for torchtitan's Muse Glimmer text model; refuses what HF's
+  computes differently. HF's model is its vision-language class (transformers loads it with
+  `AutoModelForImageTextToText`); it always builds a vision tower, here the smallest one (no
+  layers), which the export leaves unwritten as our text model has none. HF replaces the
+  image and video placeholder ids by token 0 before embedding, so they are set to ids no
+  token has."""
+  import transformers
+  from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+  from torchtitan.models.common.rope import ComplexRoPE
+
+  layers = [(layer, layer.attention) for layer in config.layers]
+  first = layers[0][1]
+  heads, head_dim = first.n_heads, first.head_dim or config.dim // first.n_heads
+  windows = {_muse_window(a) for _, a in layers} - {None}
+  final, embedding, lm_head = config.norm, config.tok_embeddings.norm, config.lm_head
+  pre_eps = {final.eps, embedding.eps, *(n.eps for layer, a in layers for n in (layer.attention_norm, layer.ffn_norm, a.qk_norm) if n)}
+  post_eps = {n.eps for layer, _ in layers for n in (layer.post_attention_norm, layer.post_ffn_norm)}
+  layer_gains = {_gain(n) for layer, _ in layers for n in (layer.attention_norm, layer.ffn_norm, layer.post_attention_norm, layer.post_ffn_norm)}
+  problem = None
+  if config.vision_encoder is not None or config.vision_projection is not None:
+    problem = "it has a vision tower, whose inputs (the image token id comes with each call) and numerics are not checked against HF's"
+  elif config.enable_weight_tying:
+    problem = "its output is tied to its embedding"
+  elif any(_muse_layer_shape(layer) != _muse_layer_shape(layers[0][0]) for layer, _ in layers):
+    problem = "its layers differ in shape or query scale"
+  elif not isinstance(first.rope, ComplexRoPE.Config) or first.rope.scaling != "none" or first.rope.dim != head_dim:
+    problem = f"its RoPE is {type(first.rope).__qualname__} with scaling '{first.rope.scaling}' over {first.rope.dim} of {head_dim} dims"
+  elif first.qk_norm is None or first.o_gate is None:
+    problem = "it has no q/k norm or no output gate (HF's always applies both)"
+  elif len(windows) > 1:
+    problem = f"its layers use sliding windows of {len(windows)} sizes (HF has one)"
+  elif {a.window_size for _, a in layers} != {None} and not isinstance(first.inner_attention, (FlexAttention.Config, VarlenAttention.Config)):
+    problem = f"its windowed layers run {type(first.inner_attention).__qualname__.split('.')[0]}, which attends past their windows (HF's does not)"
+  elif layer_gains != {1.0} or _gain(final) != 0.0 or {_gain(embedding), _gain(first.qk_norm)} != {None}:
+    problem = "its norms are not HF's (1 + weight in the layers, weight at the end, none on the embedding and q/k)"
+  elif len(pre_eps) > 1 or len(post_eps) > 1:
+    problem = "its norms' epsilons are not HF's two (one before and one after each sub-layer)"
+  elif getattr(lm_head, "output_soft_cap_temp", None) is None:
+    problem = "its logits are not soft-capped (HF's always are)"
+  if problem is not None:
+    raise TorchOnTpuError(f"This torchtitan Muse Glimmer cannot be written as HF MuseGlimmer: {problem}; export_safetensors writes its own names.")
+  theta = float(first.rope.theta)
+  text = transformers.MuseGlimmerTextConfig(
+    vocab_size=config.vocab_size, hidden_size=config.dim, intermediate_size=layers[0][0].feed_forward.w1.out_features,
+    num_hidden_layers=len(layers), num_attention_heads=heads, num_key_value_heads=first.n_kv_heads or heads,
+    head_dim=head_dim, hidden_activation="silu", max_position_embeddings=first.rope.max_seq_len,
+    rms_norm_eps=pre_eps.pop(), post_norm_eps=post_eps.pop(), tie_word_embeddings=False, attention_bias=False,
+    rope_parameters=dict(rope_type="default", rope_theta=theta),
+    **({"sliding_window": windows.pop()} if windows else {}),  # HF's default where no layer slides
+    layer_types=["sliding_attention" if _muse_window(a) else "full_attention" for _, a in layers],
+    layer_rope_theta=[theta if a.use_rope else 0 for _, a in layers],  # HF reads only 0 (no RoPE) or not
+    qk_scale_factor=float(first.scale_query_by), output_multiplier=float(lm_head.output_multiplier),
+    final_logit_softcapping=float(lm_head.output_soft_cap_temp), bos_token_id=None, eos_token_id=None,
+  )
+  vision = transformers.MuseGlimmerVisionConfig(
+    num_hidden_layers=0, hidden_size=1, num_attention_heads=1, intermediate_size=1, patch_size=1, patch_temporal=1,
+    merge_size=1, pos_emb_height=1, pos_emb_width=1, max_position_embeddings=1,
+  )
+  hf = transformers.MuseGlimmerConfig(
+    text_config=text, vision_config=vision, out_hidden_size=1, projector_hidden_size=1,
+    image_token_id=config.vocab_size, video_token_id=config.vocab_size + 1, tie_word_embeddings=False,
+    architectures=["MuseGlimmerForConditionalGeneration"],
+  )
+  return hf, None
+
+
+def _muse_window(attention) -> int | None:
+  """The window a Muse Glimmer layer attends in: varlen's kernel argument (left, 0) where it runs
+  varlen (what torchtitan computes with), its mask's key otherwise."""
+  from torchtitan.models.common.attention import VarlenAttention
+
+  inner = attention.inner_attention
+  if isinstance(inner, VarlenAttention.Config):
+    return inner.window_size[0] + 1 if inner.window_size[0] >= 0 else None
+  return attention.window_size
+
+
+def _muse_layer_shape(layer) -> tuple:
+  a = layer.attention
+  return (a.n_heads, a.n_kv_heads, a.head_dim, a.scale_query_by, layer.feed_forward.w1.out_features, dataclasses.replace(a.rope, max_seq_len=0))
+
+
+def _gain(norm) -> float | None:
+  """The constant an RMSNorm's weight is centred on (torchtitan's `RMSGainCenterNorm`), 0 for a
+  plain learnable one, None for one without a weight."""
+  if not norm.elementwise_affine:
+    return None
+  return getattr(norm, "gain_center", 0.0)
+
+
 
 # gpt-oss's names: torchtitan's state_dict name (layer number as {}) → (HF name, transposed)
 _GPT_OSS_NAMES = {
@@ -1039,7 +1135,7 @@ def hf_gpt_oss(module: torch.nn.Module) -> HFForm:
     rope_parameters=rope_parameters, swiglu_limit=float(experts.swiglu_limit), tie_word_embeddings=False,
     attention_bias=True, architectures=["GptOssForCausalLM"],
   )
-  buffers = {name for name, _ in module.named_buffers()}
+  buffers = {name for name, _ in _as_built(module).named_buffers()}
 
   def rename(name):
     if name in buffers:
@@ -1194,7 +1290,9 @@ def _scale_rows(w: jax.Array, scale: float, rows: int | None) -> jax.Array:
   return jnp.concatenate([w[:rows] * scale, w[rows:]]).astype(w.dtype)
 
 
-_HF_CONFIGS.update(deepseek_v3=_deepseek_hf_config, kimi_k2_7=_deepseek_hf_config)
+# torchtitan family → (its config → (the transformers config, a check of the values or None)).
+_HF_CONFIGS = {"qwen3": _qwen3_hf_config, "qwen3_5": _qwen3_5_hf_config, "muse_glimmer": _muse_glimmer_hf_config,
+               "deepseek_v3": _deepseek_hf_config, "kimi_k2_7": _deepseek_hf_config}
 
 
 # Models whose forward checks that it got its masks by key (weakly held: a model can go).
