@@ -780,12 +780,13 @@ def hf_via_adapter(module: torch.nn.Module) -> HFForm | None:
   adapter = _ADAPTER_FIXES.get(family, lambda a: a)(classes[0](module.config, None))
   config, check = make_config(module.config)
   built = _as_built(module)
-  # buffers (load-balancing state: `check`'s) and tied aliases (lm_head of tied embeddings) aside
+  # tied aliases (lm_head of tied embeddings) aside; buffers written where the adapter names them
+  # (DeepSeek-V3's expert bias), none required (RoPE tables; load-balancing state: `check`'s)
   aliases = {n for n, _ in built.named_parameters(remove_duplicate=False)} - {n for n, _ in built.named_parameters()}
-  skipped = {name for name, _ in built.named_buffers()} | aliases
-  shapes = {name: value for name, value in built.state_dict().items() if name not in skipped}
+  shapes = {name: value for name, value in built.state_dict().items() if name not in aliases}
+  required = {name for name, _ in built.named_parameters()}
   made_at = {}  # an HF tensor is written where its first entry is
-  for hf, parts in _adapter_sources(adapter, shapes, family).items():
+  for hf, parts in _adapter_sources(adapter, shapes, required, family).items():
     make = functools.partial(_hf_tensor, adapter, parts, hf)
     made_at.setdefault(parts[0], []).append((hf, make if len(parts) == 1 else FromSeveral(parts, make)))
   return HFForm(config, lambda name: made_at.get(name, []), check)
@@ -798,11 +799,12 @@ def _as_built(module: torch.nn.Module) -> torch.nn.Module:
     return module.config.build()
 
 
-def _adapter_sources(adapter, shapes: dict, family: str) -> dict[str, tuple[str, ...]]:
+def _adapter_sources(adapter, shapes: dict, required: set, family: str) -> dict[str, tuple[str, ...]]:
   """HF name → the state_dict entries the adapter's `to_hf` makes it of: alone where an entry
   converts by itself; the rest by layer (an adapter fuses a layer's q/k/v or its experts' w1/w3),
   each HF tensor narrowed to the entries it needs. Checked against one pass over the whole
-  dict (names and shapes, on meta), so a grouping the adapter does not make is refused."""
+  dict (names and shapes, on meta), so a grouping the adapter does not make is refused, and so
+  is a `required` entry (a parameter) it gives no HF name."""
 
   def to_hf(names) -> dict:
     try:
@@ -827,7 +829,7 @@ def _adapter_sources(adapter, shapes: dict, family: str) -> dict[str, tuple[str,
           needed = rest
       sources[hf] = tuple(needed)
   used = {name for parts in sources.values() for name in parts}
-  dropped = [name for name in shapes if name not in used]
+  dropped = [name for name in shapes if name in required and name not in used]
   if dropped:
     raise TorchOnTpuError(
       f"torchtitan's {family} state_dict_adapter gives no HF name for parameter '{dropped[0]}' ({len(dropped)} "
