@@ -851,6 +851,12 @@ def _hf_tensor(adapter, names: tuple[str, ...], hf_name: str, *arrays: jax.Array
     return jax_view(adapter.to_hf({n: torch_view(a) for n, a in zip(names, arrays)})[hf_name])
 
 
+def _refuse_hf(problem: str | None, ours: str, hf: str) -> None:
+  """One sentence for a torchtitan model whose HF form would compute otherwise (`problem`: why)."""
+  if problem is not None:
+    raise TorchOnTpuError(f"This torchtitan {ours} cannot be written as HF {hf}: {problem}; export_safetensors writes its own names.")
+
+
 def _qwen3_hf_config(config):
   """HF's Qwen3 (dense) or Qwen3-MoE config for torchtitan's Qwen3; refuses what HF cannot express."""
   import transformers
@@ -865,8 +871,7 @@ def _qwen3_hf_config(config):
     problem = "it mixes dense and MoE layers"
   elif moes and (moes[0].shared_experts is not None or moes[0].router.score_func != "softmax" or moes[0].router.route_scale != 1.0):
     problem = "its MoE router or shared experts differ from HF Qwen3-MoE's"
-  if problem is not None:
-    raise TorchOnTpuError(f"This torchtitan Qwen3 cannot be written as HF Qwen3: {problem}; export_safetensors writes its own names.")
+  _refuse_hf(problem, "Qwen3", "Qwen3")
   common = dict(
     vocab_size=config.vocab_size, hidden_size=config.dim, num_hidden_layers=len(config.layers),
     num_attention_heads=qkv.n_heads, num_key_value_heads=qkv.n_kv_heads, head_dim=qkv.head_dim,
@@ -928,8 +933,7 @@ def _qwen3_5_hf_config(config):
   elif len({(a.n_heads, a.n_kv_heads, a.head_dim, a.rotary_dim) for a in attentions}) > 1 or len(
     {(d.in_proj_q.out_features, d.in_proj_v.out_features, d.conv_kernel_size) for d in deltas}) > 1:
     problem = "its layers differ in size"
-  if problem is not None:
-    raise TorchOnTpuError(f"This torchtitan Qwen3.5 cannot be written as HF Qwen3.5: {problem}; export_safetensors writes its own names.")
+  _refuse_hf(problem, "Qwen3.5", "Qwen3.5")
   text = dict(
     vocab_size=config.vocab_size, hidden_size=config.dim, num_hidden_layers=len(config.layers),
     num_attention_heads=first.n_heads, num_key_value_heads=first.n_kv_heads, head_dim=first.head_dim,
@@ -1022,8 +1026,7 @@ def _muse_glimmer_hf_config(config):
     problem = "its norms' epsilons are not HF's two (one before and one after each sub-layer)"
   elif getattr(lm_head, "output_soft_cap_temp", None) is None:
     problem = "its logits are not soft-capped (HF's always are)"
-  if problem is not None:
-    raise TorchOnTpuError(f"This torchtitan Muse Glimmer cannot be written as HF MuseGlimmer: {problem}; export_safetensors writes its own names.")
+  _refuse_hf(problem, "Muse Glimmer", "MuseGlimmer")
   theta = float(first.rope.theta)
   text = transformers.MuseGlimmerTextConfig(
     vocab_size=config.vocab_size, hidden_size=config.dim, intermediate_size=layers[0][0].feed_forward.w1.out_features,
@@ -1117,8 +1120,7 @@ def hf_gpt_oss(module: torch.nn.Module) -> HFForm:
     problem = f"its RoPE scaling is '{rope.scaling}'"
   elif config.enable_weight_tying:
     problem = "its embedding is tied to its output"
-  if problem is not None:
-    raise TorchOnTpuError(f"This torchtitan gpt-oss cannot be written as HF GptOss: {problem}; export_safetensors writes its own names.")
+  _refuse_hf(problem, "gpt-oss", "GptOss")
   rope_parameters = dict(rope_type="default", rope_theta=float(rope.theta))
   max_positions = rope.max_seq_len  # the RoPE table's length; YaRN's stretched context below
   if rope.scaling == "yarn":
@@ -1224,9 +1226,7 @@ def _deepseek_hf_config(config):
     problem = ("it routes by softmax with normalised top-k weights, which HF DeepSeek-V2 does not normalise" if router.route_norm
                else "it routes by softmax with group-limited routing, which HF DeepSeek-V2 ranks by each group's best "
                "expert where torchtitan ranks by its best two")
-  if problem is not None:
-    model = type(config).__qualname__.split(".")[0]  # DeepSeekV3Model, KimiK25Model
-    raise TorchOnTpuError(f"This torchtitan {model} cannot be written as HF DeepSeek: {problem}; export_safetensors writes its own names.")
+  _refuse_hf(problem, type(config).__qualname__.split(".")[0], "DeepSeek")  # DeepSeekV3Model, KimiK25Model
   yarn = rope.scaling == "yarn" and rope.rope_factor > 1.0
   rope_parameters = dict(rope_type="default", rope_theta=float(rope.theta))
   if yarn:  # torchtitan folds mscale into the softmax scale only; HF's cos/sin stay unscaled (attention_factor 1)
@@ -1377,8 +1377,7 @@ def hf_llama(module: torch.nn.Module):
     problem = "its linear layers have biases"
   elif not isinstance(rope, ComplexRoPE.Config) or (rope.scaling == "yarn" and rope.rope_factor > 1.0):
     problem = f"its RoPE is {type(rope).__qualname__} with scaling '{rope.scaling}'"
-  if problem is not None:
-    raise TorchOnTpuError(f"This torchtitan model cannot be written as HF Llama: {problem}; export_safetensors writes its own names.")
+  _refuse_hf(problem, "model", "Llama")
   n_heads, n_kv = attn.qkv_linear.n_heads, attn.qkv_linear.n_kv_heads
   if rope.scaling == "llama":
     original = rope.original_max_position_embeddings
