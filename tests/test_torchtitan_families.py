@@ -296,23 +296,24 @@ def _deepseek(spec="deepseek_v3:debugmodel", **registry):
   return config
 
 
-def _check_deepseek_export(jm, tmp_path, adapter, *, bias_written):
-  """Exports `jm`: transformers computes our logits at 1e-6 (what is left when HF's latent norms
-  run at their own eps is 7e-6: 1e-5 would not see it), loads every tensor written and misses
-  none, the experts written one per expert; torchtitan's adapter's from_hf gives back our
-  state_dict: exactly, but for the latent-norm inputs (`wkv_a`'s latent rows, `wq_a`), scaled
-  by sqrt(1e-6 / 1e-5) for HF's eps and back to fp32 rounding."""
+def _check_deepseek_export(jm, tmp_path, adapter, *, bias_written, auto="AutoModelForCausalLM", fused=0):
+  """Exports `jm`: transformers (its `auto` class) computes our logits at 1e-6 (what is left when
+  HF's latent norms run at their own eps is 7e-6: 1e-5 would not see it), loads every tensor
+  written and misses none, the experts written one per expert (`fused`: entries written fused
+  into others); torchtitan's adapter's from_hf gives back our state_dict: exactly, but for the
+  latent-norm inputs (`wkv_a`'s latent rows, `wq_a`), scaled by sqrt(1e-6 / 1e-5) for HF's eps
+  and back to fp32 rounding."""
   import transformers
 
-  written = _export_and_compare_logits(jm, tmp_path, seq=tp.SEQ, tolerance=1e-6)
-  _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
-  assert not info["missing_keys"] and not info["unexpected_keys"], info
+  written = _export_and_compare_logits(jm, tmp_path, seq=tp.SEQ, tolerance=1e-6, auto=auto)
+  _, info = getattr(transformers, auto).from_pretrained(tmp_path / "hf", output_loading_info=True)
+  assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
   state = jm.state_dict()
   params = len(list(jm.module.named_parameters()))
   moe_layers = sum(layer.moe is not None for layer in jm.module.config.layers)
-  assert len(written) == params + moe_layers * 3 * (8 - 1) + (moe_layers if bias_written else 0)
+  assert len(written) == params - fused + moe_layers * 3 * (8 - 1) + (moe_layers if bias_written else 0)
   back = adapter.from_hf(written)
-  assert len(back) == len(written) - moe_layers * 3 * (8 - 1)
+  assert len(back) == len(written) + fused - moe_layers * 3 * (8 - 1)
   for name, value in back.items():
     if ".wkv_a." in name or ".wq_a." in name:
       rows = slice(0, 512) if ".wkv_a." in name else slice(None)
@@ -374,6 +375,39 @@ def test_sigmoid_routed_deepseek_exports_as_hf_deepseek_v3_with_its_expert_bias(
     for i in (1, 2):
       hf.model.layers[i].mlp.gate.e_score_correction_bias.zero_()
     assert h.rel(hf(tokens).logits, logits) > 1e-3  # the bias chose experts
+
+
+def test_kimi_exports_as_hf_kimi_k25_with_its_vision_encoder(tmp_path):
+  """Kimi's debugmodel with its MoonViT vision encoder: HF's Kimi-K2.5 (its DeepSeek-V2 text model
+  as above), named by torchtitan's own KimiK25StateDictAdapter (each vision layer's q/k/v fused
+  into one `wqkv`, which transformers splits and permutes to its RoPE layout on load). transformers
+  computes our text logits (its placeholder id is one past the vocabulary: no text token is
+  re-embedded), and its vision tower and projector compute torchtitan's eager ones from the files
+  on images of several grids (the stored position table's own, resampled, two in one batch) and
+  on clips of 2 and 4 frames, fp32, at 1e-5."""
+  import transformers
+  from torchtitan.models.kimi_k2_7.state_dict_adapter import KimiK25StateDictAdapter
+
+  config = tp.shrink(tp.registry_config("kimi_k2_7:debugmodel"), layers=3)
+  jm = tp.wrap(config, "forward")
+  vision_layers = config.vision_encoder.num_layers
+  _check_deepseek_export(jm, tmp_path, KimiK25StateDictAdapter(config, None), bias_written=False,
+                         auto="AutoModelForImageTextToText", fused=vision_layers * 2 * 2)  # wk, wv into wq; weight and bias
+  hf = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+  assert hf.config.model_type == "kimi_k25" and hf.config.image_token_id == hf.config.video_token_id == config.vocab_size
+  eager = tp.build(config, device="cpu")
+  eager.load_state_dict(jm.state_dict())
+  patch = 3 * config.vision_encoder.patch_size**2
+  generator = torch.Generator().manual_seed(0)
+  for grids in ([[1, 4, 4]], [[1, 16, 16]], [[1, 4, 4], [1, 2, 6]], [[2, 4, 4]], [[4, 2, 2]]):
+    items = [torch.randn(t * rows * cols, patch, generator=generator) for t, rows, cols in grids]
+    padded = torch.nn.utils.rnn.pad_sequence(items, batch_first=True)  # torchtitan's (items, patches, patch)
+    merged = [rows // 2 * (cols // 2) for _, rows, cols in grids]
+    grid = torch.tensor(grids)
+    with torch.no_grad(), tp.eager_flex():
+      ours = torch.cat([out[:n] for out, n in zip(eager.vision_encoder(padded, grid_thw=grid), merged)])
+      tower = hf.model.vision_tower(torch.cat(items).view(-1, 3, *[config.vision_encoder.patch_size] * 2), grid_thw=grid)
+      assert h.rel(ours, hf.model.mm_projector(tower.pooler_output).squeeze(1)) < 1e-5, grids
 
 
 def _softmax_groups(config):
