@@ -1257,7 +1257,8 @@ def _deepseek_hf_config(config):
 
 
 def hf_deepseek(module: torch.nn.Module) -> HFForm | None:
-  """torchtitan's DeepSeek-V3 or Kimi (text model) as HF's DeepSeek-V2/V3 (`_deepseek_hf_config`),
+  """torchtitan's DeepSeek-V3 or Kimi as HF's DeepSeek-V2/V3 (`_deepseek_hf_config`; Kimi with its
+  vision encoder as HF's Kimi-K2.5 around that text model, `_kimi_hf_config`),
   named by torchtitan's own adapter, with two changes HF's form needs: DeepSeek-V2 has no expert
   bias (not written; a nonzero one refused), and HF's latent norms run at eps 1e-6 where
   torchtitan's have their config's (1e-5 by default): the rows of `wkv_a` (its latent part) and
