@@ -475,8 +475,8 @@ def test_muse_glimmer_vision_flavor_exports_its_vision_tower_adapter_and_project
   axial RoPE; a learned 2 x 2 position table resampled; 2 x 2 pixel shuffle; a GELU adapter;
   the projection and its scaleless norm) exports whole: transformers loads it with no key
   missing, left over or mismatched, computes our text logits, and from the files computes what
-  torchtitan's eager vision path does: its image features (tower, adapter, projection, norm) and
-  a whole forward with an image, HF given its pixels in its own (temporal, channel) patch order
+  torchtitan's eager vision path does: its image features (tower, adapter, projection, norm; two
+  images of different sizes in one call too) and a whole forward with an image, HF given its pixels in its own (temporal, channel) patch order
   and its image id where torchtitan's caller put its own. On a non-square patch grid torchtitan
   samples its position table for the transposed grid (docs/torchtitan.md): there the features
   differ, and torchtitan's table sampled in raster order gives HF's."""
@@ -494,12 +494,14 @@ def test_muse_glimmer_vision_flavor_exports_its_vision_tower_adapter_and_project
   assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
   enc = config.vision_encoder
 
-  def features(grid):
-    pixels = torch.randn(1, grid[0] * grid[1], enc.conv1.in_features, generator=torch.Generator().manual_seed(0))
-    hf_pixels = vision_encoder.reorder_patch_vector(pixels[0], patch_size=enc.patch_size, patch_temporal=enc.patch_temporal)
-    grid_thw = torch.tensor([[1, *grid]])
+  def features(*grids):
+    """Images of these patch grids: torchtitan's padded batch, HF's packed patches."""
+    pixels = torch.randn(len(grids), max(a * b for a, b in grids), enc.conv1.in_features, generator=torch.Generator().manual_seed(0))
+    packed = torch.cat([image[: a * b] for image, (a, b) in zip(pixels, grids)])
+    hf_pixels = vision_encoder.reorder_patch_vector(packed, patch_size=enc.patch_size, patch_temporal=enc.patch_temporal)
+    grid_thw = torch.tensor([[1, a, b] for a, b in grids])
     ours = eager.perception_emb_norm(eager.vision_projection(eager.vision_adapter(eager.vision_encoder(pixels, grid_thw=grid_thw))))
-    return pixels, grid_thw, ours, hf.model.get_image_features(hf_pixels, grid_thw).pooler_output[0], hf_pixels
+    return pixels, grid_thw, ours, torch.cat(hf.model.get_image_features(hf_pixels, grid_thw).pooler_output), hf_pixels
 
   def raster_table(table, *, grid_h, grid_w, src_grid_h, src_grid_w, latent_dim, device):
     source = table.view(src_grid_h, src_grid_w, latent_dim).permute(2, 0, 1)[None]
@@ -507,6 +509,7 @@ def test_muse_glimmer_vision_flavor_exports_its_vision_tower_adapter_and_project
     return F.grid_sample(source, torch.stack([x, y], -1).reshape(1, 1, -1, 2), align_corners=False)[0, :, 0].T
 
   with torch.no_grad(), tp.eager_flex():
+    assert h.rel(*features((4, 4), (2, 2))[2:4]) < 1e-5  # two images, one padded in torchtitan's batch
     pixels, grid_thw, ours, theirs, hf_pixels = features((4, 4))  # 4 windows, 4 tokens out
     assert h.rel(ours, theirs) < 1e-5
     assert h.rel(*features((4, 6))[2:4]) > 1e-3
