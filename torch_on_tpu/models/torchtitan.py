@@ -1370,6 +1370,8 @@ def _kimi_hf_config(config):
     problem = "its vision linear layers lack biases (HF's all have them)"
   elif block.mlp.act_fn.approximate != "tanh" or projector.act_fn.approximate != "none":
     problem = "its vision GELUs are not HF's (tanh's approximation in the encoder, exact in the projector)"
+  elif encoder.rotary_pos_emb.head_dim * encoder.num_heads != encoder.dim:
+    problem = "its vision RoPE does not span each head's whole width (HF's does)"
   elif projector.vt_hidden_size != encoder.dim or encoder.text_hidden_size != config.dim:
     problem = "its vision projector's sizes are not the encoder's and the text model's"
   _refuse_hf(problem, "Kimi", "Kimi-K2.5")
