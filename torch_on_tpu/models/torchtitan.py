@@ -58,7 +58,8 @@ from torchax.interop import jax_view, torch_view  # noqa: E402
 FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
 
 
-def is_torchtitan(module: torch.nn.Module) -> bool:
+def is_torchtitan(module) -> bool:
+  """A torchtitan module (or config: its classes live in the same modules)."""
   return type(module).__module__.startswith("torchtitan.")
 
 
@@ -532,11 +533,14 @@ class TorchtitanFamily(Family):
     """Read from the module's structure, for every torchtitan decoder: its attention
     modules (those holding an `inner_attention`; MLA's scores and values counted at
     their own head dims), the widest per-token FFN (a MoE layer's `top_k` routed experts
-    plus its shared ones) and the routed-expert parameters a token does not touch."""
+    plus its shared ones) and the routed-expert parameters a token does not touch. A
+    multi-token-prediction layer counts as a layer (its block runs per token like the others)
+    and each depth applies the lm_head once more (`predictions`)."""
     layers = getattr(module, "layers", None)
     if layers is None or not len(layers) or not hasattr(module, "tok_embeddings"):
       return None
     blocks = list(layers.values() if hasattr(layers, "values") else layers)
+    blocks += list(module.mtp_layers) if mtp_depths(module) else []
     attentions = [m for b in blocks for m in b.modules() if hasattr(m, "inner_attention") and hasattr(m, "n_heads")]
     if not attentions:
       return None
@@ -558,6 +562,7 @@ class TorchtitanFamily(Family):
       vocab=embedding.num_embeddings,
       attention_layers=len(attentions),
       inactive_params=sum(_inactive_expert_params(m) for m in moes),
+      predictions=1 + mtp_depths(module),
     )
 
   def sharding_map(self, module, preset):
@@ -669,12 +674,11 @@ class TorchtitanFamily(Family):
 MTP_SCALE = 0.3  # torchtitan's MTPLoss.Config.mtp_scale
 
 
-def mtp_depths(module: torch.nn.Module) -> int:
-  """How many tokens past the next one a torchtitan model predicts (DeepSeek-V3 built with
-  `num_mtp_layers`): its forward then returns a list, the main logits and one per depth. 0 for
-  every other model."""
-  layers = getattr(module, "mtp_layers", None) if is_torchtitan(module) else None
-  return len(layers) if layers is not None else 0
+def mtp_depths(model) -> int:
+  """How many tokens past the next one a torchtitan model (or its config) predicts
+  (DeepSeek-V3 built with `num_mtp_layers`): its forward then returns a list, the main logits
+  and one per depth. 0 for every other model."""
+  return len(getattr(model, "mtp_layers", None) or ()) if is_torchtitan(model) else 0
 
 
 def mtp_loss(outputs, labels, positions, *, scale: float = MTP_SCALE):
