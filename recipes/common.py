@@ -47,7 +47,7 @@ TPU_FLAGS = (
 )
 DTYPES = ("float32", "bfloat16", "bfloat16-all")
 # Flags that change what the saved state is (its layout, dtypes, model): a resume must keep them.
-STATE_FLAGS = ("model", "model_impl", "config", "dtype", "lora_rank", "lora_targets")
+STATE_FLAGS = ("model", "model_impl", "config", "dtype", "lora_rank", "lora_targets", "mtp_layers")
 ATTENTION = ("auto", "xla", "splash", "cudnn", "none")
 
 

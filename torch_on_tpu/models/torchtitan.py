@@ -685,8 +685,10 @@ def mtp_loss(outputs, labels, positions, *, scale: float = MTP_SCALE):
   """torchtitan's own `MTPLoss` of a multi-token-prediction model's outputs: the main
   cross-entropy plus `scale` × the mean over depths of the cross-entropy against the labels
   rolled by the depth within each packed document (`roll_mtp_sequence`, from `positions`),
-  normalised as torchtitan's trainer normalises it, by the count of valid main labels. A
-  train step's `loss_fn` reads `labels` and `positions` from its labels pytree:
+  normalised as torchtitan's trainer normalises it, by the count of valid main labels (with
+  `grad_accum`, per microbatch: the step's mean of them is torchtitan's whole-batch division
+  where the microbatches hold as many valid labels, as the recipe's packed rows, with none
+  ignored, do). A train step's `loss_fn` reads `labels` and `positions` from its labels pytree:
 
       loss_fn = lambda outputs, y: mtp_loss(outputs, y["labels"], y["positions"])
       step(inputs, {"labels": labels, "positions": positions})
