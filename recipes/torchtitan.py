@@ -22,17 +22,6 @@ from recipes import common
 from torch_on_tpu.models.torchtitan import LANGUAGE_FAMILIES
 
 
-@dataclasses.dataclass
-class TorchtitanFlags(common.Flags):
-  model: str = common.flag("qwen3:debugmodel", f"<family>:<flavor> of torchtitan's registries; families: {', '.join(LANGUAGE_FAMILIES)}")
-  mtp_layers: int = common.flag(
-    0, "multi-token-prediction layers (torchtitan's num_mtp_layers; DeepSeek-V3): the model also predicts that many "
-    "tokens past the next and trains with torchtitan's MTPLoss (0: the flavor's own, none in torchtitan 0.3.0)",
-    minimum=0, check=lambda value, flags: _mtp_check(value, flags),
-  )
-  mtp_scale: float = common.flag(0.3, "the weight of the multi-token-prediction depths' mean loss beside the main loss (torchtitan's MTPLoss mtp_scale)", minimum=0)
-
-
 def _mtp_check(value: int, flags: TorchtitanFlags) -> None:
   """--mtp_layers: a family with multi-token prediction; neither pipeline nor context parallel (torchtitan runs MTP with neither)."""
   from torch_on_tpu.errors import TorchOnTpuError
@@ -45,6 +34,17 @@ def _mtp_check(value: int, flags: TorchtitanFlags) -> None:
         f"multi-token prediction with --pp={flags.pp} --cp={flags.cp}: torchtitan runs it with neither pipeline nor "
         f"context parallelism, nor does the bridge yet; use --pp=1 --cp=1 (those devices on --fsdp)."
       )
+
+
+@dataclasses.dataclass
+class TorchtitanFlags(common.Flags):
+  model: str = common.flag("qwen3:debugmodel", f"<family>:<flavor> of torchtitan's registries; families: {', '.join(LANGUAGE_FAMILIES)}")
+  mtp_layers: int = common.flag(
+    0, "multi-token-prediction layers (torchtitan's num_mtp_layers; DeepSeek-V3): the model also predicts that many "
+    "tokens past the next and trains with torchtitan's MTPLoss (0: the flavor's own, none in torchtitan 0.3.0)",
+    minimum=0, check=_mtp_check,
+  )
+  mtp_scale: float = common.flag(0.3, "the weight of the multi-token-prediction depths' mean loss beside the main loss (torchtitan's MTPLoss mtp_scale)", minimum=0)
 
 
 def recipe(flags: TorchtitanFlags) -> common.Recipe:
