@@ -456,23 +456,37 @@ def test_muse_glimmer_exports_as_hf_muse_glimmer_with_our_logits(tmp_path, scan)
   order); transformers loads the directory as MuseGlimmer (sliding windows shorter than the
   sequence, a NoPE global layer, q/k norms and query scale, output gate, centred norms,
   embedding norm, soft-capped logits) and computes our fp32 logits; every weight is written
-  and the adapter's from_hf gives it back exactly. Norm gains moved off torchtitan's init (0:
-  its init logits are all zero), so every norm's convention shows; the final one's to about 4,
-  so logits reach ±13, where the soft cap (20) bends them. Scanned too: the adapter is given
-  the names the model was built with, not its stacked ones."""
-  import transformers
-  from torchtitan.models.muse_glimmer.state_dict_adapter import MuseGlimmerStateDictAdapter
-
+  and the adapter's from_hf gives it back exactly (`_check_muse_glimmer_export`; norm gains off
+  torchtitan's init: `_muse_glimmer_model`). Scanned too: the adapter is given the names the
+  model was built with, not its stacked ones."""
   config = tiny_muse_glimmer()
+  jm = tot.ShardedModule(_muse_glimmer_model(config), mesh=tot.make_mesh(fsdp=8), sharding="fsdp", scan=scan)
+  _check_muse_glimmer_export(jm, tmp_path, weights=51)  # 4 layers of 12, embedding, final norm, head
+
+
+def _muse_glimmer_model(config):
+  """torchtitan's Muse Glimmer on the CPU, its init, then its norm gains and vision biases moved off
+  it (torchtitan's init zeroes them: its init logits are all zero), so every norm's convention
+  shows; the final norm's to about 4, so logits reach ±13, where the soft cap (20) bends them."""
   with h.eager_torchtitan():
     model = tp.build(config, device="cpu")
     model.init_states(buffer_device=torch.device("cpu"))
   g = torch.Generator().manual_seed(1)
   with torch.no_grad():
     for name, p in model.named_parameters():
-      if "norm" in name:
+      if "norm" in name or ".ln_" in name or name.endswith(".bias"):
         p.add_(torch.randn(p.shape, generator=g) * 0.2 + (4.0 if name == "norm.weight" else 0.0))
-  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8), sharding="fsdp", scan=scan)
+  return model
+
+
+def _check_muse_glimmer_export(jm, tmp_path, *, weights):
+  """Exports `jm`: transformers loads every tensor written as MuseGlimmer and misses none of its
+  model's (`weights` of them; a text flavor's HF tower is left unwritten), computes our fp32 text
+  logits past the windows, and torchtitan's adapter's from_hf gives our state_dict back exactly.
+  The image and video ids are none of the text's, so HF's replacing them touches no token."""
+  import transformers
+  from torchtitan.models.muse_glimmer.state_dict_adapter import MuseGlimmerStateDictAdapter
+
   written = _export_and_compare_logits(jm, tmp_path, seq=40, auto="AutoModelForImageTextToText")
   hf_config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
   text = hf_config.text_config
@@ -480,11 +494,69 @@ def test_muse_glimmer_exports_as_hf_muse_glimmer_with_our_logits(tmp_path, scan)
   assert text.layer_rope_theta[2] > 0 and text.layer_rope_theta[3] == 0  # the global layer has no RoPE
   assert min(hf_config.image_token_id, hf_config.video_token_id) >= tp.VOCAB  # HF zeroes those ids: none is a token
   state = jm.state_dict()
-  assert len(written) == len(state) == 51  # every weight (4 layers of 12, embedding, final norm, head), no buffer
-  back = MuseGlimmerStateDictAdapter(config, None).from_hf(written)
+  assert len(written) == len(state) == weights  # every weight, no buffer
+  back = MuseGlimmerStateDictAdapter(jm.module.config, None).from_hf(written)
   assert back.keys() == state.keys()
   for name, value in back.items():
     assert torch.equal(value, state[name]), name
+  return written
+
+
+def test_muse_glimmer_vision_flavor_exports_its_vision_tower_adapter_and_projection(tmp_path):
+  """debugmodel_mm (a 3-layer vision tower: windows of 2 x 2 patches, then global attention;
+  axial RoPE; a learned 2 x 2 position table resampled; 2 x 2 pixel shuffle; a GELU adapter;
+  the projection and its scaleless norm) exports whole: transformers loads it with no key
+  missing, left over or mismatched, computes our text logits, and from the files computes what
+  torchtitan's eager vision path does: its image features (tower, adapter, projection, norm; two
+  images of different sizes in one call too) and a whole forward with an image, HF given its pixels in its own (temporal, channel) patch order
+  and its image id where torchtitan's caller put its own. On a non-square patch grid torchtitan
+  samples its position table for the transposed grid (docs/torchtitan.md): there the features
+  differ, and torchtitan's table sampled in raster order gives HF's."""
+  import torch.nn.functional as F
+  import transformers
+  from torchtitan.models.muse_glimmer import vision_encoder
+
+  config = tiny_muse_glimmer("debugmodel_mm")
+  eager = _muse_glimmer_model(config)
+  jm = tot.ShardedModule(eager, mesh=tot.make_mesh(fsdp=8), sharding="fsdp")
+  _check_muse_glimmer_export(jm, tmp_path, weights=51 + 3 * 16 + 9)  # a tower of 3 layers, 9 more vision weights
+  eager = tp.build(config, device="cpu")
+  eager.load_state_dict(jm.state_dict())
+  hf, info = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", dtype=torch.float32, output_loading_info=True)
+  assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+  enc = config.vision_encoder
+
+  def features(*grids):
+    """Images of these patch grids: torchtitan's padded batch, HF's packed patches."""
+    pixels = torch.randn(len(grids), max(a * b for a, b in grids), enc.conv1.in_features, generator=torch.Generator().manual_seed(0))
+    packed = torch.cat([image[: a * b] for image, (a, b) in zip(pixels, grids)])
+    hf_pixels = vision_encoder.reorder_patch_vector(packed, patch_size=enc.patch_size, patch_temporal=enc.patch_temporal)
+    grid_thw = torch.tensor([[1, a, b] for a, b in grids])
+    ours = eager.perception_emb_norm(eager.vision_projection(eager.vision_adapter(eager.vision_encoder(pixels, grid_thw=grid_thw))))
+    return pixels, grid_thw, ours, torch.cat(hf.model.get_image_features(hf_pixels, grid_thw).pooler_output), hf_pixels
+
+  def raster_table(table, *, grid_h, grid_w, src_grid_h, src_grid_w, latent_dim, device):
+    source = table.view(src_grid_h, src_grid_w, latent_dim).permute(2, 0, 1)[None]
+    y, x = torch.meshgrid(*(torch.linspace(-1 + 1 / n, 1 - 1 / n, n) for n in (grid_h, grid_w)), indexing="ij")
+    return F.grid_sample(source, torch.stack([x, y], -1).reshape(1, 1, -1, 2), align_corners=False)[0, :, 0].T
+
+  with torch.no_grad(), tp.eager_flex():
+    assert h.rel(*features((4, 4), (2, 2))[2:4]) < 1e-5  # two images, one padded in torchtitan's batch
+    pixels, grid_thw, ours, theirs, hf_pixels = features((4, 4))  # 4 windows, 4 tokens out
+    assert h.rel(ours, theirs) < 1e-5
+    assert h.rel(*features((4, 6))[2:4]) > 1e-3
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setattr(vision_encoder, "_vision_pos_embed", raster_table)
+      assert h.rel(*features((4, 6))[2:4]) < 1e-5
+    tokens, _, _ = tp.packed_batch(batch=1, seq=40)
+    tokens[tokens == 7] = 8
+    tokens[0, 10:14] = 7  # torchtitan's caller's image id: the image's 4 tokens
+    positions = torch.arange(40)[None]
+    with h.eager_torchtitan():
+      ours = eager(tokens, positions, eager.get_attention_masks(positions), pixel_values=pixels, grid_thw=grid_thw,
+                   special_tokens={"image_id": 7, "video_id": -1})
+    hf_tokens = torch.where(tokens == 7, hf.config.image_token_id, tokens)
+    assert h.rel(ours, hf(input_ids=hf_tokens, pixel_values=hf_pixels, image_grid_thw=grid_thw).logits) < 1e-5
 
 
 def test_muse_glimmer_on_varlen_exports_the_window_its_kernel_is_given():
@@ -540,8 +612,19 @@ def _uneven_query_scale(config):
   config.layers[1].attention.scale_query_by *= 2
 
 
+def _oblong_vision_grid(config):
+  config.vision_encoder.pos_emb_grid_w = 4
+
+
+def _vision_sdpa(config):
+  from torchtitan.models.common.attention import ScaledDotProductAttention
+
+  config.vision_encoder.block.attn.inner_attention = ScaledDotProductAttention.Config()
+
+
 MUSE_REFUSALS = {  # id: (flavor, change to its config, the refusal's reason)
-  "vision": ("debugmodel_mm", None, "it has a vision tower"),
+  "vision_grid": ("debugmodel_mm", _oblong_vision_grid, "vision position grid .* is 2x4 patches, HF's is square"),
+  "vision_attention": ("debugmodel_mm", _vision_sdpa, "vision attention runs ScaledDotProductAttention"),
   "tied": ("debugmodel", _tied, "tied to its embedding"),
   "windows": ("debugmodel", _two_windows, "sliding windows of 2 sizes"),
   "rope": ("debugmodel", _rope_scaled, "scaling 'llama'"),

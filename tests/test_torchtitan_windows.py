@@ -160,6 +160,11 @@ def test_muse_glimmer_sliding_windows_forward_scan_and_training_match_eager(capl
   with pytest.raises(tot.TorchOnTpuError, match="sliding windows"):
     jm(**batch, attention_masks=titan.flex_masks(batch["positions"]))
 
+  # torchtitan's own TP plan (its sharding module) on fsdp=4 x tp=2
+  split = tot.ShardedModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp", attention="xla")
+  assert tuple(split.params["layers.0.attention.wo.weight"].sharding.spec) == ("fsdp", "tp")
+  assert h.rel(tot.to_cpu(split(**inputs(batch, ours=True))), want) < 1e-5
+
   scanned = tot.ShardedModule(copy.deepcopy(ref), mesh=mesh, sharding="fsdp", attention="xla", scan=True)
   assert h.rel(tot.to_cpu(scanned(**inputs(batch, ours=True))), want) < 1e-5
   assert not any("run as a loop" in m for m in caplog.messages)  # 2 groups of 4 layers scan

@@ -148,21 +148,30 @@ def build(config, device="meta"):
 def eager_flex(p_in_fp32=False):
   """torchtitan's flex attention computed in plain eager torch: its BlockMask's
   mask_mod evaluated densely, then softmax attention (and the log-sum-exp where
-  asked), `dense_flex_attention`. torch's own flex_attention cannot serve as the
-  reference here: uncompiled it still calls torch.compile (which cannot run once torchax
-  has claimed torch's spare device backend) and it has no CPU backward."""
+  asked), `dense_flex_attention`; the BlockMask builders (the decoders' and the vision
+  encoders') uncompiled. torch's own flex_attention cannot serve as the reference here:
+  uncompiled it still calls torch.compile (which cannot run once torchax has claimed
+  torch's spare device backend) and it has no CPU backward."""
   import functools
 
   from torch.nn.attention.flex_attention import create_block_mask
   from torchtitan.models.common import attention
 
+  # the vision encoders' own compiled builder, where each imported it by name
+  vision = [m for name, m in list(sys.modules.items()) if name.startswith("torchtitan.models.") and m is not None
+            and "compiled_create_block_mask" in vars(m)]
   saved = attention.FlexAttention._compiled_flex_attn, attention._compiled_create_block_mask
+  saved_vision = [m.compiled_create_block_mask for m in vision]
   attention.FlexAttention._compiled_flex_attn = functools.partial(dense_flex_attention, p_in_fp32=p_in_fp32)
   attention._compiled_create_block_mask = create_block_mask  # uncompiled by default
+  for m in vision:
+    m.compiled_create_block_mask = create_block_mask
   try:
     yield
   finally:
     attention.FlexAttention._compiled_flex_attn, attention._compiled_create_block_mask = saved
+    for m, builder in zip(vision, saved_vision):
+      m.compiled_create_block_mask = builder
 
 
 @contextlib.contextmanager
