@@ -328,23 +328,24 @@ def _deepseek(spec="deepseek_v3:debugmodel", **registry):
   return config
 
 
-def _check_deepseek_export(jm, tmp_path, adapter, *, bias_written):
-  """Exports `jm`: transformers computes our logits at 1e-6 (what is left when HF's latent norms
-  run at their own eps is 7e-6: 1e-5 would not see it), loads every tensor written and misses
-  none, the experts written one per expert; torchtitan's adapter's from_hf gives back our
-  state_dict: exactly, but for the latent-norm inputs (`wkv_a`'s latent rows, `wq_a`), scaled
-  by sqrt(1e-6 / 1e-5) for HF's eps and back to fp32 rounding."""
+def _check_deepseek_export(jm, tmp_path, adapter, *, bias_written, auto="AutoModelForCausalLM", fused=0):
+  """Exports `jm`: transformers (its `auto` class) computes our logits at 1e-6 (what is left when
+  HF's latent norms run at their own eps is 7e-6: 1e-5 would not see it), loads every tensor
+  written and misses none, the experts written one per expert (`fused`: entries written fused
+  into others); torchtitan's adapter's from_hf gives back our state_dict: exactly, but for the
+  latent-norm inputs (`wkv_a`'s latent rows, `wq_a`), scaled by sqrt(1e-6 / 1e-5) for HF's eps
+  and back to fp32 rounding."""
   import transformers
 
-  written = _export_and_compare_logits(jm, tmp_path, seq=tp.SEQ, tolerance=1e-6)
-  _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
-  assert not info["missing_keys"] and not info["unexpected_keys"], info
+  written = _export_and_compare_logits(jm, tmp_path, seq=tp.SEQ, tolerance=1e-6, auto=auto)
+  _, info = getattr(transformers, auto).from_pretrained(tmp_path / "hf", output_loading_info=True)
+  assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
   state = jm.state_dict()
   params = len(list(jm.module.named_parameters()))
   moe_layers = sum(layer.moe is not None for layer in jm.module.config.layers)
-  assert len(written) == params + moe_layers * 3 * (8 - 1) + (moe_layers if bias_written else 0)
+  assert len(written) == params - fused + moe_layers * 3 * (8 - 1) + (moe_layers if bias_written else 0)
   back = adapter.from_hf(written)
-  assert len(back) == len(written) - moe_layers * 3 * (8 - 1)
+  assert len(back) == len(written) + fused - moe_layers * 3 * (8 - 1)
   for name, value in back.items():
     if ".wkv_a." in name or ".wq_a." in name:
       rows = slice(0, 512) if ".wkv_a." in name else slice(None)
@@ -408,24 +409,77 @@ def test_sigmoid_routed_deepseek_exports_as_hf_deepseek_v3_with_its_expert_bias(
     assert h.rel(hf(tokens).logits, logits) > 1e-3  # the bias chose experts
 
 
+def test_kimi_exports_as_hf_kimi_k25_with_its_vision_encoder(tmp_path):
+  """Kimi's debugmodel with its MoonViT vision encoder: HF's Kimi-K2.5 (its DeepSeek-V2 text model
+  as above), named by torchtitan's own KimiK25StateDictAdapter (each vision layer's q/k/v fused
+  into one `wqkv`, which transformers splits and permutes to its RoPE layout on load). transformers
+  computes our text logits (its placeholder id is one past the vocabulary: no text token is
+  re-embedded), and its vision tower and projector compute torchtitan's eager ones from the files
+  on two images in one batch (one of the position table's own size, one resampled) and on a clip
+  of 4 frames, fp32, at 1e-5; and so does a whole run with an image."""
+  import transformers
+  from torchtitan.models.kimi_k2_7.state_dict_adapter import KimiK25StateDictAdapter
+
+  config = tp.shrink(tp.registry_config("kimi_k2_7:debugmodel"), layers=3)
+  config.vision_encoder.init_pos_emb_height = config.vision_encoder.init_pos_emb_width = 4  # a 4 × 4 table
+  jm = tp.wrap(config, "forward")
+  vision_layers = config.vision_encoder.num_layers
+  _check_deepseek_export(jm, tmp_path, KimiK25StateDictAdapter(config, None), bias_written=False,
+                         auto="AutoModelForImageTextToText", fused=vision_layers * 2 * 2)  # wk, wv into wq; weight and bias
+  hf = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+  assert hf.config.model_type == "kimi_k25" and hf.config.image_token_id == hf.config.video_token_id == config.vocab_size
+  eager = tp.build(config, device="cpu")
+  eager.load_state_dict(jm.state_dict())
+  patch = 3 * config.vision_encoder.patch_size**2
+  generator = torch.Generator().manual_seed(0)
+  for grids in ([[1, 4, 4], [1, 2, 6]], [[4, 2, 2]]):  # the table's own size and resampled, in one batch; a clip
+    items = [torch.randn(t * rows * cols, patch, generator=generator) for t, rows, cols in grids]
+    padded = torch.nn.utils.rnn.pad_sequence(items, batch_first=True)  # torchtitan's (items, patches, patch)
+    merged = [rows // 2 * (cols // 2) for _, rows, cols in grids]
+    grid = torch.tensor(grids)
+    with torch.no_grad(), tp.eager_flex():
+      ours = torch.cat([out[:n] for out, n in zip(eager.vision_encoder(padded, grid_thw=grid), merged)])
+      tower = hf.model.vision_tower(torch.cat(items).view(-1, 3, *[config.vision_encoder.patch_size] * 2), grid_thw=grid)
+      assert h.rel(ours, hf.model.mm_projector(tower.pooler_output).squeeze(1)) < 1e-5, grids
+  # A whole image run: its placeholder an id in the vocabulary (as `<|media_pad|>` is), set in HF's config
+  tokens = torch.randint(8, config.vocab_size, (1, 32), generator=generator)
+  tokens[0, 5:9] = placeholder = 7  # 4 × 4 patches merge into 4 tokens
+  pixels, grid, positions = torch.randn(16, patch, generator=generator), torch.tensor([[1, 4, 4]]), torch.arange(32)[None]
+  hf.config.image_token_id = hf.model.config.image_token_id = placeholder
+  with torch.no_grad(), tp.fp32_experts(), jm.family.running(eager), tp.eager_flex():
+    ours = eager(tokens, pixel_values=pixels[None], grid_thw=grid, special_tokens={"image_id": placeholder, "video_id": placeholder},
+                 attention_masks=eager.get_attention_masks(positions), positions=positions)
+    theirs = hf(input_ids=tokens, pixel_values=pixels.view(16, 3, *[config.vision_encoder.patch_size] * 2), image_grid_thw=grid).logits
+  assert h.rel(ours, theirs) < 1e-5
+
+
 def _softmax_groups(config):
   for layer in config.layers[1:]:
     layer.moe.router.num_expert_groups, layer.moe.router.num_limited_groups = 4, 2
   return config
 
 
+def _exact_vision_gelu(config):
+  from torchtitan.models.common.nn_modules import GELU
+
+  config.vision_encoder.block.mlp.act_fn = GELU.Config()
+  return config
+
+
 @pytest.mark.parametrize("make,refusal", [
-  (lambda: tiny("kimi_k2_7:debugmodel", layers=3), "a vision encoder"),
-  (lambda: _softmax_groups(_deepseek()), "softmax with group-limited routing"),  # DeepSeek-V3 236B's routing
-  (lambda: _deepseek(num_mtp_layers=1), "1 multi-token-prediction layers"),
-], ids=["kimi_vision", "softmax_groups", "mtp"])
+  (lambda: _softmax_groups(_deepseek()), "DeepSeek: it routes by softmax with group-limited routing"),  # DeepSeek-V3 236B's
+  (lambda: _deepseek(num_mtp_layers=1), "DeepSeek: it has 1 multi-token-prediction layers"),
+  # Kimi's text model is refused as above with its vision encoder too; the encoder for what HF's MoonViT cannot express
+  (lambda: _softmax_groups(tiny("kimi_k2_7:debugmodel", layers=3)), "DeepSeek: it routes by softmax with group-limited"),
+  (lambda: _exact_vision_gelu(tiny("kimi_k2_7:debugmodel", layers=3)), "Kimi-K2.5: its vision GELUs are not HF's"),
+], ids=["softmax_groups", "mtp", "kimi_vision_softmax_groups", "kimi_vision_exact_gelu"])
 def test_a_deepseek_hf_cannot_express_is_refused(make, refusal, tmp_path):
   from torch_on_tpu import export
 
   with torch.device("meta"):
     model = make().build()
   jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=8), sharding="fsdp", abstract=True)
-  with pytest.raises(tot.TorchOnTpuError, match=f"cannot be written as HF DeepSeek: it (has|routes by) {refusal}.*export_safetensors"):
+  with pytest.raises(tot.TorchOnTpuError, match=f"cannot be written as HF {refusal}.*export_safetensors"):
     export.export(jm, tmp_path / "hf")
   assert not (tmp_path / "hf").exists()
 

@@ -197,7 +197,7 @@ def _as_hf(model, tensors: list[_Tensor]):
   if form is None:
     raise TorchOnTpuError(
       f"export writes HF directories for models with an HF form (HF causal LMs; torchtitan's Llama 3, Qwen3 and Qwen3.5 dense and MoE, "
-      f"gpt-oss, DeepSeek-V3, Kimi's and Muse Glimmer's text models), not "
+      f"gpt-oss, DeepSeek-V3, Kimi and Muse Glimmer, with their vision encoders), not "
       f"{type(model).__name__}; use export_safetensors for its state_dict."
     )
   if form.check is not None:
