@@ -47,7 +47,7 @@ TPU_FLAGS = (
 )
 DTYPES = ("float32", "bfloat16", "bfloat16-all")
 # Flags that change what the saved state is (its layout, dtypes, model): a resume must keep them.
-STATE_FLAGS = ("model", "model_impl", "config", "dtype", "lora_rank", "lora_targets")
+STATE_FLAGS = ("model", "model_impl", "config", "dtype", "lora_rank", "lora_targets", "mtp_layers")
 ATTENTION = ("auto", "xla", "splash", "cudnn", "none")
 
 
@@ -158,6 +158,8 @@ class Recipe:
   weights: str | None = None  # safetensors to start from
   lora: dict | None = None  # lora.wrap keyword arguments (rank, alpha, targets)
   convert_model: str | None = None  # how tools/convert.py names the model (--model=... / --hf_config=...)
+  loss: Callable | None = None  # the train step's loss_fn(outputs, labels); None: mean cross-entropy of the logits
+  labels: Callable | None = None  # data batch → the labels `loss` reads; None: batch["labels"]
 
 
 # ---- the command line -------------------------------------------------------------------
@@ -473,7 +475,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
     jm = _model(flags, recipe, mesh, abstract, config.get("microbatches"))
     return tot.make_train_step(
       jm,
-      _loss,
+      recipe.loss or _loss,
       optimizer,
       grad_accum=flags.grad_accum,
       clip_norm=flags.clip_norm or None,
@@ -501,7 +503,10 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   documents = ("positions", "segment_ids") if recipe.family == "titan" else ()  # what data.batches yields
   abstract_batch = {key: spec for key in ("input_ids", "labels", *documents)}
   family_model = abstract_step.model  # how this family's model is called (structure only, no arrays)
-  split = lambda batch: default_split(family_model, batch)  # noqa: E731
+  def split(batch):
+    inputs, labels = default_split(family_model, batch)
+    return inputs, labels if recipe.labels is None else recipe.labels(batch)
+
   if flags.dry_run:
     if main and memory.fits is False:
       print(f"Would not fit: {memory.message()}", flush=True)

@@ -2,6 +2,7 @@
 
     python -m recipes.torchtitan --model=qwen3:debugmodel_moe              # Qwen3-MoE debug flavor
     python -m recipes.torchtitan --model=deepseek_v3:debugmodel --ep=8 --cpu_devices=8
+    python -m recipes.torchtitan --model=deepseek_v3:debugmodel --mtp_layers=1    # multi-token prediction
     python -m recipes.torchtitan --model=qwen3:8B --seqlen=4096 --dry_run   # plan + compile only
     python -m recipes.torchtitan --help                                     # every flag with its default
 
@@ -21,24 +22,50 @@ from recipes import common
 from torch_on_tpu.models.torchtitan import LANGUAGE_FAMILIES
 
 
+def _mtp_check(value: int, flags: TorchtitanFlags) -> None:
+  """--mtp_layers: a family with multi-token prediction; neither pipeline nor context parallel (torchtitan runs MTP with neither)."""
+  from torch_on_tpu.errors import TorchOnTpuError
+  from torch_on_tpu.models.torchtitan import registry_config
+
+  if value:
+    registry_config(flags.model, mtp_layers=value)  # refuses a family without it
+    if flags.pp > 1 or flags.cp > 1:
+      raise TorchOnTpuError(
+        f"multi-token prediction with --pp={flags.pp} --cp={flags.cp}: torchtitan runs it with neither pipeline nor "
+        f"context parallelism, nor does the bridge yet; use --pp=1 --cp=1 (those devices on --fsdp)."
+      )
+
+
 @dataclasses.dataclass
 class TorchtitanFlags(common.Flags):
   model: str = common.flag("qwen3:debugmodel", f"<family>:<flavor> of torchtitan's registries; families: {', '.join(LANGUAGE_FAMILIES)}")
+  mtp_layers: int = common.flag(
+    0, "multi-token-prediction layers (torchtitan's num_mtp_layers; DeepSeek-V3): the model also predicts that many "
+    "tokens past the next and trains with torchtitan's MTPLoss (0: the flavor's own, none in torchtitan 0.3.0)",
+    minimum=0, check=_mtp_check,
+  )
+  mtp_scale: float = common.flag(0.3, "the weight of the multi-token-prediction depths' mean loss beside the main loss (torchtitan's MTPLoss mtp_scale)", minimum=0)
 
 
 def recipe(flags: TorchtitanFlags) -> common.Recipe:
   import torch
 
-  from torch_on_tpu.models.torchtitan import registry_config
+  from torch_on_tpu.models.torchtitan import mtp_depths, mtp_loss, registry_config
 
-  config = registry_config(flags.model, max_seq_len=flags.seqlen)
+  config = registry_config(flags.model, max_seq_len=flags.seqlen, mtp_layers=flags.mtp_layers)
 
   def build():
     with torch.device("meta"):
       return config.build()
 
+  mtp = {}
+  if mtp_depths(config):  # its outputs are the main logits and one per depth: torchtitan's MTPLoss, which reads the positions
+    mtp = dict(
+      loss=lambda outputs, y: mtp_loss(outputs, y["labels"], y["positions"], scale=flags.mtp_scale),
+      labels=lambda batch: {"labels": batch["labels"], "positions": batch["positions"]},
+    )
   return common.Recipe(
-    name=flags.model.replace(":", "-"), build=build, family="titan", convert_model=f"--model={flags.model}"
+    name=flags.model.replace(":", "-"), build=build, family="titan", convert_model=f"--model={flags.model}", **mtp
   )
 
 

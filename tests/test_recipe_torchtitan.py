@@ -34,11 +34,31 @@ def test_qwen3_trains_saves_reports_mfu_and_exports_what_transformers_loads(tmp_
   assert model.config.num_hidden_layers == 8
 
 
-def test_an_moe_family_trains_two_steps_expert_parallel(tmp_path):
-  summary = titan_recipe.run(flags(tmp_path, "deepseek_v3:debugmodel", ep=8))
+def test_an_moe_family_trains_two_steps_expert_parallel_with_multi_token_prediction(tmp_path):
+  """DeepSeek-V3 with an MTP layer (`--mtp_layers=1`), its experts over ep=8: trained with
+  torchtitan's MTPLoss (the recipe's loss, checked against torchtitan's own on a packed batch),
+  MFU counting the MTP layer."""
+  from torchtitan.models.deepseek_v3.mtp import MTPLoss
+
+  run_flags = flags(tmp_path, "deepseek_v3:debugmodel", ep=8, mtp_layers=1, mtp_scale=0.5)
+  summary = titan_recipe.run(run_flags)
   assert summary["steps"] == 2
   losses = [r["loss"] for r in summary["records"] if "loss" in r]
   assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+  assert any("mfu" in r for r in summary["records"])
+  recipe = titan_recipe.recipe(run_flags)
+  tokens, labels, positions = h.titan_parity().packed_batch(batch=2, seq=16)
+  outputs = [torch.randn(2, 16, 256), torch.randn(2, 16, 256)]
+  batch = {"input_ids": tokens, "labels": labels, "positions": positions}
+  want, _ = MTPLoss(MTPLoss.Config(mtp_scale=0.5))(outputs, labels, labels.numel(), positions=positions)
+  assert torch.allclose(recipe.loss(outputs, recipe.labels(batch)), want)
+
+
+def test_multi_token_prediction_is_refused_where_torchtitan_has_none(tmp_path):
+  with pytest.raises(tot.TorchOnTpuError, match="--mtp_layers: torchtitan's kimi_k2_7 has no multi-token prediction.*--mtp_layers=0"):
+    titan_recipe.run(flags(tmp_path, "kimi_k2_7:debugmodel", mtp_layers=1))
+  with pytest.raises(tot.TorchOnTpuError, match="--mtp_layers: multi-token prediction with --pp=2 --cp=1: torchtitan runs it with neither"):
+    titan_recipe.run(flags(tmp_path, "deepseek_v3:debugmodel", mtp_layers=1, pp=2))
 
 
 @pytest.mark.parametrize("model", ["qwen3:debugmodel_moe", "kimi_k2_7:debugmodel", "qwen3_5:debugmodel", "muse_glimmer:debugmodel"])

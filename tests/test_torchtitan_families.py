@@ -20,19 +20,21 @@ from torch_on_tpu import metrics, models
 tp = h.titan_parity()
 
 
-def tiny(spec, layers=2, **kw):
-  return tp.shrink(tp.registry_config(spec), layers=layers, **kw)
+def tiny(spec, layers=2, registry=None, **kw):
+  return tp.shrink(tp.registry_config(spec, **(registry or {})), layers=layers, **kw)
 
 
-# (family, layers kept, also scanned): dense with qk-norm; MLA + MoE (dense first layer);
-# Qwen3.5's hybrid of Gated DeltaNet and gated full attention; Kimi (a multimodal decoder, text only).
-FORWARD = [("qwen3:debugmodel", 2, False), ("deepseek_v3:debugmodel", 3, True), ("qwen3_5:debugmodel", 4, False),
-           ("kimi_k2_7:debugmodel", 2, False)]
+# (family, layers kept, also scanned, registry arguments): dense with qk-norm; MLA + MoE (dense first
+# layer) with a multi-token-prediction layer (every output compared: the main logits and the depth's;
+# scanned, the main layers scan and the MTP layer runs after); Qwen3.5's hybrid of Gated DeltaNet and
+# gated full attention; Kimi (DeepSeek-V3's decoder in a multimodal model, text only, no MTP).
+FORWARD = [("qwen3:debugmodel", 2, False, None), ("deepseek_v3:debugmodel", 3, True, {"num_mtp_layers": 1}),
+           ("qwen3_5:debugmodel", 4, False, None), ("kimi_k2_7:debugmodel", 2, False, None)]
 
 
-@pytest.mark.parametrize("spec,layers,scanned", FORWARD, ids=[f[0].split(":")[0] for f in FORWARD])
-def test_a_family_forward_matches_eager_torch(spec, layers, scanned):
-  config = tiny(spec, layers=layers)
+@pytest.mark.parametrize("spec,layers,scanned,registry", FORWARD, ids=[f[0].split(":")[0] for f in FORWARD])
+def test_a_family_forward_matches_eager_torch(spec, layers, scanned, registry):
+  config = tiny(spec, layers=layers, registry=registry)
   assert tp.check(spec, "forward", config=config)["forward"] < 1e-5
   if scanned:
     assert tp.check(spec, "scan", config=config)["forward"] < 1e-5
@@ -103,6 +105,36 @@ def test_moe_trains_scanned_with_torchtitans_load_balancing():
   biases = {n: e for n, e in ours["_buffers"].items() if n.endswith("expert_bias_E")}
   counts = {n: e for n, e in ours["_buffers"].items() if n.endswith("tokens_per_expert_E")}
   assert len(biases) == len(counts) == 2 and max(biases.values()) < 1e-6 and max(counts.values()) == 0.0, ours["_buffers"]
+
+
+def test_multi_token_prediction_trains_with_torchtitans_mtp_loss():
+  """DeepSeek-V3 with one MTP layer (torchtitan's `deepseek_v3_debugmodel_mtp`), 3 AdamW steps,
+  fsdp=8, against torchtitan's eager model trained with its own `MTPLoss` (labels rolled by the
+  depth within each packed document, scale 0.3): losses, every weight (the MTP layer's too) and
+  buffers (the MTP layer's MoE counts grow unbalanced, as torchtitan's hook leaves them). Experts
+  in fp32 on both sides, as in the MoE test above, so the check is exact."""
+  spec = "deepseek_v3:debugmodel"
+  with tp.fp32_experts():
+    ours = tp.check(spec, "train", config=tiny(spec, registry={"num_mtp_layers": 1}), steps=3)
+  assert ours["losses"] < 1e-5 and ours["weights"] < 1e-4 and ours["buffers"] < 1e-6, ours
+  assert any(n.startswith("mtp_layers.0.moe.") for n in ours["_weights"])
+
+
+def test_multi_token_prediction_layers_count_in_the_shape_and_flops():
+  """An MTP layer is one more block per token (its routed experts counted active as top-k of
+  them) and its depth one more lm_head matmul."""
+  spec = "deepseek_v3:debugmodel"
+  with torch.device("meta"):
+    plain, mtp = tiny(spec).build(), tiny(spec, registry={"num_mtp_layers": 1}).build()
+  shapes = [models.family_of(m).decoder_shape(m) for m in (plain, mtp)]
+  assert (shapes[1].layers, shapes[1].predictions) == (shapes[0].layers + 1, 2)
+  layer = mtp.mtp_layers[0]
+  experts = sum(p.numel() for p in layer.moe.routed_experts.inner_experts.parameters())
+  added = sum(p.numel() for p in layer.parameters()) - experts * (8 - 2) // 8 + tp.VOCAB * mtp.norm.weight.numel()
+  flops = [metrics.flops_per_token(m, seqlen=tp.SEQ) for m in (plain, mtp)]
+  assert flops[1].n_matmul_params - flops[0].n_matmul_params == added
+  attention = lambda f: f.torchtitan - 6 * f.n_matmul_params  # noqa: E731
+  assert attention(flops[1]) == attention(flops[0]) * (shapes[0].layers + 1) / shapes[0].layers
 
 
 def test_gpt_oss_in_torchtitans_precision_is_within_the_spread_of_eager_references():

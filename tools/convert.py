@@ -33,8 +33,9 @@ from torch_on_tpu import checkpoint, errors, export, lora
 from torch_on_tpu.errors import TorchOnTpuError
 
 
-def build_model(model: str | None = None, hf_config: str | None = None):
-  """The meta torch model a spec names: torchtitan's `<family>:<flavor>` or an HF config directory."""
+def build_model(model: str | None = None, hf_config: str | None = None, mtp_layers: int = 0):
+  """The meta torch model a spec names: torchtitan's `<family>:<flavor>` (with `mtp_layers`
+  multi-token-prediction layers) or an HF config directory."""
   if (model is None) == (hf_config is None):
     raise TorchOnTpuError(
       "Name the model with exactly one of --model=<torchtitan family>:<flavor> (llama3:1B, qwen3:debugmodel_moe) "
@@ -51,19 +52,20 @@ def build_model(model: str | None = None, hf_config: str | None = None):
   from torch_on_tpu.models.torchtitan import registry_config
 
   # The sequence length changes no weight; the smallest RoPE cache will do.
-  config = registry_config(str(model), max_seq_len=1)
+  config = registry_config(str(model), max_seq_len=1, mtp_layers=mtp_layers)
   with torch.device("meta"):
     return config.build()
 
 
-def _abstract_module(model, hf_config, scan=False, adapters: dict | None = None):
+def _abstract_module(model, hf_config, scan=False, adapters: dict | None = None, mtp_layers: int = 0):
   """The model on meta, sharded over the local devices; with `adapters` (lora.wrap's
-  rank, alpha, targets) the LoRA model a run with them trained."""
+  rank, alpha, targets) the LoRA model a run with them trained; with the run's `mtp_layers`."""
   mesh = tot.make_mesh(fsdp=-1)
+  build = lambda: build_model(model, hf_config, mtp_layers)  # noqa: E731
   if not adapters:
-    return tot.ShardedModule(build_model(model, hf_config), mesh=mesh, sharding="fsdp", scan=scan, abstract=True)
-  base = tot.ShardedModule(build_model(model, hf_config), mesh=mesh, sharding="fsdp", abstract=True)
-  return lora.wrap(base, build_model(model, hf_config), scan=scan, **adapters)
+    return tot.ShardedModule(build(), mesh=mesh, sharding="fsdp", scan=scan, abstract=True)
+  base = tot.ShardedModule(build(), mesh=mesh, sharding="fsdp", abstract=True)
+  return lora.wrap(base, build(), scan=scan, **adapters)
 
 
 def _adapters(ckpt, step) -> dict | None:
@@ -85,11 +87,12 @@ def _restore(checkpoint_dir: str, model, hf_config, step):
     raise TorchOnTpuError(f"No checkpoint directory at {checkpoint_dir}.")
   with checkpoint.Checkpointer(checkpoint_dir, read_only=True) as ckpt:
     adapters = _adapters(ckpt, step)
+    mtp_layers = (ckpt.saved_config(step) or {}).get("mtp_layers", 0)  # the recipe's --mtp_layers: the model it trained
     try:
-      jm = _abstract_module(model, hf_config, adapters=adapters)
+      jm = _abstract_module(model, hf_config, adapters=adapters, mtp_layers=mtp_layers)
       restored = ckpt.restore({checkpoint.PARAMS_KEY: jm.params}, step=step, partial=True)
     except TorchOnTpuError as plain_error:
-      jm = _abstract_module(model, hf_config, scan=True, adapters=adapters)
+      jm = _abstract_module(model, hf_config, scan=True, adapters=adapters, mtp_layers=mtp_layers)
       try:
         restored = ckpt.restore({checkpoint.PARAMS_KEY: jm.params}, step=step, partial=True)
       except TorchOnTpuError:

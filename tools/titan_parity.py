@@ -3,6 +3,7 @@
     .venv/bin/python tools/titan_parity.py                       # the whole matrix (minutes)
     .venv/bin/python tools/titan_parity.py qwen3:debugmodel_moe --modes forward,train
     .venv/bin/python tools/titan_parity.py gpt_oss:debugmodel --round_robin --modes spread,train
+    .venv/bin/python tools/titan_parity.py deepseek_v3:debugmodel --mtp_layers=1   # multi-token prediction
 
 Each model is torchtitan's own registry entry (`model_registry(flavor).model`),
 made small the same way for every family (`shrink`: fewer layers, a small
@@ -358,6 +359,37 @@ def ce(out, labels):
   return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), labels.flatten())
 
 
+def reference_loss(out, labels, positions):
+  """The loss torchtitan's trainer takes: the mean cross-entropy, or for a multi-token-prediction
+  model (a list of logits) its `MTPLoss` called as its trainer calls it (positions, divided by
+  the valid label count)."""
+  if not isinstance(out, list):
+    return ce(out, labels)
+  from torchtitan.components.loss import IGNORE_INDEX
+  from torchtitan.models.deepseek_v3.mtp import MTPLoss
+
+  loss, _ = MTPLoss(MTPLoss.Config())(out, labels, (labels != IGNORE_INDEX).sum(), positions=positions)
+  return loss
+
+
+def bridge_loss(out, targets):
+  """Ours, in the train step: `ce`, or torchtitan's `MTPLoss` through the bridge (`models.torchtitan.mtp_loss`)
+  with the positions carried in the labels pytree."""
+  if not isinstance(targets, dict):
+    return ce(out, targets)
+  from torch_on_tpu.models.torchtitan import mtp_loss
+
+  return mtp_loss(out, targets["labels"], targets["positions"])
+
+
+def rel_outputs(got, want) -> float:
+  """`rel` of a forward's outputs, the worst of a list's (main logits and each MTP depth's)."""
+  if isinstance(want, list):
+    assert isinstance(got, list) and len(got) == len(want), (type(got), len(want))
+    return max(rel(g.float(), w.float()) for g, w in zip(got, want))
+  return rel(got.float(), want.float())
+
+
 class _ParallelDims:
   """What torchtitan's load-balancing hook asks of its ParallelDims on one device."""
 
@@ -438,7 +470,7 @@ class EagerReference:
   def step(self, tokens, labels, positions) -> float:
     self.optimizer.zero_grad()
     params = self.compute_params(requires_grad=True)
-    loss = ce(self(tokens, positions, params), labels)
+    loss = reference_loss(self(tokens, positions, params), labels, positions)
     loss.backward()
     if params is not None:
       for n, p in self.model.named_parameters():
@@ -525,6 +557,7 @@ def check(spec: str, mode: str, *, steps: int = 5, config=None, precision: str |
   import torch
 
   import torch_on_tpu as tot
+  from torch_on_tpu.models.torchtitan import mtp_depths
 
   precision = precision or precision_of(spec)
   config = config if config is not None else shrink(registry_config(spec))
@@ -537,18 +570,19 @@ def check(spec: str, mode: str, *, steps: int = 5, config=None, precision: str |
     jm.module.eval()
     with computing_in(jm, precision):
       got = tot.to_cpu(jm(**inputs))
-    return {"forward": rel(got.float(), ref.forward(tokens, positions).float())}
+    return {"forward": rel_outputs(got, ref.forward(tokens, positions))}
   if mode == "spread":
     other = EagerReference(flex_config(config), state, precision=precision, exact=True)
-    forward_spread = rel(other.forward(tokens, positions).float(), ref.forward(tokens, positions).float())
+    forward_spread = rel_outputs(other.forward(tokens, positions), ref.forward(tokens, positions))
 
     step = lambda inputs, labels: other.step(inputs[0], labels, inputs[1])  # noqa: E731
     trained_of = other.tensors
   else:
     compute_dtype = jnp.bfloat16 if precision == "bf16" else None
     adamw = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
-    step = tot.make_train_step(jm, ce, adamw, compute_dtype=compute_dtype)
+    step = tot.make_train_step(jm, bridge_loss, adamw, compute_dtype=compute_dtype)
     trained_of = lambda: all_tensors(jm)  # noqa: E731
+  mtp = mtp_depths(ref.model) > 0
   losses = []
   for i in range(steps):
     tokens, labels, positions = packed_batch(seed=i)
@@ -556,7 +590,7 @@ def check(spec: str, mode: str, *, steps: int = 5, config=None, precision: str |
       inputs = (tokens, positions)
     else:
       inputs = jm.family.model_inputs(jm.module, {"input_ids": tokens, "positions": positions})
-    got = float(step(inputs, labels))
+    got = float(step(inputs, {"labels": labels, "positions": positions} if mtp and mode != "spread" else labels))
     losses.append(rel(got, ref.step(tokens, labels, positions)))
   trained = trained_of()
   want = ref.tensors()
@@ -581,6 +615,8 @@ def main(argv=None):
                  help="MoE routing by torchtitan's round-robin debug rule (shrink's round_robin)")
   p.add_argument("--precision", choices=("fp32", "bf16"), default=None,
                  help="every family in this precision (default: fp32, gpt_oss in bf16: PRECISION)")
+  p.add_argument("--mtp_layers", type=int, default=0,
+                 help="multi-token-prediction layers (num_mtp_layers; DeepSeek-V3): its outputs and MTPLoss compared")
   args = p.parse_args(argv)
   globals()["EPS"] = args.eps
   from torch_on_tpu import xla_flags
@@ -592,7 +628,8 @@ def main(argv=None):
         continue
       start = time.perf_counter()
       try:
-        config = shrink(registry_config(spec), round_robin=args.round_robin)
+        mtp = {"num_mtp_layers": args.mtp_layers} if args.mtp_layers else {}
+        config = shrink(registry_config(spec, **mtp), round_robin=args.round_robin)
         result = check(spec, mode, config=config, precision=args.precision)
         shown = ", ".join(f"{k} {v:.1e}" for k, v in result.items() if not k.startswith("_"))
       except Exception as e:  # noqa: BLE001 (a table of outcomes: each failure is one row)

@@ -60,7 +60,8 @@ def generate(
   """The prompt `(batch, length)` token ids followed by `max_new_tokens` more, as a CPU tensor.
 
   Args:
-    model: the ShardedModule of a causal LM (logits, or an output with `.logits`).
+    model: the ShardedModule of a causal LM (logits, an output with `.logits`, or a list
+      whose first item is the next token's logits).
     prompt: integer token ids, `(batch, length)` or `(length,)`; the rows of a
       batch have the same length (no padding).
     max_new_tokens: tokens to add.
@@ -153,7 +154,7 @@ def _decode_cache(model: ShardedModule, inputs_fn, max_cache_len: int):
 def _cached_loop(model, make_cache, length, new, top_k, keep_logits):
   def step_logits(params, buffers, ids, carry):
     out, _ = call_model(model, params, buffers, carry.inputs(ids))
-    return jax_view(out.logits if hasattr(out, "logits") else out)[:, -1].astype(jnp.float32)
+    return jax_view(_next_token_logits(out))[:, -1].astype(jnp.float32)
 
   def loop(params, buffers, tokens, key):
     carry = make_cache()
@@ -181,7 +182,7 @@ def _cached_loop(model, make_cache, length, new, top_k, keep_logits):
 def _full_forward_loop(model, inputs_fn, length, new, top_k, keep_logits):
   def next_logits(params, buffers, tokens, position):
     out, _ = call_model(model, params, buffers, inputs_fn(tokens))
-    logits = jax_view(out.logits if hasattr(out, "logits") else out)
+    logits = jax_view(_next_token_logits(out))
     return jax.lax.dynamic_index_in_dim(logits, position - 1, axis=1, keepdims=False).astype(jnp.float32)
 
   def loop(params, buffers, tokens, key):
@@ -197,6 +198,14 @@ def _full_forward_loop(model, inputs_fn, length, new, top_k, keep_logits):
     return tokens, kept
 
   return loop
+
+
+def _next_token_logits(out):
+  """A causal LM's logits: `.logits`, the output itself, or the first of a list (a model that
+  also predicts further tokens, torchtitan's multi-token prediction: the next token's first)."""
+  if hasattr(out, "logits"):
+    return out.logits
+  return out[0] if isinstance(out, list) else out
 
 
 def _write(tokens, position, logits, key, top_k):

@@ -61,10 +61,13 @@ def dense_flops_per_token(
   n_embedding_params: int,
   tied_embeddings: bool = False,
   n_inactive_params: int = 0,
+  n_repeated_params: int = 0,
 ) -> FlopsPerToken:
   """FLOPs per token from explicit numbers (see the module docstring); a MoE's
-  `n_inactive_params` (the routed experts a token does not use) count no FLOPs."""
-  matmul = (n_params if tied_embeddings else n_params - n_embedding_params) - n_inactive_params
+  `n_inactive_params` (the routed experts a token does not use) count no FLOPs;
+  `n_repeated_params` are matmul parameters a token passes through once more (the lm_head
+  of each multi-token-prediction depth)."""
+  matmul = (n_params if tied_embeddings else n_params - n_embedding_params) - n_inactive_params + n_repeated_params
   # Scores (Q·Kᵀ) and values (P·V): 2 matmuls of L·H·Dh·S multiply-adds per token,
   # ×2 FLOPs per multiply-add, ×3 for forward + backward.
   attention = 12 * n_layers * n_heads * head_dim * seqlen
@@ -97,6 +100,7 @@ def flops_per_token(model, seqlen: int) -> FlopsPerToken:
     n_embedding_params=sum(e.numel() for e in embeddings),
     tied_embeddings=tied,
     n_inactive_params=shape.inactive_params,
+    n_repeated_params=(shape.predictions - 1) * shape.vocab * shape.dim,
   )
 
 

@@ -297,7 +297,7 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
       layer_backward += int(block * kept * micro * (4 - compute) / compute)
     head_tokens = tokens / schedule.stages
     description += f", pipeline {schedule}"
-  logits = int(head_tokens * s.vocab / tp * compute)
+  logits = int(head_tokens * s.vocab * s.predictions / tp * compute)  # multi-token prediction: a logits tensor per depth
   return MemoryPlan(
     params=params,
     grads=grads,

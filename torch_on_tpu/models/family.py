@@ -28,6 +28,7 @@ class DecoderShape:
   vocab: int
   attention_layers: int | None = None  # layers with softmax attention; None: all of them
   inactive_params: int = 0  # parameters a token does not touch (routed experts not chosen)
+  predictions: int = 1  # lm_head applications per token: 1 + multi-token-prediction depths
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,7 +58,8 @@ from torchax.interop import jax_view, torch_view  # noqa: E402
 FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
 
 
-def is_torchtitan(module: torch.nn.Module) -> bool:
+def is_torchtitan(module) -> bool:
+  """A torchtitan module (or config: its classes live in the same modules)."""
   return type(module).__module__.startswith("torchtitan.")
 
 
@@ -126,10 +127,13 @@ def fsdp_tp_map(module: torch.nn.Module) -> dict | None:
 LANGUAGE_FAMILIES = ("llama3", "qwen3", "deepseek_v3", "kimi_k2_7", "qwen3_5", "gpt_oss", "muse_glimmer")
 
 
-def registry_config(spec: str, *, max_seq_len: int | None = None):
+def registry_config(spec: str, *, max_seq_len: int | None = None, mtp_layers: int = 0):
   """torchtitan's own config for `"<family>:<flavor>"` (`torchtitan.models.<family>.model_registry`),
-  with RoPE tables sized to `max_seq_len` as torchtitan's trainer sizes them for its sequence length."""
+  with RoPE tables sized to `max_seq_len` as torchtitan's trainer sizes them for its sequence length;
+  `mtp_layers` > 0 builds that many multi-token-prediction layers (`num_mtp_layers`, DeepSeek-V3's)."""
   import importlib
+
+  from torch_on_tpu import errors
 
   extras.require("torchtitan", "torchtitan's models")
   family, _, flavor = spec.partition(":")
@@ -139,8 +143,16 @@ def registry_config(spec: str, *, max_seq_len: int | None = None):
   flavors = sorted({n for k, v in vars(registry).items() if k.endswith("_configs") and isinstance(v, dict) for n in v})
   if flavor not in flavors:
     raise TorchOnTpuError(f"torchtitan's {family} has no flavor '{flavor}'; choose one of {', '.join(flavors)}.")
-  config = registry.model_registry(flavor).model
-  for layer in config.layers if max_seq_len is not None else ():
+  mtp = {}
+  if mtp_layers:
+    if "num_mtp_layers" not in inspect.signature(registry.model_registry).parameters:
+      raise TorchOnTpuError(
+        f"torchtitan's {family} has no multi-token prediction (its model_registry takes no num_mtp_layers); "
+        f"leave {errors.arg('mtp_layers', 0)}."
+      )
+    mtp = {"num_mtp_layers": mtp_layers}
+  config = registry.model_registry(flavor, **mtp).model
+  for layer in [*config.layers, *getattr(config, "mtp_layers", ())] if max_seq_len is not None else ():
     attention = getattr(layer, "attention", None) or getattr(layer, "attn", None)
     rope = getattr(attention, "rope", None)
     if rope is None:
@@ -521,11 +533,14 @@ class TorchtitanFamily(Family):
     """Read from the module's structure, for every torchtitan decoder: its attention
     modules (those holding an `inner_attention`; MLA's scores and values counted at
     their own head dims), the widest per-token FFN (a MoE layer's `top_k` routed experts
-    plus its shared ones) and the routed-expert parameters a token does not touch."""
+    plus its shared ones) and the routed-expert parameters a token does not touch. A
+    multi-token-prediction layer counts as a layer (its block runs per token like the others)
+    and each depth applies the lm_head once more (`predictions`)."""
     layers = getattr(module, "layers", None)
     if layers is None or not len(layers) or not hasattr(module, "tok_embeddings"):
       return None
     blocks = list(layers.values() if hasattr(layers, "values") else layers)
+    blocks += list(module.mtp_layers) if mtp_depths(module) else []
     attentions = [m for b in blocks for m in b.modules() if hasattr(m, "inner_attention") and hasattr(m, "n_heads")]
     if not attentions:
       return None
@@ -547,6 +562,7 @@ class TorchtitanFamily(Family):
       vocab=embedding.num_embeddings,
       attention_layers=len(attentions),
       inactive_params=sum(_inactive_expert_params(m) for m in moes),
+      predictions=1 + mtp_depths(module),
     )
 
   def sharding_map(self, module, preset):
@@ -559,10 +575,12 @@ class TorchtitanFamily(Family):
     `load_balance_coeff`, `expert_bias_E += δ - mean(δ)` with `δ = coeff ·
     sign(mean(n) - n)` for the token counts `n = tokens_per_expert_E` the forwards
     accumulated (over the global batch, as torchtitan's all-reduce makes them), then
-    the counts reset."""
+    the counts reset. Only the blocks of `layers`, those torchtitan's hook walks: a
+    multi-token-prediction layer's MoE (DeepSeek-V3's `mtp_layers`) keeps its bias, and its
+    counts grow, as in torchtitan."""
     layers = [
       (prefix, m.load_balance_coeff) for prefix, m in module.named_modules()
-      if _is_moe(m) and getattr(m, "load_balance_coeff", None) is not None
+      if prefix.startswith("layers.") and _is_moe(m) and getattr(m, "load_balance_coeff", None) is not None
     ]
     if not layers:
       return None
@@ -649,6 +667,39 @@ class TorchtitanFamily(Family):
     if "torchtitan.models.common.attention" not in sys.modules:
       return []
     return [flex_routed_to(attend), varlen_routed_to(attend)]
+
+
+# ---- multi-token prediction (DeepSeek-V3's MTPDecoder) ---------------------------------------
+
+MTP_SCALE = 0.3  # torchtitan's MTPLoss.Config.mtp_scale
+
+
+def mtp_depths(model) -> int:
+  """How many tokens past the next one a torchtitan model (or its config) predicts
+  (DeepSeek-V3 built with `num_mtp_layers`): its forward then returns a list, the main logits
+  and one per depth. 0 for every other model."""
+  return len(getattr(model, "mtp_layers", None) or ()) if is_torchtitan(model) else 0
+
+
+def mtp_loss(outputs, labels, positions, *, scale: float = MTP_SCALE):
+  """torchtitan's own `MTPLoss` of a multi-token-prediction model's outputs: the main
+  cross-entropy plus `scale` × the mean over depths of the cross-entropy against the labels
+  rolled by the depth within each packed document (`roll_mtp_sequence`, from `positions`),
+  normalised as torchtitan's trainer normalises it, by the count of valid main labels (with
+  `grad_accum`, per microbatch: the step's mean of them is torchtitan's whole-batch division
+  where the microbatches hold as many valid labels, as the recipe's packed rows, with none
+  ignored, do). A train step's `loss_fn` reads `labels` and `positions` from its labels pytree:
+
+      loss_fn = lambda outputs, y: mtp_loss(outputs, y["labels"], y["positions"])
+      step(inputs, {"labels": labels, "positions": positions})
+  """
+  from torchtitan.components.loss import IGNORE_INDEX
+  from torchtitan.models.deepseek_v3.mtp import MTPLoss
+
+  loss, _ = MTPLoss(MTPLoss.Config(mtp_scale=scale))(
+    list(outputs), labels, (labels != IGNORE_INDEX).sum(), positions=positions
+  )
+  return loss
 
 
 def _is_moe(module) -> bool:
