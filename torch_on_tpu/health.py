@@ -235,6 +235,7 @@ class _Watch:
     self.probe_sent = self.probe_answered = time.monotonic()
     self.coordinator_lost: str | None = None
     self.published = None
+    self.seen: dict[int, str] = {}  # the activity another process last published, when read for a verdict
 
   # -- the key-value store
   def kv_set(self, key: str, value: str) -> None:
@@ -346,9 +347,10 @@ class _Watch:
 
   def _activity_of(self, i: int) -> str:
     try:
-      return activity(json.loads(self.client.key_value_try_get(f"{_KEY}doing/{i}")))
+      self.seen[i] = activity(json.loads(self.client.key_value_try_get(f"{_KEY}doing/{i}")))
     except Exception:  # noqa: BLE001
       return "doing something unknown (it published nothing)"
+    return self.seen[i]
 
   def _stop(self, faulty: int, how: str, sentence: str, silent: float) -> None:
     """Ends this process: one sentence, the launcher's record, process 0 last."""
@@ -357,7 +359,9 @@ class _Watch:
         return
       self.stopping = True
     sentence = f"{sentence}; {describe(self.index)} stops too (exit {EXIT_PEER_FAILED}): {storage.kept()}."
-    _write_status(fault={"faulty": faulty, "how": how, "sentence": sentence, "silent": silent})
+    # what the faulty process was seen doing, for the launcher to say the same
+    seen = {"activity": self.seen[faulty]} if faulty in self.seen else {}
+    _write_status(fault={"faulty": faulty, "how": how, "sentence": sentence, "silent": silent, **seen})
     try:
       sys.stdout.flush()
     except Exception:  # noqa: BLE001

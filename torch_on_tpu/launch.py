@@ -390,11 +390,14 @@ class _Status:
     who = f"process {index}" + (f" (host {me['host']}, pid {me['pid']})" if me.get("host") else "")
     how = "stopped responding" if code is None else describe_exit(code)
     text = f"{who} {how}"
-    if me.get("activity") and own.get("how") not in ("differs", "could not join"):
-      text += f" while {me['activity']}"
+    noticer = next((i for i, v in sorted(verdicts.items()) if i != index and v.get("faulty") == index), None)
+    # a hung process: what the one that noticed saw it doing (the same words, where the two differ by a step)
+    doing = verdicts[noticer].get("activity") if noticer is not None and code is None else None
+    doing = doing or me.get("activity")
+    if doing and own.get("how") not in ("differs", "could not join"):
+      text += f" while {doing}"
     if own.get("sentence"):
       return f"{text}: {own['sentence'].rstrip('.')}"
-    noticer = next((i for i, v in sorted(verdicts.items()) if i != index and v.get("faulty") == index), None)
     if noticer is not None and code is None:
       silent = verdicts[noticer].get("silent")
       return f"{text} (process {noticer} noticed" + (f" after {silent:.0f} s without a sign of it)" if silent else ")")
