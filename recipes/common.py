@@ -433,15 +433,11 @@ def _latest_checkpoint(flags: Flags, config: dict) -> int | None:
 def _use_compile_cache(directory: str | None) -> str | None:
   """Points jax's persistent compilation cache at `directory` unless this process
   already chose one (a test session, the user's JAX_COMPILATION_CACHE_DIR); returns
-  the directory in use. Not on CPU across several devices: an XLA:CPU executable loaded
-  from the cache can deadlock in its collectives (jax 0.10.2: Qwen3.5's training step on 8
-  simulated devices, every reload; compiled afresh, never), so there each launch compiles."""
+  the directory in use."""
   import jax
 
   from torch_on_tpu import storage
 
-  if directory and jax.default_backend() == "cpu" and jax.device_count() > 1:
-    directory = None
   if directory and not jax.config.jax_compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", directory)
   if jax.config.jax_compilation_cache_dir:
