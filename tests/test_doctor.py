@@ -24,7 +24,8 @@ def test_doctor_reports_versions_devices_and_kernels():
     assert needle in run.stdout
   assert re.search(r"devices\s+8 \(processes: 1\)", run.stdout)
   assert "splash" in run.stdout and "xla" in run.stdout and "cudnn" in run.stdout
-  flags = "--xla_force_host_platform_device_count=8 --xla_cpu_experimental_ynn_fusion_type="
+  flags = ("--xla_force_host_platform_device_count=8 --xla_cpu_experimental_ynn_fusion_type= "
+           "--xla_cpu_enable_concurrency_optimized_scheduler=false")
   assert re.search(r"XLA_FLAGS\s+" + re.escape(flags) + "\n", run.stdout)  # the user's flags, then our default
 
 

@@ -177,7 +177,7 @@ def test_launcher_prefixes_output_and_describes_each_process(tmp_path):
     """
     import os, sys
     keys = ("TOT_COORDINATOR", "TOT_NUM_PROCESSES", "TOT_PROCESS_ID", "XLA_FLAGS", "JAX_PLATFORMS")
-    print(" ".join(os.environ[k] for k in keys), sys.argv[1:])
+    sys.stdout.write(" ".join(os.environ[k] for k in keys) + f" {sys.argv[1:]}\\n")  # one write: a line in pieces may be cut
     print("second line", file=sys.stderr)
     print("[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1", file=sys.stderr)
     sys.stderr.write("\\r 50%|#    | 1/2")  # a progress bar's redraw, then tqdm.write clearing it for a line
@@ -196,7 +196,8 @@ def test_launcher_prefixes_output_and_describes_each_process(tmp_path):
   assert len(described) == 2
   for i, line in enumerate(described):
     assert re.fullmatch(
-      rf"\[p{i}\] 127\.0\.0\.1:\d+ 2 {i} --xla_cpu_experimental_ynn_fusion_type= "  # torch_on_tpu's default
+      rf"\[p{i}\] 127\.0\.0\.1:\d+ 2 {i} --xla_cpu_experimental_ynn_fusion_type= "  # torch_on_tpu's defaults
+      rf"--xla_cpu_enable_concurrency_optimized_scheduler=false "
       rf"--xla_force_host_platform_device_count=3 cpu \['--model=x', '-m', 'y'\]",
       line,
     ), line
@@ -222,6 +223,21 @@ def test_launcher_relays_a_progress_bar_as_it_is_drawn_not_at_its_line_end():
   assert out.getvalue() == (
     "\r[p0]  10%|█         | 1/10\n[p1] a line\n\r[p0]  15%|█▌        | 1/10\r[p0]  20%|██        | 2/10\n"
   )
+
+
+def test_a_line_cut_by_another_process_continues_on_a_prefixed_line_of_its_own():
+  """A process's line arriving in two reads, another's output between them (CI saw the launcher's
+  own description of a process split so)."""
+  out = io.StringIO()
+  console = launch._Console(out)
+  console._write(0, "[p0] 127.0.0.1:1 2 0 cpu")
+  console._write(1, "[p1] a line\n")
+  console._write(0, " ['--model=x']")
+  console._write(0, "\n")
+  console._write(1, "[p1] half")
+  console._write(0, "[p0] next\n")
+  console._write(1, "\n")  # its line was ended already
+  assert out.getvalue() == "[p0] 127.0.0.1:1 2 0 cpu\n[p1] a line\n[p0]  ['--model=x']\n[p1] half\n[p0] next\n"
 
 
 def test_launcher_stops_the_others_and_fails_when_one_process_fails(tmp_path):

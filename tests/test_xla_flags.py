@@ -8,15 +8,17 @@ import sys
 from torch_on_tpu import xla_flags
 
 YNN = "--xla_cpu_experimental_ynn_fusion_type"
+SCHEDULE = "--xla_cpu_enable_concurrency_optimized_scheduler=false"  # simulated devices' collectives in one order
+DEFAULTS = f"{YNN}= {SCHEDULE}"
 
 
 def test_defaults_are_added_and_user_values_kept():
-  assert xla_flags.with_defaults("") == f"{YNN}="
+  assert xla_flags.with_defaults("") == DEFAULTS
   assert xla_flags.with_defaults("--xla_force_host_platform_device_count=8") == (
-    f"--xla_force_host_platform_device_count=8 {YNN}="
+    f"--xla_force_host_platform_device_count=8 {DEFAULTS}"
   )
   mine = f"{YNN}=dot --xla_force_host_platform_device_count=2"
-  assert xla_flags.with_defaults(mine) == mine
+  assert xla_flags.with_defaults(mine) == f"{mine} {SCHEDULE}"
 
 
 def _dot_hlo(xla_flags_value):
@@ -40,10 +42,10 @@ def _dot_hlo(xla_flags_value):
 
 def test_setup_switches_cpu_dots_off_ynnpack_unless_the_user_says_otherwise():
   flags, hlo = _dot_hlo(None)
-  assert flags == f"{YNN}="
+  assert flags == DEFAULTS
   assert "ynn_fusion" not in hlo and " dot(" in hlo
   flags, hlo = _dot_hlo(f"{YNN}=dot")  # jax's own default, chosen explicitly
-  assert flags == f"{YNN}=dot"
+  assert flags == f"{YNN}=dot {SCHEDULE}"
   assert "ynn_fusion" in hlo
 
 
@@ -54,5 +56,5 @@ def test_late_setup_says_the_defaults_did_not_apply(caplog):
   environ = {}
   with caplog.at_level(logging.INFO, logger="torch_on_tpu.xla_flags"):
     xla_flags.apply_defaults(environ)
-  assert environ["XLA_FLAGS"] == f"{YNN}="
+  assert environ["XLA_FLAGS"] == DEFAULTS
   assert "call tot.setup() first" in caplog.text

@@ -164,6 +164,7 @@ class _Console:
     self.out = out
     self.lock = threading.Lock()
     self.open_line = None  # the process whose line is on screen without its end
+    self.cut: set[int] = set()  # processes whose open line was ended for another's output
     self.last_lines: dict[int, str] = {}  # each process's last non-empty line, for the failure message
     self.fatal: set[int] = set()  # the processes jax's coordination service ended (for another's fault)
 
@@ -191,6 +192,13 @@ class _Console:
     with self.lock:
       if self.open_line not in (None, index):
         self.out.write("\n")
+        self.cut.add(self.open_line)
+      if index in self.cut:  # the rest of a line another process's output cut: on a line of its own, prefixed
+        self.cut.discard(index)
+        prefix = f"[p{index}] "
+        text = "" if text == "\n" else text if text.startswith(("\r", prefix)) else prefix + text
+        if not text:
+          return
       self.out.write(text)
       self.out.flush()
       self.open_line = None if text.endswith(("\n", "\r")) else index

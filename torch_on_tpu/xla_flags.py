@@ -12,6 +12,13 @@ touched; none of them changes results, only which kernels run.
   `tools/bench_step.py` drops from about 15 s to 11–12 s
   (docs/performance.md). Flags named `xla_cpu_*` do nothing on TPU or GPU.
   `XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=dot` restores jax's default.
+- `--xla_cpu_enable_concurrency_optimized_scheduler=false`. XLA:CPU's
+  concurrency-optimized schedule let the simulated devices of one program enter
+  two independent collectives in different orders: each waited in a rendezvous
+  the others never reached, and XLA aborted after 40 s (jax 0.10.2: DeepSeek-V3
+  with multi-token prediction on ep=8, every time; Qwen3.5's training step each
+  time it was loaded from the persistent cache). With it off both run, fresh and
+  cached. (As a per-program compile option it did not take.)
 
 `compile_options(platform)` are per-program options for the programs we
 compile (`jax.jit(compiler_options=...)`); unlike XLA_FLAGS they hold whenever
@@ -44,7 +51,7 @@ import os
 
 logger = logging.getLogger(__name__)
 
-DEFAULTS = {"--xla_cpu_experimental_ynn_fusion_type": ""}
+DEFAULTS = {"--xla_cpu_experimental_ynn_fusion_type": "", "--xla_cpu_enable_concurrency_optimized_scheduler": "false"}
 
 
 _COMPILE_OPTIONS = {
