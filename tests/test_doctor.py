@@ -10,7 +10,7 @@ from torch_on_tpu import doctor
 def _doctor(env_extra=None, tmp_path=None):
   import os
 
-  env = dict(os.environ)
+  env = {k: v for k, v in os.environ.items() if k != "PJRT_NPROC"}  # the doctor's own start-up sizes it
   env.update(env_extra or {})
   return subprocess.run(
     [sys.executable, "-m", "torch_on_tpu.doctor"], capture_output=True, text=True, env=env, timeout=300
@@ -24,9 +24,9 @@ def test_doctor_reports_versions_devices_and_kernels():
     assert needle in run.stdout
   assert re.search(r"devices\s+8 \(processes: 1\)", run.stdout)
   assert "splash" in run.stdout and "xla" in run.stdout and "cudnn" in run.stdout
-  flags = ("--xla_force_host_platform_device_count=8 --xla_cpu_experimental_ynn_fusion_type= "
-           "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+  flags = "--xla_force_host_platform_device_count=8 --xla_cpu_experimental_ynn_fusion_type="
   assert re.search(r"XLA_FLAGS\s+" + re.escape(flags) + "\n", run.stdout)  # the user's flags, then our default
+  assert re.search(r"PJRT_NPROC\s+25\n", run.stdout)  # 3 threads per simulated device and one (xla_flags)
 
 
 def test_doctor_fails_naming_torchax_when_it_cannot_import(tmp_path):

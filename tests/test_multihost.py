@@ -197,7 +197,6 @@ def test_launcher_prefixes_output_and_describes_each_process(tmp_path):
   for i, line in enumerate(described):
     assert re.fullmatch(
       rf"\[p{i}\] 127\.0\.0\.1:\d+ 2 {i} --xla_cpu_experimental_ynn_fusion_type= "  # torch_on_tpu's defaults
-      rf"--xla_cpu_enable_concurrency_optimized_scheduler=false "
       rf"--xla_force_host_platform_device_count=3 cpu \['--model=x', '-m', 'y'\]",
       line,
     ), line

@@ -8,8 +8,7 @@ import sys
 from torch_on_tpu import xla_flags
 
 YNN = "--xla_cpu_experimental_ynn_fusion_type"
-SCHEDULE = "--xla_cpu_enable_concurrency_optimized_scheduler=false"  # simulated devices' collectives in one order
-DEFAULTS = f"{YNN}= {SCHEDULE}"
+DEFAULTS = f"{YNN}="
 
 
 def test_defaults_are_added_and_user_values_kept():
@@ -18,12 +17,47 @@ def test_defaults_are_added_and_user_values_kept():
     f"--xla_force_host_platform_device_count=8 {DEFAULTS}"
   )
   mine = f"{YNN}=dot --xla_force_host_platform_device_count=2"
-  assert xla_flags.with_defaults(mine) == f"{mine} {SCHEDULE}"
+  assert xla_flags.with_defaults(mine) == mine
+
+
+def test_simulated_devices_get_three_threads_each_and_one_unless_the_user_sized_the_pool():
+  """A thread blocks in a collective until every device arrives; with one thread per device
+  and two collectives of one device waiting at once, the last device had no thread left and
+  XLA aborted the run (xla_flags docstring)."""
+  cpus = len(os.sched_getaffinity(0))
+  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  xla_flags.apply_defaults(env)
+  assert env["PJRT_NPROC"] == str(max(cpus, 25))
+  for kept in ({"PJRT_NPROC": "12"}, {"NPROC": "12"}):
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", **kept}
+    xla_flags.apply_defaults(env)
+    assert env.get("PJRT_NPROC") == kept.get("PJRT_NPROC")
+  for one_device in ({}, {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}):
+    xla_flags.apply_defaults(one_device)
+    assert "PJRT_NPROC" not in one_device
+
+
+def test_xla_sizes_its_cpu_pool_from_the_setting():
+  """XLA reads PJRT_NPROC when it sizes the pool that runs the simulated devices' programs."""
+  env = {k: v for k, v in os.environ.items() if k != "PJRT_NPROC"}
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  code = (
+    "import os, torch_on_tpu\n"
+    "torch_on_tpu.setup()\n"
+    "import jax, jax.numpy as jnp\n"
+    "jax.block_until_ready(jnp.ones(8) * 2)\n"
+    "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+    "print(os.environ['PJRT_NPROC'], names.count('tf_XLAEigen'))\n"
+  )
+  run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr
+  setting, threads = run.stdout.split()
+  assert int(threads) == int(setting) >= 25
 
 
 def _dot_hlo(xla_flags_value):
   """Compiled HLO of a CPU matmul in a fresh process that starts torch_on_tpu first."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
   if xla_flags_value is not None:
     env["XLA_FLAGS"] = xla_flags_value
   code = (
@@ -45,7 +79,7 @@ def test_setup_switches_cpu_dots_off_ynnpack_unless_the_user_says_otherwise():
   assert flags == DEFAULTS
   assert "ynn_fusion" not in hlo and " dot(" in hlo
   flags, hlo = _dot_hlo(f"{YNN}=dot")  # jax's own default, chosen explicitly
-  assert flags == f"{YNN}=dot {SCHEDULE}"
+  assert flags == f"{YNN}=dot"
   assert "ynn_fusion" in hlo
 
 

@@ -96,6 +96,8 @@ def main() -> int:
     print(f"  {'devices':<{width}}  {info['device_count']} (processes: {info['process_count']})")
     print(f"  {'memory':<{width}}  {info['memory_per_device'] or 'not reported by this platform'}")
     print(f"  {'XLA_FLAGS':<{width}}  {os.environ.get('XLA_FLAGS', '')}")
+    if "PJRT_NPROC" in os.environ:  # XLA:CPU's thread pool, sized for simulated devices
+      print(f"  {'PJRT_NPROC':<{width}}  {os.environ['PJRT_NPROC']}")
     print("  attention kernels:")
     for name, state in attention_paths(info["platform"]).items():
       print(f"    {name:<7} {state}")

@@ -12,13 +12,28 @@ touched; none of them changes results, only which kernels run.
   `tools/bench_step.py` drops from about 15 s to 11–12 s
   (docs/performance.md). Flags named `xla_cpu_*` do nothing on TPU or GPU.
   `XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=dot` restores jax's default.
-- `--xla_cpu_enable_concurrency_optimized_scheduler=false`. XLA:CPU's
-  concurrency-optimized schedule let the simulated devices of one program enter
-  two independent collectives in different orders: each waited in a rendezvous
-  the others never reached, and XLA aborted after 40 s (jax 0.10.2: DeepSeek-V3
-  with multi-token prediction on ep=8, every time; Qwen3.5's training step each
-  time it was loaded from the persistent cache). With it off both run, fresh and
-  cached. (As a per-program compile option it did not take.)
+
+The thread pool (`PJRT_NPROC`, set at `tot.setup()` when CPU devices are
+simulated; a user's own `PJRT_NPROC` or `NPROC` is kept). XLA:CPU runs every
+simulated device's program on one shared pool of threads (`tf_XLAEigen`, as
+many as devices or CPUs, whichever is more), and a thread that enters a
+collective blocks until every device has arrived. XLA's thunk executor runs
+independent parts of one device's program at once, so one device can wait in
+two collectives together (an all-reduce inside a scan's loop and an all-gather
+beside it). With 8 devices on 8 threads, all 8 threads were waiting while the
+device still missing from the all-gather had no thread left to arrive on, and
+XLA aborted after 40 s ("Termination timeout for all gather ... only 7 of them
+arrived"): jax 0.10.2, Muse Glimmer's 2-step recipe run on 8 devices in 3 of 8
+fresh runs, DeepSeek-V3 with multi-token prediction on ep=8 in 1 of 2. XLA
+orders the collectives of one level of control flow, so a device waits in at
+most one per level (`COLLECTIVES_IN_FLIGHT_PER_DEVICE`, 3); with that many
+threads per device plus one, a thread is always free: 0 of 6 and 0 of 2 at 25
+threads (0 of 14 and 0 of 5 at 32), and Qwen3.5's step loaded from the
+persistent cache 2 of 2. Waiting threads take no CPU time, but more threads than that
+cost the step time: `tools/bench_step.py --devices=8` ran 5.5 s per step at 8
+and at 25 threads, 5.9-6.4 s at 32. (`--xla_cpu_enable_concurrency_optimized_scheduler=false`,
+our default before this was understood, only changed which programs ran into it:
+Muse Glimmer's failures above ran with it off, so it is left at XLA's default.)
 
 `compile_options(platform)` are per-program options for the programs we
 compile (`jax.jit(compiler_options=...)`); unlike XLA_FLAGS they hold whenever
@@ -51,7 +66,13 @@ import os
 
 logger = logging.getLogger(__name__)
 
-DEFAULTS = {"--xla_cpu_experimental_ynn_fusion_type": "", "--xla_cpu_enable_concurrency_optimized_scheduler": "false"}
+DEFAULTS = {"--xla_cpu_experimental_ynn_fusion_type": ""}
+
+# The most collectives one simulated device may wait in at once: one per level of
+# control flow holding collectives (the program, a scan over layers, the pipeline's
+# loop around that scan). XLA:CPU's pool gets this many threads per device plus one,
+# so some thread is always free (module docstring).
+COLLECTIVES_IN_FLIGHT_PER_DEVICE = 3
 
 
 _COMPILE_OPTIONS = {
@@ -103,11 +124,30 @@ def with_defaults(flags: str) -> str:
   return " ".join([*flags.split(), *added])
 
 
+def simulated_device_count(flags: str) -> int:
+  """How many CPU devices `flags` (an XLA_FLAGS value) asks XLA to simulate (1: none asked)."""
+  counts = [f.split("=", 1)[1] for f in flags.split() if f.startswith(f"{DEVICE_COUNT_FLAG}=")]
+  return int(counts[-1]) if counts else 1
+
+
+def with_thread_headroom(environ) -> None:
+  """Sets `PJRT_NPROC` to `COLLECTIVES_IN_FLIGHT_PER_DEVICE` threads per simulated CPU
+  device plus one (never fewer than the CPUs this process may use), unless the user
+  sized the pool (`PJRT_NPROC` or `NPROC`) or no devices are simulated."""
+  count = simulated_device_count(environ.get("XLA_FLAGS", ""))
+  if count > 1 and not {"PJRT_NPROC", "NPROC"} & environ.keys():
+    threads = COLLECTIVES_IN_FLIGHT_PER_DEVICE * count + 1
+    environ["PJRT_NPROC"] = str(max(len(os.sched_getaffinity(0)), threads))
+
+
 def apply_defaults(environ=os.environ) -> None:
-  """Adds the defaults to `environ["XLA_FLAGS"]`; says so if jax already started."""
+  """Adds the defaults to `environ["XLA_FLAGS"]` and sizes XLA:CPU's thread pool for the
+  simulated devices (`with_thread_headroom`); says so if jax already started."""
   current = environ.get("XLA_FLAGS", "")
   updated = with_defaults(current)
-  if updated == current:
+  pool = environ.get("PJRT_NPROC")
+  with_thread_headroom(environ)
+  if updated == current and environ.get("PJRT_NPROC") == pool:
     return
   environ["XLA_FLAGS"] = updated
   from torch_on_tpu import _compat  # here, not at the top: the launcher reads DEFAULTS without torch
@@ -115,6 +155,7 @@ def apply_defaults(environ=os.environ) -> None:
   if _compat.backend_started():
     logger.info(
       "jax started its backend before torch_on_tpu's platform start-up, so this process runs "
-      "without torch_on_tpu's default XLA flags (%s); call tot.setup() first, or set them in XLA_FLAGS.",
+      "without torch_on_tpu's default XLA flags (%s) and thread pool size (PJRT_NPROC); call "
+      "tot.setup() first, or set them in the environment.",
       ", ".join(DEFAULTS),
     )
