@@ -37,40 +37,36 @@ def test_simulated_devices_get_three_threads_each_and_one_unless_the_user_sized_
     assert "PJRT_NPROC" not in one_device
 
 
-def test_xla_sizes_its_cpu_pool_from_the_setting():
-  """XLA reads PJRT_NPROC when it sizes the pool that runs the simulated devices' programs."""
-  env = {k: v for k, v in os.environ.items() if k != "PJRT_NPROC"}
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-  code = (
-    "import os, torch_on_tpu\n"
-    "torch_on_tpu.setup()\n"
-    "import jax, jax.numpy as jnp\n"
-    "jax.block_until_ready(jnp.ones(8) * 2)\n"
-    "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
-    "print(os.environ['PJRT_NPROC'], names.count('tf_XLAEigen'))\n"
-  )
+def _fresh_process(xla_flags_value, body):
+  """stdout of `body` run in a fresh process that starts torch_on_tpu first, with
+  `xla_flags_value` as its XLA_FLAGS (None: unset) and no PJRT_NPROC of ours."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
+  if xla_flags_value is not None:
+    env["XLA_FLAGS"] = xla_flags_value
+  code = "import os, torch_on_tpu\ntorch_on_tpu.setup()\nimport jax, jax.numpy as jnp\n" + body
   run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stderr
-  setting, threads = run.stdout.split()
+  return run.stdout
+
+
+def test_xla_sizes_its_cpu_pool_from_the_setting():
+  """XLA reads PJRT_NPROC when it sizes the pool that runs the simulated devices' programs."""
+  setting, threads = _fresh_process(
+    "--xla_force_host_platform_device_count=8",
+    "jax.block_until_ready(jnp.ones(8) * 2)\n"
+    "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+    "print(os.environ['PJRT_NPROC'], names.count('tf_XLAEigen'))\n",
+  ).split()
   assert int(threads) == int(setting) >= 25
 
 
 def _dot_hlo(xla_flags_value):
-  """Compiled HLO of a CPU matmul in a fresh process that starts torch_on_tpu first."""
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
-  if xla_flags_value is not None:
-    env["XLA_FLAGS"] = xla_flags_value
-  code = (
-    "import os, torch_on_tpu\n"
-    "torch_on_tpu.setup()\n"
-    "import jax, jax.numpy as jnp\n"
-    "a = jnp.ones((128, 128))\n"
-    "print(os.environ['XLA_FLAGS'])\n"
-    "print(jax.jit(jnp.dot).lower(a, a).compile().as_text())\n"
+  """XLA_FLAGS and the compiled HLO of a CPU matmul in a fresh process."""
+  out = _fresh_process(
+    xla_flags_value,
+    "a = jnp.ones((128, 128))\nprint(os.environ['XLA_FLAGS'])\nprint(jax.jit(jnp.dot).lower(a, a).compile().as_text())\n",
   )
-  run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-  assert run.returncode == 0, run.stderr
-  flags, hlo = run.stdout.split("\n", 1)
+  flags, hlo = out.split("\n", 1)
   return flags, hlo
 
 
