@@ -4,6 +4,7 @@ the same recipe (flags, data, checkpoints, plan, MFU, export) as Llama 3; 2-step
 import json
 
 import pytest
+import safetensors.torch
 import torch
 import transformers
 
@@ -48,6 +49,19 @@ def test_an_moe_family_trains_two_steps_expert_parallel_with_multi_token_predict
   batch = {"input_ids": tokens, "labels": labels, "positions": positions}
   want, _ = MTPLoss(MTPLoss.Config(mtp_scale=0.5))(outputs, labels, labels.numel(), positions=positions)
   assert torch.allclose(recipe.loss(outputs, recipe.labels(batch)), want)
+  # The export carries the expert bias load balancing trained (torchtitan initialises it to
+  # zero and balances only `layers`, not the MTP layer).
+  convert = h.load_module("tools/convert.py")
+  out = tmp_path / "safetensors"
+  assert convert.main(["to_safetensors", summary["ckpt_dir"], str(out), "--model", "deepseek_v3:debugmodel"]) == 0
+  exported = {}
+  for file in out.glob("*.safetensors"):
+    exported.update(safetensors.torch.load_file(file))
+  trained = [v for k, v in exported.items() if k.endswith("expert_bias_E") and k.startswith("layers.")]
+  untouched = [v for k, v in exported.items() if k.endswith("expert_bias_E") and not k.startswith("layers.")]
+  assert trained and untouched, sorted(exported)
+  assert all(torch.isfinite(b).all() and b.abs().sum() > 0 for b in trained)
+  assert all((b == 0).all() for b in untouched)
 
 
 def test_multi_token_prediction_is_refused_where_torchtitan_has_none(tmp_path):

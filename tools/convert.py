@@ -16,10 +16,11 @@ a vision-language class, loads with `AutoModelForImageTextToText`); for a LoRA r
 names the rank) the adapters are merged into the base weights, or written
 alone for peft with `--mode=adapter` (`torch_on_tpu/export.py`).
 `to_safetensors` writes the model's own `state_dict` names (a LoRA run's are
-peft's). Both read the training state's `params` entry (only the weights, not
+peft's). Both read the training state's `params` and `buffers` entries (the
+weights and the state_dict buffers, such as an MoE's trained expert bias; not
 the optimizer state), tensor by tensor; `to_orbax` writes a checkpoint holding
-`{"params": ...}` under the original names, which a run with or without scan
-restores with `Checkpointer(..., model=jm).restore({"params": ...}, partial=True)`.
+`{"params": ..., "buffers": ...}` under the original names, which a run with or
+without scan restores with `Checkpointer(..., model=jm).restore({"params": ...}, partial=True)`.
 """
 
 from __future__ import annotations
@@ -76,8 +77,16 @@ def _adapters(ckpt, step) -> dict | None:
   return dict(rank=config["lora_rank"], alpha=config.get("lora_alpha"), targets=lora.parse_targets(config.get("lora_targets", "all-linear")))
 
 
+def _saved_state(jm) -> dict:
+  """What a checkpoint holds of `jm`: its params and its state_dict buffers (an MoE's
+  trained expert bias); non-persistent buffers (RoPE tables, counts) are rebuilt."""
+  layout = jm.stored_layout()
+  buffers = {k: a for k, a in jm.buffers.items() if jm.is_persistent(layout[k][0][0])}
+  return {checkpoint.PARAMS_KEY: jm.params, **({checkpoint.BUFFERS_KEY: buffers} if buffers else {})}
+
+
 def _restore(checkpoint_dir: str, model, hf_config, step):
-  """(the abstract model holding the checkpoint's params, the step read).
+  """(the abstract model holding the checkpoint's params and buffers, the step read).
 
   Checkpoints hold the original per-layer names; one saved before that, by a
   run with `scan=True`, holds its layers stacked: that layout is tried when
@@ -90,16 +99,17 @@ def _restore(checkpoint_dir: str, model, hf_config, step):
     mtp_layers = (ckpt.saved_config(step) or {}).get("mtp_layers", 0)  # the recipe's --mtp_layers: the model it trained
     try:
       jm = _abstract_module(model, hf_config, adapters=adapters, mtp_layers=mtp_layers)
-      restored = ckpt.restore({checkpoint.PARAMS_KEY: jm.params}, step=step, partial=True)
+      restored = ckpt.restore(_saved_state(jm), step=step, partial=True)
     except TorchOnTpuError as plain_error:
       jm = _abstract_module(model, hf_config, scan=True, adapters=adapters, mtp_layers=mtp_layers)
       try:
-        restored = ckpt.restore({checkpoint.PARAMS_KEY: jm.params}, step=step, partial=True)
+        restored = ckpt.restore(_saved_state(jm), step=step, partial=True)
       except TorchOnTpuError:
         raise plain_error from None
   if restored is None:
     raise TorchOnTpuError(f"{checkpoint_dir} holds no complete checkpoint to convert.")
   jm.params.update(restored.state[checkpoint.PARAMS_KEY])
+  jm.buffers.update(restored.state.get(checkpoint.BUFFERS_KEY, {}))
   return jm, restored.step
 
 
@@ -151,7 +161,7 @@ def to_orbax(
   hf_config: str | None = None,
   step: int = 0,
 ) -> None:
-  """Safetensors file or directory → orbax checkpoint `{"params": ...}` at `step`
+  """Safetensors file or directory → orbax checkpoint `{"params": ..., "buffers": ...}` at `step`
   (original names: runs with and without scan restore it).
 
   An HF model directory (with config.json) needs no model spec.
@@ -167,8 +177,7 @@ def to_orbax(
       raise TorchOnTpuError(
         f"{out_dir} already has a checkpoint for step {step}; pick another --step or directory."
       )
-    state = {checkpoint.PARAMS_KEY: jm.params}
-    ckpt.save(step, state, config={"converted_from": str(weights)}, force=True)
+    ckpt.save(step, _saved_state(jm), config={"converted_from": str(weights)}, force=True)
   print(f"wrote {weights} to {out_dir} as step {step}")
 
 

@@ -19,8 +19,8 @@ layer name). Exports back out are `torch_on_tpu/export.py`.
     ckpt.close()                                             # waits for the last save
 
 The training state is any pytree of jax arrays (params, buffers, optax state,
-step, RNG key); by convention its `"params"` entry is the `ShardedModule`'s
-params dict, which is what `tools/convert.py` reads. With `model=jm`, layers
+step, RNG key); by convention its `"params"` and `"buffers"` entries are the
+`ShardedModule`'s params and buffers dicts, which is what `tools/convert.py` reads. With `model=jm`, layers
 that `jm` holds stacked (scan) are stored under their original per-layer
 names, in params and in every dict keyed like them (optimizer moments), so a
 run resumes with scan on or off. Data-iterator state and the resolved run
@@ -33,6 +33,6 @@ export), `safetensors_import.py` (weights in).
 
 from torch_on_tpu.checkpoint.preemption import PreemptionGuard
 from torch_on_tpu.checkpoint.safetensors_import import import_safetensors
-from torch_on_tpu.checkpoint.training_state import PARAMS_KEY, Checkpointer, Restored, abstract_state
+from torch_on_tpu.checkpoint.training_state import BUFFERS_KEY, PARAMS_KEY, Checkpointer, Restored, abstract_state
 
-__all__ = ["PARAMS_KEY", "Checkpointer", "PreemptionGuard", "Restored", "abstract_state", "import_safetensors"]
+__all__ = ["BUFFERS_KEY", "PARAMS_KEY", "Checkpointer", "PreemptionGuard", "Restored", "abstract_state", "import_safetensors"]

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 PARAMS_KEY = "params"  # the training state's entry holding `ShardedModule.params`
+BUFFERS_KEY = "buffers"  # ... and `ShardedModule.buffers` (an MoE's trained expert bias)
 
 # ---- orbax training checkpoints ---------------------------------------------------------
 
