@@ -32,6 +32,9 @@ def test_simulated_devices_get_three_threads_each_and_one_unless_the_user_sized_
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", **kept}
     xla_flags.apply_defaults(env)
     assert env.get("PJRT_NPROC") == kept.get("PJRT_NPROC")
+  env = {}
+  xla_flags.simulate_cpu_devices(4, env)  # before jax starts, so jax code run before tot.setup() has them too
+  assert env["PJRT_NPROC"] == str(max(cpus, 13))
   for one_device in ({}, {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}):
     xla_flags.apply_defaults(one_device)
     assert "PJRT_NPROC" not in one_device

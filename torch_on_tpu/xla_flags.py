@@ -107,8 +107,11 @@ def with_cpu_devices(flags: str, count: int, *, replace: bool = True) -> str:
 
 def simulate_cpu_devices(count: int, environ=os.environ, *, replace: bool = True, cpu_only: bool = False) -> None:
   """Sets `environ` up for `count` simulated CPU devices (how sharding runs without
-  accelerators); `cpu_only` also keeps jax off any GPU/TPU. Before jax starts."""
+  accelerators), with threads enough for their collectives (`with_thread_headroom`: jax
+  code run before `tot.setup()` gets them too); `cpu_only` also keeps jax off any
+  GPU/TPU. Before jax starts."""
   environ["XLA_FLAGS"] = with_cpu_devices(environ.get("XLA_FLAGS", ""), count, replace=replace)
+  with_thread_headroom(environ)
   if cpu_only:
     environ["JAX_PLATFORMS"] = "cpu"
 
