@@ -29,6 +29,13 @@ def test_doctor_reports_versions_devices_and_kernels():
   assert re.search(r"PJRT_NPROC\s+25\n", run.stdout)  # 3 threads per simulated device and one (xla_flags)
 
 
+def test_doctor_names_a_device_count_that_is_not_a_number():
+  run = _doctor({"XLA_FLAGS": "--xla_force_host_platform_device_count=eight"})
+  assert run.returncode != 0 and "Traceback" not in run.stderr
+  assert "XLA_FLAGS sets --xla_force_host_platform_device_count=eight; give a whole number" in run.stderr
+  assert "torchax" not in run.stderr
+
+
 def test_doctor_fails_naming_torchax_when_it_cannot_import(tmp_path):
   broken = tmp_path / "torchax"
   broken.mkdir()

@@ -5,7 +5,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from torch_on_tpu import xla_flags
+from torch_on_tpu.errors import TorchOnTpuError
 
 YNN = "--xla_cpu_experimental_ynn_fusion_type"
 DEFAULTS = f"{YNN}="
@@ -35,6 +38,8 @@ def test_simulated_devices_get_three_threads_each_and_one_unless_the_user_sized_
   env = {}
   xla_flags.simulate_cpu_devices(4, env)  # before jax starts, so jax code run before tot.setup() has them too
   assert env["PJRT_NPROC"] == str(max(cpus, 13))
+  with pytest.raises(TorchOnTpuError, match="sets --xla_force_host_platform_device_count=eight; give a whole number"):
+    xla_flags.apply_defaults({"XLA_FLAGS": "--xla_force_host_platform_device_count=eight"})
   for one_device in ({}, {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}):
     xla_flags.apply_defaults(one_device)
     assert "PJRT_NPROC" not in one_device

@@ -14,6 +14,7 @@ import os
 import platform
 import sys
 
+from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.stack import OPTIONAL_PACKAGES, versions
 
 PINNED_TORCH = "2.13.0"
@@ -43,6 +44,8 @@ def import_problem() -> str | None:
 
     runtime.setup()
     importlib.import_module("torch_on_tpu.module")
+  except TorchOnTpuError as e:  # the start-up's own sentence (a bad XLA_FLAGS value)
+    return str(e)
   except Exception as e:  # noqa: BLE001 - any import failure is the diagnosis
     return f"torch_on_tpu cannot import torchax ({type(e).__name__}: {e}); run {INSTALL_HINT}."
   return None

@@ -13,8 +13,8 @@ touched; none of them changes results, only which kernels run.
   (docs/performance.md). Flags named `xla_cpu_*` do nothing on TPU or GPU.
   `XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=dot` restores jax's default.
 
-The thread pool (`PJRT_NPROC`, set at `tot.setup()` when CPU devices are
-simulated; a user's own `PJRT_NPROC` or `NPROC` is kept). XLA:CPU runs every
+The thread pool (`PJRT_NPROC`, set by `simulate_cpu_devices` and at `tot.setup()`
+when CPU devices are simulated; a user's own `PJRT_NPROC` or `NPROC` is kept). XLA:CPU runs every
 simulated device's program on one shared pool of threads (`tf_XLAEigen`, as
 many as devices or CPUs, whichever is more), and a thread that enters a
 collective blocks until every device has arrived. XLA's thunk executor runs
@@ -130,7 +130,13 @@ def with_defaults(flags: str) -> str:
 def simulated_device_count(flags: str) -> int:
   """How many CPU devices `flags` (an XLA_FLAGS value) asks XLA to simulate (1: none asked)."""
   counts = [f.split("=", 1)[1] for f in flags.split() if f.startswith(f"{DEVICE_COUNT_FLAG}=")]
-  return int(counts[-1]) if counts else 1
+  if not counts:
+    return 1
+  if not counts[-1].isdigit():
+    from torch_on_tpu.errors import TorchOnTpuError  # here: the launcher reads this module without torch
+
+    raise TorchOnTpuError(f"XLA_FLAGS sets {DEVICE_COUNT_FLAG}={counts[-1]}; give a whole number of devices, e.g. =8.")
+  return int(counts[-1])
 
 
 def with_thread_headroom(environ) -> None:

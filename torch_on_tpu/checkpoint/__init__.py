@@ -20,10 +20,10 @@ layer name). Exports back out are `torch_on_tpu/export.py`.
 
 The training state is any pytree of jax arrays (params, buffers, optax state,
 step, RNG key); by convention its `"params"` and `"buffers"` entries are the
-`ShardedModule`'s params and buffers dicts, which is what `tools/convert.py` reads. With `model=jm`, layers
-that `jm` holds stacked (scan) are stored under their original per-layer
-names, in params and in every dict keyed like them (optimizer moments), so a
-run resumes with scan on or off. Data-iterator state and the resolved run
+`ShardedModule`'s params and buffers dicts, which is what `tools/convert.py`
+reads. With `model=jm`, layers that `jm` holds stacked (scan) are stored under
+their original per-layer names, in params and in every dict keyed like them
+(optimizer moments), so a run resumes with scan on or off. Data-iterator state and the resolved run
 config are JSON dicts saved next to it. Weights never go through pickle.
 
 One file per job: `training_state.py` (orbax), `preemption.py` (the SIGTERM
