@@ -141,7 +141,8 @@ def test_gpt_oss_in_torchtitans_precision_is_within_the_spread_of_eager_referenc
   """gpt-oss whole, as torchtitan trains it: bf16 compute from fp32 weights (FSDP's mixed
   precision), its default varlen attention with sinks and a sliding window shorter than the
   sequence, MoE experts with biases, the load-balancing hook. The reference is torchtitan's
-  eager model on CPU on the flex backend (varlen needs FlashAttention). Routing by torchtitan's
+  eager model on CPU on the flex backend (varlen needs FlashAttention; the run against varlen on
+  a GPU is tools/titan_gpu_reference.py's, in docs/torchtitan.md). Routing by torchtitan's
   round-robin debug rule, so no routing flip hides a difference: forward and 3 AdamW steps
   (losses, every weight) within 3x the spread of two valid eager references; with learned
   routing, the forward too."""

@@ -16,7 +16,8 @@ is the same torchtitan model in eager torch on CPU, its flex attention
 computed densely as its kernels round (a varlen model's reference runs flex:
 varlen needs FlashAttention), with torchtitan's MoE load-balancing hook
 registered on a `torch.optim.AdamW` exactly as its trainer registers it.
-Numbers are ‖Δ‖/‖ref‖.
+Numbers are ‖Δ‖/‖ref‖. Against torchtitan's own run on a GPU (varlen's
+FlashAttention, CUDA's autocast), from the same pieces: tools/titan_gpu_reference.py.
 
 Precision: fp32, except the families torchtitan cannot run in fp32 (`PRECISION`:
 gpt-oss), compared as torchtitan trains them, bf16 compute from fp32 weights
@@ -145,7 +146,7 @@ def build(config, device="meta"):
 
 
 @contextlib.contextmanager
-def eager_flex(p_in_fp32=False):
+def eager_flex(p_in_fp32=False, lse_gradient=True):
   """torchtitan's flex attention computed in plain eager torch: its BlockMask's
   mask_mod evaluated densely, then softmax attention (and the log-sum-exp where
   asked), `dense_flex_attention`; the BlockMask builders (the decoders' and the vision
@@ -162,7 +163,9 @@ def eager_flex(p_in_fp32=False):
             and "compiled_create_block_mask" in vars(m)]
   saved = attention.FlexAttention._compiled_flex_attn, attention._compiled_create_block_mask
   saved_vision = [m.compiled_create_block_mask for m in vision]
-  attention.FlexAttention._compiled_flex_attn = functools.partial(dense_flex_attention, p_in_fp32=p_in_fp32)
+  attention.FlexAttention._compiled_flex_attn = functools.partial(
+    dense_flex_attention, p_in_fp32=p_in_fp32, lse_gradient=lse_gradient
+  )
   attention._compiled_create_block_mask = create_block_mask  # uncompiled by default
   for m in vision:
     m.compiled_create_block_mask = create_block_mask
@@ -221,14 +224,16 @@ def eager_linear_attention():
 
 
 def dense_flex_attention(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-                         return_aux=None, kernel_options=None, p_in_fp32=False):
+                         return_aux=None, kernel_options=None, p_in_fp32=False, lse_gradient=True):
   """torch's flex attention by its definition, in plain differentiable torch (torch's own eager
   flex has no CPU backward), as its kernels (and FlashAttention's) round: scores, softmax
   statistics and the log-sum-exp in fp32 whatever the inputs' dtype; below fp32 the
   unnormalized probabilities exp(s - max) are rounded to V's dtype for P·V, which accumulates
   in fp32 and is divided by the row sum before the output's one rounding (`p_in_fp32` keeps
-  them fp32: the math path). The mask is the BlockMask's `mask_mod` evaluated on every (batch,
-  query, key) at once by broadcasting; rows that see nothing give 0."""
+  them fp32: the math path; `lse_gradient=False` returns the log-sum-exp cut from the graph, as
+  torch's `varlen_attn` backward drops its gradient, in 2.11 and 2.13). The mask is the
+  BlockMask's `mask_mod` evaluated on every (batch, query, key) at once by broadcasting; rows
+  that see nothing give 0."""
   import torch
   from torch.nn.attention.flex_attention import AuxOutput
 
@@ -245,6 +250,7 @@ def dense_flex_attention(q, k, v, *, score_mod=None, block_mask=None, scale=None
   p = torch.exp(scores - top.masked_fill(top.isneginf(), 0.0))
   total = p.sum(-1, keepdim=True)
   lse = (top + torch.log(total)).squeeze(-1)
+  lse = lse if lse_gradient else lse.detach()
   if not p_in_fp32:
     p = p.to(v.dtype).float()
   out = (p @ v.float()) / total.masked_fill(total == 0, 1.0)
@@ -400,47 +406,82 @@ class _ParallelDims:
     return None
 
 
+@contextlib.contextmanager
+def single_device_titan():
+  """torchtitan's SPMD type annotations off, as for a model run on one device outside its
+  trainer (its "partial_dtensor" backend annotates nothing on plain tensors)."""
+  from torchtitan.distributed import utils as titan_distributed
+
+  before = titan_distributed.get_spmd_backend()
+  titan_distributed.set_spmd_backend("partial_dtensor")
+  try:
+    yield
+  finally:
+    titan_distributed.set_spmd_backend(before)
+
+
 class EagerReference:
-  """The same torchtitan model in eager torch on CPU, loaded with `state`, trained by a
+  """The same torchtitan model in eager torch, loaded with `state`, trained by a
   `torch.optim.AdamW` with torchtitan's MoE load-balancing hook registered on it as its
   trainer registers it.
 
   `precision="bf16"` is how torchtitan trains (FSDP's `MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=fp32)`): forward and backward see bf16 copies of the fp32 parameters (buffers
-  stay as they are), the gradients come back in fp32, AdamW updates the fp32 weights; the
-  router's fp32 autocast computes as on CUDA (`cuda_router_autocast`). `exact=True` is the
-  second valid reference of the spread: every fp32 `F.linear` accumulated in fp64
-  (`fp64_linears`) and attention's probabilities kept in fp32 for P·V."""
+  stay as they are), the gradients come back in fp32, AdamW updates the fp32 weights.
 
-  def __init__(self, config, state, *, precision="fp32", exact=False):
+  On the CPU (`device="cpu"`) torchtitan's GPU kernels are replaced by their definitions
+  (`eager_flex`, `eager_linear_attention`; a varlen model is given flex attention by the
+  caller, `flex_config`) and the router's fp32 autocast computes as on CUDA
+  (`cuda_router_autocast`); `exact=True` is the second valid reference of the spread: every
+  fp32 `F.linear` accumulated in fp64 (`fp64_linears`) and attention's probabilities kept in
+  fp32 for P·V; `lse_gradient=False` computes attention's backward as torch's varlen
+  attention does (the log-sum-exp's gradient dropped: `dense_flex_attention`). On a GPU
+  (`device="cuda"`) the model runs as torchtitan runs it, its own kernels (varlen's
+  FlashAttention, compiled flex attention) and CUDA's autocast, and nothing of the bridge is
+  imported (tools/titan_gpu_reference.py)."""
+
+  def __init__(self, config, state, *, precision="fp32", exact=False, device="cpu", lse_gradient=True):
     import torch
     from torchtitan.components.optimizer import register_moe_load_balancing_hook
 
-    self.model = build(config, device="cpu")
+    self.model = build(config, device=device)
     self.model.load_state_dict(state, strict=False)
     for name, _ in list(self.model.named_buffers()):
       if name in state:
         self.model.get_buffer(name).copy_(state[name])
     self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     register_moe_load_balancing_hook(self.optimizer, [self.model], _ParallelDims())
-    self.precision, self.exact = precision, exact
+    self.precision, self.exact, self.lse_gradient = precision, exact, lse_gradient
+    self.device = torch.device(device)
+    assert self.device.type == "cpu" or not (exact or not lse_gradient), "the variant references are the CPU's"
+
+  def _kernels(self, model):
+    """What runs the model's attention and router here (see the class docstring)."""
+    if self.device.type != "cpu":
+      return [single_device_titan()]
+    from torch_on_tpu.models.torchtitan import TorchtitanFamily
+
+    contexts = [
+      TorchtitanFamily().running(model), eager_flex(p_in_fp32=self.exact, lse_gradient=self.lse_gradient),
+      eager_linear_attention(),
+    ]
+    if self.exact:
+      contexts.append(fp64_linears())
+    if self.precision == "bf16":
+      contexts.append(cuda_router_autocast())
+    return contexts
 
   def __call__(self, tokens, positions, params=None):
     import torch
 
-    from torch_on_tpu.models.torchtitan import TorchtitanFamily
-
     model = self.model
+    tokens, positions = tokens.to(self.device), positions.to(self.device)
     extra = {}
     if "special_tokens" in inspect.signature(model.forward).parameters:
       extra["special_tokens"] = {"image_id": -1, "video_id": -1}  # text only, as the bridge calls it
     with contextlib.ExitStack() as stack:
-      for context in (TorchtitanFamily().running(model), eager_flex(p_in_fp32=self.exact), eager_linear_attention()):
+      for context in self._kernels(model):
         stack.enter_context(context)
-      if self.exact:
-        stack.enter_context(fp64_linears())
-      if self.precision == "bf16":
-        stack.enter_context(cuda_router_autocast())
       masks = model.get_attention_masks(positions)
       if params is None:
         return model(tokens, positions=positions, attention_masks=masks, **extra)
@@ -470,7 +511,7 @@ class EagerReference:
   def step(self, tokens, labels, positions) -> float:
     self.optimizer.zero_grad()
     params = self.compute_params(requires_grad=True)
-    loss = reference_loss(self(tokens, positions, params), labels, positions)
+    loss = reference_loss(self(tokens, positions, params), labels.to(self.device), positions.to(self.device))
     loss.backward()
     if params is not None:
       for n, p in self.model.named_parameters():
@@ -548,15 +589,94 @@ def computing_in(jm, precision):
     jm.params = saved
 
 
+FORWARD_MODES = ("forward", "scan", "tp", "ep")
+
+
+@dataclasses.dataclass
+class Run:
+  """What one side computed from the same initial state: the forward's outputs (eval mode,
+  on `packed_batch()`), then each training step's loss (on `packed_batch(seed=i)`), every
+  parameter and buffer after them and, for an eager reference, the first step's gradients
+  (before Adam's sign-like first updates make small gradient differences large)."""
+
+  forward: object = None
+  losses: list = dataclasses.field(default_factory=list)
+  tensors: dict = dataclasses.field(default_factory=dict)
+  grads: dict = dataclasses.field(default_factory=dict)
+
+
+def run_bridge(jm, precision, *, forward: bool, steps: int, mtp: bool) -> Run:
+  """The wrapped model's `Run`: forward in eval mode (parameters cast to bf16 under
+  `precision="bf16"`), then `steps` AdamW steps of `make_train_step`."""
+  import jax.numpy as jnp
+  import optax
+
+  import torch_on_tpu as tot
+
+  run = Run()
+  if forward:
+    tokens, _, positions = packed_batch()
+    inputs = jm.family.model_inputs(jm.module, {"input_ids": tokens, "positions": positions})
+    jm.module.eval()
+    with computing_in(jm, precision):
+      run.forward = tot.to_cpu(jm(**inputs))
+    jm.module.train()
+  if steps:
+    adamw = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
+    step = tot.make_train_step(jm, bridge_loss, adamw, compute_dtype=jnp.bfloat16 if precision == "bf16" else None)
+    for i in range(steps):
+      tokens, labels, positions = packed_batch(seed=i)
+      inputs = jm.family.model_inputs(jm.module, {"input_ids": tokens, "positions": positions})
+      run.losses.append(float(step(inputs, {"labels": labels, "positions": positions} if mtp else labels)))
+    run.tensors = all_tensors(jm)
+  return run
+
+
+def run_reference(ref: EagerReference, *, forward: bool, steps: int) -> Run:
+  """An eager reference's `Run`, the same calls as `run_bridge`'s; tensors on the CPU."""
+  run = Run()
+  if forward:
+    tokens, _, positions = packed_batch()
+    out = ref.forward(tokens, positions)
+    run.forward = [o.cpu() for o in out] if isinstance(out, list) else out.cpu()
+  for i in range(steps):
+    tokens, labels, positions = packed_batch(seed=i)
+    run.losses.append(ref.step(tokens, labels, positions))
+    if i == 0:
+      run.grads = {n: p.grad.detach().cpu().clone() for n, p in ref.model.named_parameters() if p.grad is not None}
+  if steps:
+    run.tensors = {n: t.detach().cpu() for n, t in ref.tensors().items()}
+  return run
+
+
+def compare(got: Run, want: Run, params) -> dict:
+  """{forward | losses, weights, buffers: worst rel error} of `got` against `want`; `params`
+  names the parameters (the other floating tensors are buffers)."""
+  import torch
+
+  result = {}
+  if want.forward is not None:
+    result["forward"] = rel_outputs(got.forward, want.forward)
+  if want.grads and got.grads:
+    result["grads"] = max(rel(got.grads[n], want.grads[n]) for n in want.grads)
+  if want.losses:
+    per_weight = {n: rel(torch.as_tensor(got.tensors[n]).detach(), want.tensors[n]) for n in params}
+    buffers = {
+      n: rel(torch.as_tensor(got.tensors[n]).detach(), want.tensors[n])
+      for n in want.tensors if n not in params and want.tensors[n].is_floating_point()
+    }
+    result.update({
+      "losses": max(rel(g, w) for g, w in zip(got.losses, want.losses)),
+      "weights": max(per_weight.values()), "buffers": max(buffers.values(), default=0.0),
+      "_buffers": buffers, "_weights": per_weight,
+    })
+  return result
+
+
 def check(spec: str, mode: str, *, steps: int = 5, config=None, precision: str | None = None) -> dict:
   """One family in one mode: {forward | losses, weights, buffers: worst rel error}.
   Mode `spread` compares two valid eager references instead (`EagerReference(exact=True)`):
   the noise floor of the computation. `precision` defaults to `precision_of(spec)`."""
-  import jax.numpy as jnp
-  import optax
-  import torch
-
-  import torch_on_tpu as tot
   from torch_on_tpu.models.torchtitan import mtp_depths
 
   precision = precision or precision_of(spec)
@@ -564,46 +684,13 @@ def check(spec: str, mode: str, *, steps: int = 5, config=None, precision: str |
   jm = wrap(config, "train" if mode == "spread" else mode)
   state = all_tensors(jm)
   ref = EagerReference(flex_config(config), state, precision=precision)
-  tokens, labels, positions = packed_batch()
-  if mode in ("forward", "scan", "tp", "ep"):
-    inputs = jm.family.model_inputs(jm.module, {"input_ids": tokens, "positions": positions})
-    jm.module.eval()
-    with computing_in(jm, precision):
-      got = tot.to_cpu(jm(**inputs))
-    return {"forward": rel_outputs(got, ref.forward(tokens, positions))}
+  forward, steps = (True, 0) if mode in FORWARD_MODES else (mode == "spread", steps)
   if mode == "spread":
-    other = EagerReference(flex_config(config), state, precision=precision, exact=True)
-    forward_spread = rel_outputs(other.forward(tokens, positions), ref.forward(tokens, positions))
-
-    step = lambda inputs, labels: other.step(inputs[0], labels, inputs[1])  # noqa: E731
-    trained_of = other.tensors
+    got = run_reference(EagerReference(flex_config(config), state, precision=precision, exact=True), forward=forward, steps=steps)
   else:
-    compute_dtype = jnp.bfloat16 if precision == "bf16" else None
-    adamw = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
-    step = tot.make_train_step(jm, bridge_loss, adamw, compute_dtype=compute_dtype)
-    trained_of = lambda: all_tensors(jm)  # noqa: E731
-  mtp = mtp_depths(ref.model) > 0
-  losses = []
-  for i in range(steps):
-    tokens, labels, positions = packed_batch(seed=i)
-    if mode == "spread":
-      inputs = (tokens, positions)
-    else:
-      inputs = jm.family.model_inputs(jm.module, {"input_ids": tokens, "positions": positions})
-    got = float(step(inputs, {"labels": labels, "positions": positions} if mtp and mode != "spread" else labels))
-    losses.append(rel(got, ref.step(tokens, labels, positions)))
-  trained = trained_of()
-  want = ref.tensors()
-  params = {n for n, _ in ref.model.named_parameters()}
-  per_weight = {n: rel(torch.as_tensor(trained[n]).detach(), want[n].detach()) for n in params}
-  buffers = {
-    n: rel(torch.as_tensor(trained[n]).detach(), want[n]) for n in want if n not in params and want[n].is_floating_point()
-  }
-  return {
-    **({"forward": forward_spread} if mode == "spread" else {}),
-    "losses": max(losses, default=0.0), "weights": max(per_weight.values()), "buffers": max(buffers.values(), default=0.0),
-    "_buffers": buffers, "_weights": per_weight,
-  }
+    got = run_bridge(jm, precision, forward=forward, steps=steps, mtp=mtp_depths(ref.model) > 0)
+  want = run_reference(ref, forward=forward, steps=steps)
+  return compare(got, want, {n for n, _ in ref.model.named_parameters()})
 
 
 def main(argv=None):

@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import logging
 import re
 import sys
 import weakref
@@ -54,6 +55,8 @@ from torch_on_tpu.models.family import DecoderShape, Family, FromSeveral, HFForm
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
 
@@ -442,6 +445,18 @@ def _sinks_of(out_transform):
   )
 
 
+@functools.cache
+def _say_varlen_lse_gradient() -> None:
+  """Once per process, where the bridge's gradient differs from torchtitan's on CUDA on purpose
+  (a warning: recipes show no info lines, and a user comparing runs needs to know)."""
+  logger.warning(
+    "torchtitan's varlen attention with an out_transform (gpt-oss's sinks): the bridge differentiates "
+    "the log-sum-exp it rescales by, as torchtitan's flex backend does; torch's varlen_attn backward "
+    "on CUDA drops that gradient, so trained attention weights differ from a torchtitan GPU run on "
+    "varlen (docs/torchtitan.md, 'Against torchtitan on a GPU')."
+  )
+
+
 @contextlib.contextmanager
 def varlen_routed_to(attend):
   """While active, torchtitan's VarlenAttention runs `attend` on a `VarlenMasks` or `FlexMasks` (documents):
@@ -463,6 +478,8 @@ def varlen_routed_to(attend):
         f"torchtitan VarlenAttention has window_size {self.window_size}; the bridge's kernels take "
         f"(-1, 0) causal, (W - 1, 0) a causal sliding window, or (-1, -1) full attention."
       )
+    if out_transform is not None:
+      _say_varlen_lse_gradient()
     window = attention_masks.window if left < 0 else left + 1
     if attention_masks.window is not None and left >= 0:
       window = min(window, attention_masks.window)
