@@ -83,3 +83,16 @@ def test_runs_are_written_read_back_and_compared(tmp_path):
   result = tp.compare(got, back, {"w"})
   assert abs(result["forward"] - 0.01) < 1e-6 and abs(result["losses"] - 0.01) < 1e-6
   assert abs(result["grads"] - 0.1) < 1e-6 and abs(result["weights"] - 0.1) < 1e-6 and result["buffers"] == 0.0
+
+
+def test_a_step_run_out_of_order_is_one_sentence_and_exit_2(tmp_path, capsys):
+  """`run`/`compare` on a directory missing what an earlier step writes: which file, which
+  step to run first; `run` without a CUDA GPU likewise. No traceback."""
+  assert gpu.main(["compare", str(tmp_path)]) == 2
+  assert f"{tmp_path} has no meta.json; run 'titan_gpu_reference.py make {tmp_path}' first." in capsys.readouterr().err
+  for name in ("meta.json", "bridge.json", "state.safetensors"):
+    (tmp_path / name).write_text("{}")
+  assert gpu.main(["compare", str(tmp_path)]) == 2
+  assert "has no cuda.json; run 'titan_gpu_reference.py run" in capsys.readouterr().err
+  assert gpu.main(["run", str(tmp_path)]) == 2  # this machine has no GPU
+  assert capsys.readouterr().err.strip() == "titan_gpu_reference run: this torch sees no CUDA GPU; run it on a GPU machine."

@@ -269,10 +269,35 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
+# What each step reads from the directory, and which step writes it.
+NEEDS = {
+  "run": {"meta.json": "make", "state.safetensors": "make"},
+  "compare": {"meta.json": "make", "bridge.json": "make", "cuda.json": "run", "cuda_native.json": "run"},
+}
+
+
+def problem(command: str, directory: Path) -> str | None:
+  """One sentence on why `command` cannot run on `directory`, or None."""
+  for name, step in NEEDS.get(command, {}).items():
+    if not (directory / name).is_file():
+      return (f"titan_gpu_reference {command}: {directory} has no {name}; run "
+              f"'titan_gpu_reference.py {step} {directory}' first{' (on a GPU machine)' if step == 'run' else ''}.")
+  if command == "run":
+    import torch
+
+    if not torch.cuda.is_available():
+      return "titan_gpu_reference run: this torch sees no CUDA GPU; run it on a GPU machine."
+  return None
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   if args.command == "make":
     return make(args.directory, args.spec, args.round_robin)
+  why = problem(args.command, args.directory)
+  if why:
+    print(why, file=sys.stderr)
+    return 2
   return {"run": run, "compare": compare}[args.command](args.directory)
 
 

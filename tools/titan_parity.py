@@ -650,8 +650,9 @@ def run_reference(ref: EagerReference, *, forward: bool, steps: int) -> Run:
 
 
 def compare(got: Run, want: Run, params) -> dict:
-  """{forward | losses, weights, buffers: worst rel error} of `got` against `want`; `params`
-  names the parameters (the other floating tensors are buffers)."""
+  """{forward | grads | losses, weights, buffers: worst rel error} of `got` against `want`,
+  for what both computed; `params` names the parameters (the other floating tensors are
+  buffers)."""
   import torch
 
   result = {}
@@ -686,7 +687,8 @@ def check(spec: str, mode: str, *, steps: int = 5, config=None, precision: str |
   ref = EagerReference(flex_config(config), state, precision=precision)
   forward, steps = (True, 0) if mode in FORWARD_MODES else (mode == "spread", steps)
   if mode == "spread":
-    got = run_reference(EagerReference(flex_config(config), state, precision=precision, exact=True), forward=forward, steps=steps)
+    exact = EagerReference(flex_config(config), state, precision=precision, exact=True)
+    got = run_reference(exact, forward=forward, steps=steps)
   else:
     got = run_bridge(jm, precision, forward=forward, steps=steps, mtp=mtp_depths(ref.model) > 0)
   want = run_reference(ref, forward=forward, steps=steps)
