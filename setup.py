@@ -25,7 +25,7 @@ setup(
     "psutil",
     "numpy",
   ],
-  # Heavy libraries only some features use (torch_on_tpu/extras.py says which, and
+  # Heavy libraries only some features use (torch_on_tpu/core/extras.py says which, and
   # names the extra when one is missing). `all` is what the recipes and tests use.
   extras_require={
     # torchtitan 0.3.0 imports triton unconditionally; its Qwen3.5 imports flash-linear-attention's fla-core
@@ -34,7 +34,7 @@ setup(
     "data": ["tokenizers", "datasets", "pyarrow"],  # tokenizer training, HF datasets, parquet
     "logging": ["tensorboard", "matplotlib"],  # TensorBoard scalars, the training plot
     "recipes": ["fire"],
-    "float8": ["torchao==0.18.0"],  # float8 training (torch_on_tpu.float8): torchao's Float8Linear
+    "float8": ["torchao==0.18.0"],  # float8 training (torch_on_tpu.lowering.float8): torchao's Float8Linear
     "all": [
       "torchtitan==0.3.0", "triton", "fla-core==0.6.0", "transformers>=5", "peft", "tokenizers", "datasets", "pyarrow",
       "tensorboard", "matplotlib", "fire", "torchao==0.18.0",

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from recipes import common
+from recipes import cli, runner
+from recipes import flags as recipe_flags
 
 
 def _local_config(path, flags) -> None:
@@ -36,14 +37,14 @@ def _local_config(path, flags) -> None:
 
 
 @dataclasses.dataclass
-class HFFlags(common.Flags):
-  config: str | None = common.flag(None, "config.json of the model, or a directory holding one (required)", check=_local_config)
-  weights: str | None = common.flag(
-    None, "safetensors file or directory to start from (default: the config's init)", check=common.existing_path
+class HFFlags(recipe_flags.Flags):
+  config: str | None = recipe_flags.flag(None, "config.json of the model, or a directory holding one (required)", check=_local_config)
+  weights: str | None = recipe_flags.flag(
+    None, "safetensors file or directory to start from (default: the config's init)", check=recipe_flags.existing_path
   )
-  lora_rank: int = common.flag(0, "LoRA rank (0: train every parameter)", minimum=0)
-  lora_alpha: float | None = common.flag(None, "LoRA alpha (default: 2 x rank)")
-  lora_targets: str = common.flag(
+  lora_rank: int = recipe_flags.flag(0, "LoRA rank (0: train every parameter)", minimum=0)
+  lora_alpha: float | None = recipe_flags.flag(None, "LoRA alpha (default: 2 x rank)")
+  lora_targets: str = recipe_flags.flag(
     "all-linear", "modules that get adapters: peft's 'all-linear' or comma-separated names", argument="targets"
   )
 
@@ -61,7 +62,7 @@ def load_config(path: str):
   return config
 
 
-def recipe(flags: HFFlags) -> common.Recipe:
+def recipe(flags: HFFlags) -> runner.Recipe:
   from torch_on_tpu.errors import TorchOnTpuError
   from torch_on_tpu.models.hf import build_causal_lm
 
@@ -76,14 +77,14 @@ def recipe(flags: HFFlags) -> common.Recipe:
     )
   lora = None
   if flags.lora_rank:
-    from torch_on_tpu.lora import parse_targets
+    from torch_on_tpu.training.lora import parse_targets
 
     lora = dict(rank=flags.lora_rank, alpha=flags.lora_alpha, targets=parse_targets(flags.lora_targets))
   directory = (os.path.dirname(flags.config) or ".") if os.path.isfile(flags.config) else flags.config
   name = os.path.basename(os.path.normpath(directory))
-  return common.Recipe(
+  return runner.Recipe(
     name=f"hf-{name or config.model_type}" + ("-lora" if lora else ""),
-    build=lambda: common.float8_converted(build_causal_lm(config), flags),
+    build=lambda: recipe_flags.float8_converted(build_causal_lm(config), flags),
     family="hf",
     weights=flags.weights,
     lora=lora,
@@ -96,10 +97,10 @@ def run(flags: HFFlags) -> dict:
   if flags.tokenizer is None and flags.config and os.path.isdir(flags.config):
     if any(os.path.exists(os.path.join(flags.config, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
       flags = dataclasses.replace(flags, tokenizer=flags.config)  # the model's own tokenizer
-  return common.run(flags, recipe)
+  return runner.run(flags, recipe)
 
 
-main = common.cli(HFFlags, run, "Train or LoRA fine-tune an HF causal LM with torch_on_tpu.")
+main = cli.cli(HFFlags, run, "Train or LoRA fine-tune an HF causal LM with torch_on_tpu.")
 
 if __name__ == "__main__":
-  common.fire_main(main)
+  cli.fire_main(main)

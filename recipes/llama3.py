@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 
-from recipes import common
+from recipes import cli, runner
+from recipes import flags as recipe_flags
 
 MODELS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
 
 
 @dataclasses.dataclass
-class Llama3Flags(common.Flags):
-  model: str = common.flag("debugmodel", f"torchtitan Llama 3 flavor: {', '.join(MODELS)}", choices=MODELS)
-  model_impl: str = common.flag(
+class Llama3Flags(recipe_flags.Flags):
+  model: str = recipe_flags.flag("debugmodel", f"torchtitan Llama 3 flavor: {', '.join(MODELS)}", choices=MODELS)
+  model_impl: str = recipe_flags.flag(
     "titan", "titan (torchtitan's model) or hf (transformers' Llama, same numbers)", choices=("titan", "hf")
   )
-  titan_attention: str = common.flag(
+  titan_attention: str = recipe_flags.flag(
     "flex", "the attention module torchtitan builds: flex (document-causal over packed documents) or sdpa (plain causal)",
     choices=("flex", "sdpa"),
   )
@@ -63,7 +64,7 @@ def hf_config(flavor: str):
   return hf
 
 
-def recipe(flags: Llama3Flags) -> common.Recipe:
+def recipe(flags: Llama3Flags) -> runner.Recipe:
   from torch_on_tpu.errors import TorchOnTpuError
 
   if flags.model_impl == "titan":
@@ -80,9 +81,9 @@ def recipe(flags: Llama3Flags) -> common.Recipe:
     def build():
       config = llama3_config(flags.model, attention=flags.titan_attention, max_seq_len=flags.seqlen)
       with torch.device("meta"):
-        return common.float8_converted(config, flags).build()  # torchtitan converts its config
+        return recipe_flags.float8_converted(config, flags).build()  # torchtitan converts its config
 
-    return common.Recipe(
+    return runner.Recipe(
       name=f"llama3-{flags.model}", build=build, family="titan", convert_model=f"--model=llama3:{flags.model}"
     )
   from torch_on_tpu.models.hf import build_causal_lm
@@ -93,17 +94,17 @@ def recipe(flags: Llama3Flags) -> common.Recipe:
       f"--seqlen={flags.seqlen} exceeds Llama 3 {flags.model}'s maximum of "
       f"{config.max_position_embeddings} positions; use a shorter --seqlen."
     )
-  return common.Recipe(
-    name=f"llama3-{flags.model}-hf", build=lambda: common.float8_converted(build_causal_lm(config), flags), family="hf"
+  return runner.Recipe(
+    name=f"llama3-{flags.model}-hf", build=lambda: recipe_flags.float8_converted(build_causal_lm(config), flags), family="hf"
   )
 
 
 def run(flags: Llama3Flags) -> dict:
   """The recipe for parsed flags (tests call this in-process); returns the run's summary."""
-  return common.run(flags, recipe)
+  return runner.run(flags, recipe)
 
 
-main = common.cli(Llama3Flags, run, "Train torchtitan's Llama 3 (or its HF twin) with torch_on_tpu.")
+main = cli.cli(Llama3Flags, run, "Train torchtitan's Llama 3 (or its HF twin) with torch_on_tpu.")
 
 if __name__ == "__main__":
-  common.fire_main(main)
+  cli.fire_main(main)

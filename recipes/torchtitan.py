@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from recipes import common
+from recipes import cli, runner
+from recipes import flags as recipe_flags
 from torch_on_tpu.models.torchtitan import LANGUAGE_FAMILIES
 
 
@@ -37,17 +38,17 @@ def _mtp_check(value: int, flags: TorchtitanFlags) -> None:
 
 
 @dataclasses.dataclass
-class TorchtitanFlags(common.Flags):
-  model: str = common.flag("qwen3:debugmodel", f"<family>:<flavor> of torchtitan's registries; families: {', '.join(LANGUAGE_FAMILIES)}")
-  mtp_layers: int = common.flag(
+class TorchtitanFlags(recipe_flags.Flags):
+  model: str = recipe_flags.flag("qwen3:debugmodel", f"<family>:<flavor> of torchtitan's registries; families: {', '.join(LANGUAGE_FAMILIES)}")
+  mtp_layers: int = recipe_flags.flag(
     0, "multi-token-prediction layers (torchtitan's num_mtp_layers; DeepSeek-V3): the model also predicts that many "
     "tokens past the next and trains with torchtitan's MTPLoss (0: the flavor's own, none in torchtitan 0.3.0)",
     minimum=0, check=_mtp_check,
   )
-  mtp_scale: float = common.flag(0.3, "the weight of the multi-token-prediction depths' mean loss beside the main loss (torchtitan's MTPLoss mtp_scale)", minimum=0)
+  mtp_scale: float = recipe_flags.flag(0.3, "the weight of the multi-token-prediction depths' mean loss beside the main loss (torchtitan's MTPLoss mtp_scale)", minimum=0)
 
 
-def recipe(flags: TorchtitanFlags) -> common.Recipe:
+def recipe(flags: TorchtitanFlags) -> runner.Recipe:
   import torch
 
   from torch_on_tpu.models.torchtitan import mtp_depths, mtp_loss, registry_config
@@ -64,17 +65,17 @@ def recipe(flags: TorchtitanFlags) -> common.Recipe:
       loss=lambda outputs, y: mtp_loss(outputs, y["labels"], y["positions"], scale=flags.mtp_scale),
       labels=lambda batch: {"labels": batch["labels"], "positions": batch["positions"]},
     )
-  return common.Recipe(
+  return runner.Recipe(
     name=flags.model.replace(":", "-"), build=build, family="titan", convert_model=f"--model={flags.model}", **mtp
   )
 
 
 def run(flags: TorchtitanFlags) -> dict:
   """The recipe for parsed flags (tests call this in-process); returns the run's summary."""
-  return common.run(flags, recipe)
+  return runner.run(flags, recipe)
 
 
-main = common.cli(TorchtitanFlags, run, "Train any torchtitan registry model with torch_on_tpu.")
+main = cli.cli(TorchtitanFlags, run, "Train any torchtitan registry model with torch_on_tpu.")
 
 if __name__ == "__main__":
-  common.fire_main(main)
+  cli.fire_main(main)

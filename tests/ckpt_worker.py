@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from torch_on_tpu import xla_flags  # noqa: E402  (imports nothing heavy: set before jax starts)
+from torch_on_tpu.runtime import xla_flags  # noqa: E402  (imports nothing heavy: set before jax starts)
 
 xla_flags.simulate_cpu_devices(8, replace=False)
 
@@ -23,11 +23,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import transformers  # noqa: E402
+from torchax.interop import jax_view, torch_view  # noqa: E402
 
 import torch_on_tpu as tot  # noqa: E402
-from torch_on_tpu import checkpoint  # noqa: E402
+from torch_on_tpu.io import checkpoint  # noqa: E402
 from torch_on_tpu.models.hf import build_causal_lm  # noqa: E402
-from torchax.interop import jax_view, torch_view  # noqa: E402
 
 VOCAB, BATCH, SEQ = 128, 8, 16
 

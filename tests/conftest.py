@@ -1,7 +1,7 @@
 """Test session setup: 8 simulated CPU devices, set before jax is imported."""
 
 
-from torch_on_tpu import xla_flags  # noqa: E402  (imports nothing heavy: set before jax starts)
+from torch_on_tpu.runtime import xla_flags  # noqa: E402  (imports nothing heavy: set before jax starts)
 
 xla_flags.simulate_cpu_devices(8, replace=False)
 

@@ -5,10 +5,10 @@ flags (tests/test_process_faults.py, tools/fault_table.py)."""
 import os
 import sys
 
-from recipes import common, llama3
+from recipes import cli, llama3
 
 if __name__ == "__main__":
   index, _, flag = os.environ.get("TOT_TEST_EXTRA_FLAG", "").partition(":")
   if flag and os.environ.get("TOT_PROCESS_ID") == index:
     sys.argv.append(flag)
-  common.fire_main(llama3.main)
+  cli.fire_main(llama3.main)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import transformers
 
 import torch_on_tpu as tot  # noqa: F401
-from torch_on_tpu import _compat
+from torch_on_tpu.core import _compat
 from torch_on_tpu.models.hf import build_causal_lm  # noqa: F401 (tests use h.build_causal_lm)
 from torch_on_tpu.models.torchtitan import build_llama3
 

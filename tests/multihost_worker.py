@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from jax.experimental import multihost_utils
 
 import torch_on_tpu as tot
-from torch_on_tpu import checkpoint, data, export
+from torch_on_tpu.io import checkpoint, data, export
 from torch_on_tpu.models.torchtitan import llama3_config
 
 SEQ, BATCH, LAYERS = 16, 8, 2

@@ -16,9 +16,10 @@ import torch.utils._pytree as torch_pytree
 from torch.nn.attention.flex_attention import BlockMask
 
 import torch_on_tpu as tot
-from torch_on_tpu import _compat, attention
-from torch_on_tpu.mesh import data_axes
+from torch_on_tpu import attention
+from torch_on_tpu.core import _compat
 from torch_on_tpu.models import torchtitan as titan
+from torch_on_tpu.parallel.mesh import data_axes
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
@@ -441,7 +442,7 @@ def test_sinks_in_bf16_round_as_gpt_oss_out_transform_does():
   and the factor each rounded to bf16, then their product. The XLA kernel applies them in that
   order with those roundings, so a bf16 run computes what torchtitan's does (a sink folded into
   the softmax instead rounds once: a third of these elements one unit apart)."""
-  from torch_on_tpu import xla_flags
+  from torch_on_tpu.runtime import xla_flags
 
   t = {k: x.bfloat16() for k, x in qkv(b=2, hq=4, hkv=4, length=32, dim=16).items()}
   sinks = randn(4, seed=5).bfloat16()

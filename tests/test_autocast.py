@@ -14,10 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import torch_on_tpu as tot
-from torch_on_tpu import _compat
-from torch_on_tpu.lowerings import autocast
-
 from tests.helpers import rel
+from torch_on_tpu.core import _compat
+from torch_on_tpu.lowering.aten import autocast
 
 BF16 = torch.bfloat16
 

@@ -13,7 +13,7 @@ import torch.utils.checkpoint
 
 import torch_on_tpu as tot
 from tests import helpers as h
-from torch_on_tpu import _compat
+from torch_on_tpu.core import _compat
 
 Function = torch.autograd.Function
 

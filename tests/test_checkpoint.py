@@ -1,8 +1,8 @@
 """Checkpoints: orbax save/restore across meshes, atomicity, exact resume and
 preemption with real processes, safetensors export/import, mismatch safety."""
 
-import importlib
 import hashlib
+import importlib
 import json
 import os
 import random
@@ -24,11 +24,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import torch_on_tpu as tot
-from torch_on_tpu import checkpoint, export
+from tests import helpers as h
 from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.io import checkpoint, export
 from torch_on_tpu.models.hf import build_causal_lm
 from torch_on_tpu.models.torchtitan import llama3_config
-from tests import helpers as h
 
 TESTS = Path(__file__).parent
 WORKER = TESTS / "ckpt_worker.py"
@@ -568,7 +568,7 @@ def test_import_hf_weights_reads_only_each_devices_slice(tmp_path, monkeypatch):
     build_causal_lm(tiny_hf_config()), mesh=tot.make_mesh(fsdp=4, tp=2), sharding="fsdp_tp", abstract=True
   )
   reads, mapped = [], []
-  reader = importlib.import_module("torch_on_tpu.checkpoint.safetensors_import")
+  reader = importlib.import_module("torch_on_tpu.io.checkpoint.safetensors_import")
   real_pread, real_read_array = reader._SafetensorsFile._pread, reader._read_array
 
   def pread(self, offset, count):

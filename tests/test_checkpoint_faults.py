@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from torch_on_tpu import checkpoint, integrity, storage
+from torch_on_tpu.core import storage
 from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.io import checkpoint, integrity
 
 
 def state(value, n=64):
@@ -77,7 +78,7 @@ def test_a_damaged_newest_step_is_named_and_the_previous_one_restored(tmp_path, 
     with pytest.raises(TorchOnTpuError, match=rf"checkpoint at .*/2 is damaged \(.*{phrase}.*\); restore another step") as err:
       ckpt.restore(target(), step=2)
     assert "\n" not in str(err.value)
-    with caplog.at_level(logging.WARNING, logger="torch_on_tpu.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="torch_on_tpu.io.checkpoint"):
       restored = ckpt.restore(target())
   assert restored.step == 1 and restored.data == {"pos": 1}
   np.testing.assert_array_equal(restored.state["w"], np.full(64, 1.0))

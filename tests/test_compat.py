@@ -10,14 +10,14 @@ import textwrap
 import warnings
 
 import jax
-import optax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 
 import torch_on_tpu as tot
-from torch_on_tpu import _compat
+from torch_on_tpu.core import _compat
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
@@ -474,7 +474,7 @@ def _check_float8_dispatch():
   from torchao.float8.float8_training_tensor import LinearMMConfig
   from torchax.interop import torch_view
 
-  from torch_on_tpu import float8
+  from torch_on_tpu.lowering import float8
 
   float8.prepare(float8.convert(torch.nn.Linear(16, 16), "tensorwise"))
 
@@ -538,7 +538,7 @@ def test_internal_api_behaves_as_we_rely_on(name):
 
 
 def test_a_missing_extra_is_named_in_one_sentence(monkeypatch):
-  from torch_on_tpu import extras
+  from torch_on_tpu.core import extras
 
   monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError, as when not installed
   with pytest.raises(tot.TorchOnTpuError, match=r"The plot needs matplotlib, which is not installed; .*torch_on_tpu\[logging\]"):
@@ -551,7 +551,7 @@ def test_a_missing_extra_is_named_in_one_sentence(monkeypatch):
 
 
 def test_metrics_are_logged_without_the_logging_extra(tmp_path, monkeypatch):
-  from torch_on_tpu import metrics
+  from torch_on_tpu.training import metrics
 
   monkeypatch.setattr(metrics.importlib.util, "find_spec", lambda name: None)
   log = metrics.RunLog(tmp_path)

@@ -16,13 +16,14 @@ import torch
 import transformers
 
 import torch_on_tpu as tot
-from torch_on_tpu import mesh as mesh_lib
-from torch_on_tpu import metrics, sharding
 from torch_on_tpu.attention import context
 from torch_on_tpu.attention.routing import Attention
 from torch_on_tpu.attention.xla_flash import xla_attention, xla_attention_backward
-from torch_on_tpu.data import to_global
+from torch_on_tpu.io.data import to_global
 from torch_on_tpu.models.hf import build_causal_lm
+from torch_on_tpu.parallel import mesh as mesh_lib
+from torch_on_tpu.parallel import sharding
+from torch_on_tpu.training import metrics
 
 from . import helpers as h
 
@@ -268,7 +269,7 @@ def test_torchax_own_sdpa_lowering_is_refused_with_cp():
 def test_plan_splits_tokens_over_cp_and_suggests_a_cp_size():
   import optax
 
-  from torch_on_tpu import plan
+  from torch_on_tpu.training import plan
 
   def step_on(**axes):
     jm = tot.ShardedModule(h.hf("llama"), mesh=tot.make_mesh(**axes), abstract=True, scan=True)
@@ -290,7 +291,7 @@ def test_collective_bytes_count_loops_by_their_trip_count():
   """The compile report's collectives: an all-gather inside a 3-step loop counts 3 times."""
   from jax.sharding import PartitionSpec as P
 
-  from torch_on_tpu.collectives import collective_bytes
+  from torch_on_tpu.parallel.collectives import collective_bytes
 
   mesh = tot.make_mesh(cp=8)
 
@@ -307,11 +308,12 @@ def test_collective_bytes_count_loops_by_their_trip_count():
 
 
 def test_recipe_flag_builds_the_mesh_prints_cp_and_checks_the_sequence(tmp_path):
-  from recipes import common, llama3
+  from recipes import flags as recipe_flags
+  from recipes import llama3, runner
 
   flags = llama3.Llama3Flags(cp=4, seqlen=64, log_dir=str(tmp_path))
-  assert common.mesh_axes(flags) == {"fsdp": -1, "cp": 4, "tp": 1}
-  assert common.mesh_axes(llama3.Llama3Flags()) == {"fsdp": -1, "tp": 1}  # a cp-free run keeps its mesh
-  assert common.resolve(flags, llama3.recipe(flags))["cp"] == 4
+  assert recipe_flags.mesh_axes(flags) == {"fsdp": -1, "cp": 4, "tp": 1}
+  assert recipe_flags.mesh_axes(llama3.Llama3Flags()) == {"fsdp": -1, "tp": 1}  # a cp-free run keeps its mesh
+  assert runner.resolve(flags, llama3.recipe(flags))["cp"] == 4
   with pytest.raises(tot.TorchOnTpuError, match=r"--seqlen=60 does not split into 2\*cp=8 equal chunks"):
     llama3.run(llama3.Llama3Flags(cp=4, seqlen=60, log_dir=str(tmp_path)))

@@ -8,9 +8,9 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import torch_on_tpu as tot
-from torch_on_tpu import data
-from torch_on_tpu.data import tokenizer as tokenizer_lib
 from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.io import data
+from torch_on_tpu.io.data import tokenizer as tokenizer_lib
 
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega tensor shard mesh token".split()
 N_DOCS = 120

@@ -4,7 +4,7 @@ import re
 import subprocess
 import sys
 
-from torch_on_tpu import doctor
+from torch_on_tpu.runtime import doctor
 
 
 def _doctor(env_extra=None, tmp_path=None):

@@ -12,8 +12,9 @@ import transformers
 
 import torch_on_tpu as tot
 from tests import helpers as h
-from torch_on_tpu import data, export, lora
 from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.io import data, export
+from torch_on_tpu.training import lora
 
 TOL = 1e-5
 

@@ -6,11 +6,11 @@ import torch
 import torch.nn.functional as F
 
 import torch_on_tpu as tot
-from torch_on_tpu import metrics, models, plan
-from torch_on_tpu.trainer import default_split
-
 from tests import toy_family
 from tests.helpers import rel
+from torch_on_tpu import models
+from torch_on_tpu.training import metrics, plan
+from torch_on_tpu.training.trainer import default_split
 
 
 @pytest.fixture

@@ -16,9 +16,8 @@ from torchao.float8.float8_linear import Float8Linear
 
 import torch_on_tpu as tot
 from tests import helpers as h
-from torch_on_tpu import float8
+from torch_on_tpu.lowering import float8
 from torch_on_tpu.models.hf import build_causal_lm
-
 
 # the numerics tool's rows (tools/float8_parity.py): this file runs a slice of them with their bars
 parity = h.load_module(pathlib.Path(__file__).parent.parent / "tools" / "float8_parity.py")
@@ -157,7 +156,7 @@ def test_llama_models_train_as_torchao_emulates(model, recipe, lr):
 
 
 def test_recipes_convert_as_torchtitan_does_and_keep_every_name(tmp_path):
-  from recipes import common, hf, llama3
+  from recipes import hf, llama3, runner
 
   for impl in ("titan", "hf"):
     flags = llama3.Llama3Flags(model_impl=impl, float8="rowwise")
@@ -167,7 +166,7 @@ def test_recipes_convert_as_torchtitan_does_and_keep_every_name(tmp_path):
     converted = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
     linears = {n for n, m in plain.named_modules() if isinstance(m, torch.nn.Linear)}
     assert converted == linears - {"lm_head"} and converted, impl
-    assert common.resolve(flags, llama3.recipe(flags))["float8"] == "rowwise"  # printed with the run config
+    assert runner.resolve(flags, llama3.recipe(flags))["float8"] == "rowwise"  # printed with the run config
   # torchtitan's filter: a dim that is not a multiple of 16 stays in high precision
   config = transformers.LlamaConfig(
     vocab_size=256, hidden_size=64, intermediate_size=72, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2

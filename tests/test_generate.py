@@ -48,7 +48,7 @@ def test_top_k_samples_among_the_k_likeliest_reproducibly(llama):
 
 # ---- the KV cache (HF models) ---------------------------------------------------------
 
-gen = importlib.import_module("torch_on_tpu.generation")
+gen = importlib.import_module("torch_on_tpu.training.generation")
 
 
 def test_a_call_of_a_shape_already_seen_compiles_nothing(llama, monkeypatch):
@@ -141,7 +141,7 @@ def sliding_mistral(device="meta"):
 def test_a_cache_that_cannot_be_carried_falls_back_with_why(caplog):
   jm, ref = built(sliding_mistral)
   want, _ = eager_greedy(ref, 4)
-  with caplog.at_level(logging.INFO, logger="torch_on_tpu.generation"):
+  with caplog.at_level(logging.INFO, logger="torch_on_tpu.training.generation"):
     assert torch.equal(tot.generate(jm, PROMPT, max_new_tokens=4), want)
   assert "without the model's KV cache: its static cache has StaticSlidingWindowLayer layers" in caplog.text
   with pytest.raises(tot.TorchOnTpuError, match=r"generate\(cache=True\) cannot use this model's KV cache"):
@@ -158,7 +158,7 @@ def test_python_state_a_decode_step_changes_is_refused_not_replayed(llama, monke
     return update(self, *args, **kwargs)
 
   monkeypatch.setattr(StaticLayer, "update", counting)
-  with caplog.at_level(logging.INFO, logger="torch_on_tpu.generation"):
+  with caplog.at_level(logging.INFO, logger="torch_on_tpu.training.generation"):
     got = tot.generate(jm, PROMPT, max_new_tokens=3)
   assert "a decode step changes the cache's Python state (steps)" in caplog.text
   monkeypatch.undo()

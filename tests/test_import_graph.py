@@ -1,4 +1,5 @@
-"""torch_on_tpu's modules import each other one way, down the data flow: no cycles.
+"""torch_on_tpu's modules import each other one way, down the layers: no cycles, and no
+folder importing a folder above it (`LAYERS`, the table in docs/DESIGN.md).
 
 The graph counts every import statement in a module, at the top or inside a
 function (a deferred import is still a dependency; deferring it only hides a
@@ -11,6 +12,11 @@ from pathlib import Path
 
 PACKAGE = "torch_on_tpu"
 ROOT = Path(__file__).parent.parent / PACKAGE
+
+# The package's folders (and its one top-level module besides the facade), bottom to top: each
+# imports only its own layer and those below it. The facade `torch_on_tpu/__init__.py`, the
+# public API, stands above them all.
+LAYERS = ("errors", "core", "lowering", "runtime", "parallel", "models", "attention", "wrapper", "training", "io")
 
 
 def _module_names() -> dict[str, Path]:
@@ -107,6 +113,30 @@ def test_the_checker_sees_a_cycle_through_a_function_level_import():
   graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
   assert cycles(graph) == [["a", "b", "c"]]
   real = import_graph()
-  # lowerings defers nothing any more, but the graph reads function bodies: runtime's
-  # start-up imports lowerings inside setup().
-  assert "torch_on_tpu.lowerings" in real["torch_on_tpu.runtime"]
+  # the graph reads function bodies: runtime's start-up imports the lowerings inside setup().
+  assert "torch_on_tpu.lowering.aten" in real["torch_on_tpu.runtime.startup"]
+
+
+def layer(module: str) -> int:
+  """Where `module` stands in `LAYERS` (the facade: above them all)."""
+  parts = module.split(".")
+  return len(LAYERS) if len(parts) == 1 else LAYERS.index(parts[1])
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+  return sorted(f"{v} → {w}" for v, ws in graph.items() for w in ws if layer(w) > layer(v))
+
+
+def test_every_folder_of_the_package_is_a_layer():
+  entries = {p.stem for p in ROOT.iterdir() if (p.is_dir() and (p / "__init__.py").exists()) or p.suffix == ".py"}
+  assert entries - {"__init__"} == set(LAYERS), "add the new folder to LAYERS and to docs/DESIGN.md's table"
+
+
+def test_no_layer_imports_a_layer_above_it():
+  found = upward_imports(import_graph())
+  assert not found, "imports up the layers: " + "; ".join(found)
+
+
+def test_the_layer_check_sees_an_upward_import():
+  graph = {"torch_on_tpu.core.extras": {"torch_on_tpu.training.step"}, "torch_on_tpu.io.export": {"torch_on_tpu.core.extras"}}
+  assert upward_imports(graph) == ["torch_on_tpu.core.extras → torch_on_tpu.training.step"]

@@ -9,7 +9,7 @@ import torch
 
 import torch_on_tpu as tot
 from tests import helpers as h
-from torch_on_tpu import lora
+from torch_on_tpu.training import lora
 
 
 def ce(out, labels):

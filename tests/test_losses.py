@@ -14,9 +14,9 @@ import torch.nn.functional as F
 import transformers
 
 import torch_on_tpu as tot
-from torch_on_tpu import _compat, losses
-
 from tests import helpers as h
+from torch_on_tpu.core import _compat
+from torch_on_tpu.training import losses
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402

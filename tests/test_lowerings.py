@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torch_on_tpu as tot
-from torch_on_tpu import _compat
+from torch_on_tpu.core import _compat
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402

@@ -155,7 +155,7 @@ class _Sharding:
 
 
 def test_init_chunks_grow_with_accelerator_memory_and_stay_small_on_cpu():
-  from torch_on_tpu import materialize
+  from torch_on_tpu.wrapper import materialize
 
   floor = materialize.INIT_CHUNK_BYTES
   gpu = [_Device("gpu", {"bytes_limit": 64 * 2**30})]
@@ -169,7 +169,7 @@ def test_init_chunks_grow_with_accelerator_memory_and_stay_small_on_cpu():
 
 def test_chunking_does_not_change_the_values():
   """One jit per parameter and one jit for all: the same traced program, the same numbers."""
-  from torch_on_tpu import materialize
+  from torch_on_tpu.wrapper import materialize
 
   budget = materialize.INIT_CHUNK_BYTES
   try:
@@ -191,7 +191,7 @@ def test_init_compiles_once_per_kind_of_tensor_not_per_layer(caplog):
     config = h.hf_config()
     config.num_hidden_layers = layers
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="torch_on_tpu.materialize"):
+    with caplog.at_level(logging.INFO, logger="torch_on_tpu.wrapper.materialize"):
       tot.ShardedModule(h.build_causal_lm(config), mesh=tot.make_mesh(fsdp=8))
     (message,) = [r.getMessage() for r in caplog.records if "compiled programs" in r.getMessage()]
     counts.append(int(message.split(" from ")[1].split()[0]))

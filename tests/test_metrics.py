@@ -6,10 +6,10 @@ import pytest
 import torch
 import transformers
 
-from torch_on_tpu import metrics
 from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.models.hf import build_causal_lm
 from torch_on_tpu.models.torchtitan import build_llama3, llama3_config
+from torch_on_tpu.training import metrics
 
 
 def test_llama3_flops_match_torchtitans_own_count():

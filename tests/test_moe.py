@@ -18,7 +18,7 @@ import transformers
 
 import torch_on_tpu as tot
 from tests import helpers as h
-from torch_on_tpu.lowerings import model_ops
+from torch_on_tpu.lowering.aten import model_ops
 
 COMMON = dict(
   vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -134,7 +134,7 @@ def test_blocked_ragged_matmul_matches_ragged_dot_and_pads_at_most_a_block_per_g
   import jax
   import jax.numpy as jnp
 
-  from torch_on_tpu import ragged
+  from torch_on_tpu.lowering import ragged
 
   rows, groups = sum(sizes) + 4, len(sizes)  # 4 rows past the last group
   rng = np.random.RandomState(0)

@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from tests import helpers as h
-from torch_on_tpu import distributed, health, launch
 from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.runtime import distributed, health, launch
 
 ROOT = Path(__file__).parent.parent
 WORKER = Path(__file__).parent / "multihost_worker.py"

@@ -11,12 +11,14 @@ import pytest
 import torch
 
 import torch_on_tpu as tot
-from torch_on_tpu import checkpoint, pipeline, plan
-from torch_on_tpu.checkpoint import training_state
-from torch_on_tpu.errors import TorchOnTpuError
 from tests import helpers as h
 from tests.test_checkpoint import randomized, tiny_titan
 from tests.test_scan import IndexedStack
+from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.io import checkpoint
+from torch_on_tpu.io.checkpoint import training_state
+from torch_on_tpu.parallel import pipeline
+from torch_on_tpu.training import plan
 
 parity = h.load_module("tools/pp_parity.py")
 bench = h.load_module("tools/bench_pp.py")
@@ -172,17 +174,18 @@ def test_the_plan_and_the_compile_report_give_the_bubble_and_the_plan_suggests_s
 
 
 def test_recipe_flags_resolve_the_microbatches_and_refuse_what_cannot_run():
-  from recipes import common, llama3
+  from recipes import flags as recipe_flags
+  from recipes import llama3, runner
 
   recipe = llama3.recipe(llama3.Llama3Flags())
-  assert common.resolve(llama3.Llama3Flags(pp=4, global_batch_size=24), recipe)["microbatches"] == 12
-  assert common.resolve(llama3.Llama3Flags(pp=2, global_batch_size=16, grad_accum=2), recipe)["microbatches"] == 8
-  assert common.resolve(llama3.Llama3Flags(pp=2, microbatches=2), recipe)["microbatches"] == 2
-  assert list(common.mesh_axes(llama3.Llama3Flags(pp=2, cp=1))) == ["pp", "fsdp", "tp"]  # stages outermost
+  assert runner.resolve(llama3.Llama3Flags(pp=4, global_batch_size=24), recipe)["microbatches"] == 12
+  assert runner.resolve(llama3.Llama3Flags(pp=2, global_batch_size=16, grad_accum=2), recipe)["microbatches"] == 8
+  assert runner.resolve(llama3.Llama3Flags(pp=2, microbatches=2), recipe)["microbatches"] == 2
+  assert list(recipe_flags.mesh_axes(llama3.Llama3Flags(pp=2, cp=1))) == ["pp", "fsdp", "tp"]  # stages outermost
   for flags, match in [
     (llama3.Llama3Flags(pp=2, microbatches=3, global_batch_size=8), r"--microbatches=3 does not divide the 8 rows"),
     (llama3.Llama3Flags(microbatches=4), r"give --pp=N"),
     (llama3.Llama3Flags(pp=2, cp=2), r"--pp=2 and --cp=2 do not compose yet"),
   ]:
     with pytest.raises(TorchOnTpuError, match=match):
-      common.check_flags(flags)
+      recipe_flags.check_flags(flags)

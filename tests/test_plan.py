@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import torch_on_tpu as tot
-from torch_on_tpu import plan
 from torch_on_tpu.models.torchtitan import build_llama3
+from torch_on_tpu.training import plan
 
 SHAPE = plan.DecoderShape(layers=2, dim=64, ffn_dim=128, heads=4, kv_heads=2, head_dim=16, vocab=512)
 
@@ -102,7 +102,7 @@ def _planned_and_compiled(scan, remat, batch, seq, compute_dtype=None):
   import jax.numpy as jnp
   import torch.nn.functional as F
 
-  from torch_on_tpu import remat as remat_lib
+  from torch_on_tpu.lowering import remat as remat_lib
 
   mesh = tot.make_mesh(fsdp=1, devices=jax.devices()[:1])
   model = build_llama3("debugmodel", attention="sdpa", max_seq_len=seq)

@@ -22,10 +22,11 @@ import jax
 import numpy as np
 
 import torch_on_tpu as tot
-
 from tests.test_checkpoint_faults import tmpfs
 from tests.test_multihost import clean_env
-from torch_on_tpu import checkpoint, fingerprint, health, launch, storage
+from torch_on_tpu.core import storage
+from torch_on_tpu.io import checkpoint
+from torch_on_tpu.runtime import fingerprint, health, launch
 
 ROOT = Path(__file__).parent.parent
 HEARTBEAT_S = 10  # TOT_HEARTBEAT_TIMEOUT for these runs (default 20)
@@ -206,9 +207,9 @@ def test_a_difference_is_named_by_its_first_entry():
     "--lr=0.001 there, --lr=0.003 on process 0"
   )
   ours, theirs = fingerprint.code(), fingerprint.code()
-  assert "torch_on_tpu/trainer.py" in ours["files"] and ours["versions"]["jax"]
-  theirs["files"]["torch_on_tpu/trainer.py"] = "0" * 16
-  assert fingerprint._difference("code", theirs, ours) == "torch_on_tpu/trainer.py differs"
+  assert "torch_on_tpu/training/trainer.py" in ours["files"] and ours["versions"]["jax"]
+  theirs["files"]["torch_on_tpu/training/trainer.py"] = "0" * 16
+  assert fingerprint._difference("code", theirs, ours) == "torch_on_tpu/training/trainer.py differs"
   theirs = {**ours, "versions": {**ours["versions"], "jax": "0.0.1"}}
   assert fingerprint._difference("code", theirs, ours) == f"jax 0.0.1 there, {ours['versions']['jax']} on process 0"
   assert fingerprint._difference("data", {"seed": 1}, {"seed": 0}) == "seed=1 there, seed=0 on process 0"

@@ -19,9 +19,10 @@ import types
 
 import pytest
 
-from recipes import common
+from recipes import cli
+from recipes.flags import check_flags
 from tests import helpers as h
-from torch_on_tpu import launch
+from torch_on_tpu.runtime import launch
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
@@ -155,7 +156,7 @@ def check_python(args: list[str]) -> None:
 def recipe_flags(module: str, args: list[str], *, read_files: bool = True, mesh=None):
   """The recipe's flags as its command line parses them, through its start-up checks (None for --help)."""
   flags_cls = importlib.import_module(module).main.flags_cls
-  parsed = common.parse_argv(args, flags_cls)
+  parsed = cli.parse_argv(args, flags_cls)
   if any(a in ("-h", "--help") for a in parsed):
     return None
   values = {}
@@ -163,9 +164,9 @@ def recipe_flags(module: str, args: list[str], *, read_files: bool = True, mesh=
     name, _, literal = item[2:].partition("=")
     values[name] = ast.literal_eval(literal)
   flags = flags_cls(**values)
-  common.check_flags(flags, read_files=read_files)
+  check_flags(flags, read_files=read_files)
   if mesh is not None:
-    common.check_flags(flags, mesh)
+    check_flags(flags, mesh)
   return flags
 
 

@@ -1,6 +1,7 @@
 """The recipes end to end on tiny configs, called in-process (the compile cache is shared):
 train, resume, eval, dry run, a plan that does not fit, a run-time OOM, HF + LoRA, --help."""
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -15,10 +16,12 @@ import torch
 import transformers
 
 import torch_on_tpu as tot
-from recipes import common, hf, llama3
+from recipes import cli, hf, llama3, runner
+from recipes import flags as recipe_flags
 from tests import helpers as h
-from torch_on_tpu import checkpoint, data, lora
-from torch_on_tpu import remat as remat_lib
+from torch_on_tpu.io import checkpoint, data
+from torch_on_tpu.lowering import remat as remat_lib
+from torch_on_tpu.training import lora
 
 ROOT = pathlib.Path(__file__).parent.parent
 TINY = dict(seqlen=32, global_batch_size=8, lr=1e-2, warmup_steps=2, eval_batches=2)
@@ -90,7 +93,7 @@ def test_a_small_corpus_trains_without_eval_and_a_finished_run_only_samples(tmp_
   assert f"already holds step 1 of --steps=1; sampling from it.\n" in out.out and again["sample"] == first["sample"]
   assert "trained" not in out.out and "%|" not in out.err  # no training summary, no progress bar
 
-  monkeypatch.setattr(common, "_run", lambda *args: pytest.fail("built the model"))
+  monkeypatch.setattr(runner, "_run", lambda *args: pytest.fail("built the model"))
   done = llama3.run(titan_flags(tmp_path, steps=1))  # relaunched after it finished, without --sample
   assert done["finished"] and done["last_step"] == 1
   assert capsys.readouterr().out.splitlines() == [
@@ -156,12 +159,12 @@ def test_an_out_of_memory_error_at_run_time_is_reported_with_the_plan(tmp_path, 
 def test_a_full_disk_reaching_the_recipe_is_a_storage_error_not_device_memory(tmp_path):
   config = {"log_dir": str(tmp_path / "log"), "ckpt_dir": str(tmp_path / "ckpt")}
   full = OSError(28, "No space left on device", str(tmp_path / "metrics.jsonl"))
-  message = common._run_error_message(full, None, None, config)
+  message = runner._run_error_message(full, None, None, config)
   assert message.startswith(f"Could not write a file of the run to {tmp_path / 'metrics.jsonl'}: the filesystem is full (")
   tensorstore = ValueError("RESOURCE_EXHAUSTED: Failed writing: No space left on device [os_error_code='28']")
-  message = common._run_error_message(tensorstore, None, None, config)
+  message = runner._run_error_message(tensorstore, None, None, config)
   assert "the log directory" in message and str(tmp_path / "ckpt") in message and "device memory" not in message
-  assert common._run_error_message(ValueError("shapes differ"), None, None, config) is None
+  assert runner._run_error_message(ValueError("shapes differ"), None, None, config) is None
   # A sentence the checkpointer already made (from a tensorstore error) is not made again with another path.
   try:
     try:
@@ -169,7 +172,7 @@ def test_a_full_disk_reaching_the_recipe_is_a_storage_error_not_device_memory(tm
     except ValueError:
       raise tot.TorchOnTpuError("Could not write checkpoint step 3 to /ckpt: the filesystem is full.") from None
   except tot.TorchOnTpuError as named:
-    assert common._run_error_message(named, None, None, config) is None
+    assert runner._run_error_message(named, None, None, config) is None
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +190,6 @@ def hf_dir(tmp_path_factory):
 
 def test_hf_lora_trains_only_the_adapters_and_exports(tmp_path, hf_dir, caplog, capsys, recwarn):
   import peft
-
   from safetensors.torch import load_file
 
   pretrained = load_file(hf_dir / "model.safetensors")
@@ -195,7 +197,7 @@ def test_hf_lora_trains_only_the_adapters_and_exports(tmp_path, hf_dir, caplog, 
     config=str(hf_dir), weights=str(hf_dir), lora_rank=4, log_dir=str(tmp_path / "lora"),
     steps=10, eval_every=10, scan=False, sample="The cat", **{**TINY, "lr": 1e-1},
   )
-  with caplog.at_level(logging.INFO, logger="torch_on_tpu.generation"):
+  with caplog.at_level(logging.INFO, logger="torch_on_tpu.training.generation"):
     summary = hf.run(flags)
   assert len(summary["sample"]) > 10 and "without the model's KV cache" not in caplog.text  # the cache served it
   assert np.mean(losses(summary)[-3:]) < losses(summary)[0]
@@ -288,7 +290,7 @@ def test_library_errors_name_the_flag_that_sets_their_argument(tmp_path):
   corpus = str(tmp_path / "notes.jsonl")
   with pytest.raises(tot.TorchOnTpuError, match=r"has no field 'text' \(a record has fields \['body'\]\); name one of those with field\.$"):
     data.source(corpus).read(0)
-  with errors.spoken_as_flags(common.flag_spelling(hf.HFFlags)):
+  with errors.spoken_as_flags(recipe_flags.flag_spelling(hf.HFFlags)):
     with pytest.raises(tot.TorchOnTpuError, match=r"name one of those with --data_field\.$"):
       data.source(corpus).read(0)
     assert errors.args({"fsdp": 4, "scan": False, "remat": "full", "overwrite": True}) == "--fsdp=4 --scan=false --remat=full overwrite=True"
@@ -321,7 +323,7 @@ def test_help_lists_every_flag_with_its_default():
     env={"PAGER": "cat", "PATH": "/usr/bin:/bin"}, timeout=120,
   )
   out = done.stdout + done.stderr  # fire writes help to stderr when it is not a terminal
-  for field in common.dataclasses.fields(llama3.Llama3Flags):
+  for field in dataclasses.fields(llama3.Llama3Flags):
     assert f"--{field.name}=" in out, field.name
     assert field.metadata["help"].split(" (")[0][:30] in " ".join(out.split())
   assert "Default: 'debugmodel'" in out and "Default: 128" in out
@@ -340,16 +342,16 @@ def test_command_line_mistakes_exit_2_in_one_sentence_before_anything_is_built()
     (["--lr", "fast"], "--lr=fast is not a number"),
     (["train"], "Unexpected argument 'train'"),
   ]:
-    with pytest.raises(common.FlagError, match=message):
-      common.parse_argv(argv, llama3.Llama3Flags)
-  with pytest.raises(common.FlagError, match="Unknown flag --lora_rnak; did you mean --lora_rank"):
-    common.parse_argv(["--lora_rnak=4"], hf.HFFlags)
+    with pytest.raises(cli.FlagError, match=message):
+      cli.parse_argv(argv, llama3.Llama3Flags)
+  with pytest.raises(cli.FlagError, match="Unknown flag --lora_rnak; did you mean --lora_rank"):
+    cli.parse_argv(["--lora_rnak=4"], hf.HFFlags)
 
 
 def test_flags_reach_the_recipe_with_their_types():
   seen = []
-  main = common.cli(hf.HFFlags, seen.append, "test")
-  common.fire_main(main, ["--scan=false", "--noresume", "--global-batch-size", "4", "--lora_targets=q_proj,v_proj", "--data=None", "--lr=1e-3"])
+  main = cli.cli(hf.HFFlags, seen.append, "test")
+  cli.fire_main(main, ["--scan=false", "--noresume", "--global-batch-size", "4", "--lora_targets=q_proj,v_proj", "--data=None", "--lr=1e-3"])
   flags = seen[0]
   assert (flags.scan, flags.resume, flags.global_batch_size) == (False, False, 4)
   assert (flags.lora_targets, flags.data, flags.lr) == ("q_proj,v_proj", None, 1e-3)
@@ -357,14 +359,14 @@ def test_flags_reach_the_recipe_with_their_types():
 
 def test_compile_cache_is_on_by_default_and_can_be_turned_off(tmp_path, monkeypatch):
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-  recipe = common.Recipe(name="r", build=None, family="titan")
-  assert common.resolve(llama3.Llama3Flags(), recipe)["compile_cache"] == str(tmp_path / "torch_on_tpu" / "jax")
-  assert common.resolve(llama3.Llama3Flags(compile_cache="off"), recipe)["compile_cache"] is None
-  assert common.resolve(llama3.Llama3Flags(compile_cache="none"), recipe)["compile_cache"] is None
+  recipe = runner.Recipe(name="r", build=None, family="titan")
+  assert runner.resolve(llama3.Llama3Flags(), recipe)["compile_cache"] == str(tmp_path / "torch_on_tpu" / "jax")
+  assert runner.resolve(llama3.Llama3Flags(compile_cache="off"), recipe)["compile_cache"] is None
+  assert runner.resolve(llama3.Llama3Flags(compile_cache="none"), recipe)["compile_cache"] is None
   session = jax.config.jax_compilation_cache_dir  # the test session's own cache (conftest)
-  assert common._use_compile_cache(str(tmp_path / "c")) == session  # a cache already chosen wins
+  assert runner._use_compile_cache(str(tmp_path / "c")) == session  # a cache already chosen wins
   jax.config.update("jax_compilation_cache_dir", None)
   try:
-    assert common._use_compile_cache(str(tmp_path / "c")) == str(tmp_path / "c")
+    assert runner._use_compile_cache(str(tmp_path / "c")) == str(tmp_path / "c")
   finally:
     jax.config.update("jax_compilation_cache_dir", session)

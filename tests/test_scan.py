@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import torch_on_tpu as tot
-from torch_on_tpu import scan as scan_lib
 from tests import helpers as h
 from tests.helpers import jax_view, torch_view
+from torch_on_tpu.wrapper import scan as scan_lib
 
 CASES = [
   ("titan", h.titan, dict(fsdp=8), "fsdp"),

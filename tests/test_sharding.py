@@ -7,8 +7,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import torch_on_tpu as tot
-from torch_on_tpu import sharding as sh
 from tests import helpers as h
+from torch_on_tpu.parallel import sharding as sh
 
 TENSORS = [
   sh.TensorInfo("tok_embeddings.weight", (2048, 256)),

@@ -14,8 +14,10 @@ import torch
 
 import torch_on_tpu as tot
 from tests.test_checkpoint_faults import tmpfs
-from torch_on_tpu import data, export, metrics, storage
+from torch_on_tpu.core import storage
 from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.io import data, export
+from torch_on_tpu.training import metrics
 
 
 def one_sentence(message: str) -> bool:
@@ -70,7 +72,7 @@ def test_a_compile_cache_that_cannot_be_written_is_said_once_and_its_cut_entries
   storage.watch_compile_cache(cache)
   show = storage._show_warning(lambda *args: shown.append(args))
   full = "Error writing persistent compilation cache entry for 'jit_g': OSError: [Errno 28] No space left on device"
-  with caplog.at_level(logging.WARNING, logger="torch_on_tpu.storage"):
+  with caplog.at_level(logging.WARNING, logger="torch_on_tpu.core.storage"):
     for _ in range(3):
       show(UserWarning(full), UserWarning, "compiler.py", 833)
     show(UserWarning("something else"), UserWarning, "x.py", 1)
@@ -85,7 +87,7 @@ def test_a_tokenizer_cache_on_a_full_disk_is_said_and_the_run_goes_on(tmp_path, 
   texts = tmp_path / "corpus.txt"
   texts.write_text("\n".join(f"document {i} about torch and jax on tpus" for i in range(400)))
   corpus = data.source(str(texts))
-  with tmpfs(tmp_path / "disk", size="4k") as disk, caplog.at_level(logging.WARNING, logger="torch_on_tpu.storage"):
+  with tmpfs(tmp_path / "disk", size="4k") as disk, caplog.at_level(logging.WARNING, logger="torch_on_tpu.core.storage"):
     tokenizer = data.build_tokenizer(None, vocab_size=300, corpus=corpus, cache_dir=disk)
     assert tokenizer.decode(tokenizer.encode_batch(["document 7 about jax"])[0]) == "document 7 about jax"
     assert [p.name for p in (disk / "tokenizers").iterdir()] == []  # no partial file

@@ -15,7 +15,8 @@ import torch
 
 import torch_on_tpu as tot
 from tests import helpers as h
-from torch_on_tpu import metrics, models
+from torch_on_tpu import models
+from torch_on_tpu.training import metrics
 
 tp = h.titan_parity()
 
@@ -177,7 +178,7 @@ def _export_and_compare_logits(jm, tmp_path, seq, tolerance=1e-5, auto="AutoMode
 def _export_and_load(jm, tmp_path, auto="AutoModelForCausalLM"):
   import transformers
 
-  from torch_on_tpu import export
+  from torch_on_tpu.io import export
 
   export.export(jm, tmp_path / "hf")
   model = getattr(transformers, auto).from_pretrained(tmp_path / "hf", dtype=torch.float32)
@@ -268,7 +269,7 @@ def test_qwen3_5s_vision_encoder_is_written_in_hf_layout(tmp_path, hf_gated_delt
   approximation there, which no HF config can express: docs/checkpoints.md)."""
   import transformers
 
-  from torch_on_tpu import export
+  from torch_on_tpu.io import export
 
   config = tiny("qwen3_5:debugmodel", layers=4)
   jm = tp.wrap(config, "forward")
@@ -298,8 +299,9 @@ def test_a_qwen3_5_hf_cannot_express_is_refused():
 def test_an_adapter_that_drops_a_parameter_is_refused(tmp_path, monkeypatch):
   """An adapter out of date with its model (torchtitan 0.3.0's gpt-oss adapter knows its experts
   as `mlp1_weight`, the model names them `mlp1_weight_EGD`) would write an incomplete directory."""
-  from torch_on_tpu import export
   from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+  from torch_on_tpu.io import export
 
   original = Qwen3StateDictAdapter.to_hf
   monkeypatch.setattr(
@@ -362,8 +364,9 @@ def test_softmax_routed_deepseek_exports_as_hf_deepseek_v2_with_our_logits(spec,
   """DeepSeek-V3's debugmodel (and 16B) routes by softmax over all experts, unnormalised: HF's
   DeepSeek-V2 (MLA, interleaved RoPE, YaRN with mscale 0.7 in the softmax scale, a dense first
   layer, shared experts); named by torchtitan's own adapter. Kimi's text model is the same decoder."""
-  import transformers
   import importlib
+
+  import transformers
 
   config = _deepseek(spec)
   jm = tp.wrap(config, "forward")
@@ -475,7 +478,7 @@ def _exact_vision_gelu(config):
   (lambda: _exact_vision_gelu(tiny("kimi_k2_7:debugmodel", layers=3)), "Kimi-K2.5: its vision GELUs are not HF's"),
 ], ids=["softmax_groups", "mtp", "kimi_vision_softmax_groups", "kimi_vision_exact_gelu"])
 def test_a_deepseek_hf_cannot_express_is_refused(make, refusal, tmp_path):
-  from torch_on_tpu import export
+  from torch_on_tpu.io import export
 
   with torch.device("meta"):
     model = make().build()

@@ -22,8 +22,10 @@ import torch.nn.functional as F
 
 import torch_on_tpu as tot
 from tests import helpers as h
-from torch_on_tpu import _compat, models
+from torch_on_tpu import models
+from torch_on_tpu.core import _compat
 from torch_on_tpu.models import torchtitan as titan
+from torch_on_tpu.models.torchtitan import attention as titan_attention
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
@@ -255,11 +257,10 @@ class _Attend(torch.nn.Module):
 def test_gpt_oss_sinks_and_sliding_window_reach_the_kernel():
   """gpt-oss's own Attention (flex backend, window 16, learned sinks, GQA, YaRN-free RoPE)
   at sequence 40: forward and every gradient, the sinks' included, against eager."""
-  from torchtitan.models import gpt_oss
-  from torchtitan.models.common.rope import CosSinRoPE
-
   from torch.nn.attention.flex_attention import and_masks
+  from torchtitan.models import gpt_oss
   from torchtitan.models.common import attention
+  from torchtitan.models.common.rope import CosSinRoPE
 
   rope = CosSinRoPE.Config(dim=16, max_seq_len=64, theta=150000.0)
   config = gpt_oss._make_gptoss_attn_config(
@@ -358,7 +359,7 @@ def test_gpt_oss_default_varlen_attention_takes_its_window_and_sinks(caplog):
     return flex(x, attention.create_attention_mask(and_masks(*mods), 8, None, LENGTH, LENGTH, device="cpu"), positions).detach()
 
   jm = tot.ShardedModule(copy.deepcopy(varlen), mesh=tot.make_mesh(fsdp=8), attention="xla")
-  titan._say_varlen_lse_gradient.cache_clear()
+  titan_attention._say_varlen_lse_gradient.cache_clear()
   with caplog.at_level("WARNING", logger="torch_on_tpu.models.torchtitan"):
     ours = tot.to_cpu(jm(x, masks, positions))
   assert "torch's varlen_attn backward on CUDA drops that gradient" in caplog.text

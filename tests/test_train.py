@@ -12,7 +12,7 @@ import torch
 import transformers
 
 import torch_on_tpu as tot
-from torch_on_tpu import remat as remat_lib
+from torch_on_tpu.lowering import remat as remat_lib
 from torch_on_tpu.models.hf import build_causal_lm
 from torch_on_tpu.models.torchtitan import llama3_config
 
@@ -240,7 +240,7 @@ def test_state_keeps_its_shardings_and_scalars_are_replicated():
 def test_batch_shape_change_reports_the_recompilation(caplog):
   jm = tiny()
   step = tot.make_train_step(jm, ce_loss, adamw())
-  with caplog.at_level(logging.WARNING, logger="torch_on_tpu.train"):
+  with caplog.at_level(logging.WARNING, logger="torch_on_tpu.training.step"):
     step(*tiny_batch(seqlen=16))
     step(*tiny_batch(seqlen=16, seed=1))
     assert "recompiles" not in caplog.text
@@ -248,7 +248,7 @@ def test_batch_shape_change_reports_the_recompilation(caplog):
   lines = [r.getMessage() for r in caplog.records if "recompiles" in r.getMessage()]
   assert lines == ["Train step recompiles: inputs shape (8, 16) → (8, 8)."]
   caplog.clear()
-  with caplog.at_level(logging.WARNING, logger="torch_on_tpu.train"):
+  with caplog.at_level(logging.WARNING, logger="torch_on_tpu.training.step"):
     x, y = tiny_batch(seqlen=8)
     step(x, y.to(torch.int16))
   assert "labels dtype int32 → int16" in caplog.text
@@ -262,7 +262,7 @@ def test_compile_ahead_then_call_does_not_recompile(caplog):
   assert report.flops > 0 and report.temp_bytes > 0 and report.argument_bytes > 0
   assert report.alias_bytes > 0  # donated state is written in place
   assert "GFLOP" in str(report)
-  with caplog.at_level(logging.INFO, logger="torch_on_tpu.train"):
+  with caplog.at_level(logging.INFO, logger="torch_on_tpu.training.step"):
     step(x, y)
   assert "compiled" not in caplog.text and len(step._executables) == 1
 

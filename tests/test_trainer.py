@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import torch_on_tpu as tot
-from torch_on_tpu import metrics
-from torch_on_tpu import trainer as trainer_lib
+from torch_on_tpu.training import metrics
+from torch_on_tpu.training import trainer as trainer_lib
 
 VOCAB = 512
 
@@ -210,7 +210,7 @@ def test_default_split_needs_input_ids_and_labels():
 
 
 def test_resume_through_the_checkpoint_module_continues_exactly(tmp_path):
-  from torch_on_tpu.checkpoint import Checkpointer
+  from torch_on_tpu.io.checkpoint import Checkpointer
 
   log = tmp_path / "log"
   with Checkpointer(tmp_path / "ckpt", save_every=2) as ckpt:

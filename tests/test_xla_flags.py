@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from torch_on_tpu import xla_flags
 from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.runtime import xla_flags
 
 YNN = "--xla_cpu_experimental_ynn_fusion_type"
 DEFAULTS = f"{YNN}="
@@ -92,7 +92,7 @@ def test_late_setup_says_the_defaults_did_not_apply(caplog):
 
   jax.devices()  # this process's backend is running
   environ = {}
-  with caplog.at_level(logging.INFO, logger="torch_on_tpu.xla_flags"):
+  with caplog.at_level(logging.INFO, logger="torch_on_tpu.runtime.xla_flags"):
     xla_flags.apply_defaults(environ)
   assert environ["XLA_FLAGS"] == DEFAULTS
   assert "call tot.setup() first" in caplog.text

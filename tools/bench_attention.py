@@ -42,7 +42,8 @@ def cpu_worker(cfg: dict) -> dict:
   import jax.numpy as jnp
   import torch.nn.functional as F
 
-  from torch_on_tpu import _compat, attention
+  from torch_on_tpu import attention
+  from torch_on_tpu.core import _compat
 
   torchax = _compat.import_torchax()
   from torchax.interop import jax_view, torch_view

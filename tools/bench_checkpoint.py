@@ -18,8 +18,7 @@ and while the big model's async save is being written: on a 24 GB host the
 
 from __future__ import annotations
 
-
-from torch_on_tpu import xla_flags  # noqa: E402  (imports nothing heavy: set before jax starts)
+from torch_on_tpu.runtime import xla_flags  # noqa: E402  (imports nothing heavy: set before jax starts)
 
 xla_flags.simulate_cpu_devices(8, replace=False)
 
@@ -34,16 +33,15 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 import torch  # noqa: E402
-
-import torch_on_tpu as tot  # noqa: E402
-from torch_on_tpu import checkpoint, export  # noqa: E402
-from torch_on_tpu.models.torchtitan import build_llama3  # noqa: E402
+from peak_rss import PeakRss, rss  # noqa: E402  (tools/ is on sys.path when run as a script)
 from torchax.interop import jax_view, torch_view  # noqa: E402
 
-from peak_rss import PeakRss, rss  # noqa: E402  (tools/ is on sys.path when run as a script)
+import torch_on_tpu as tot  # noqa: E402
+from torch_on_tpu.io import checkpoint, export  # noqa: E402
+from torch_on_tpu.models.torchtitan import build_llama3  # noqa: E402
 
 MB = 2**20
 

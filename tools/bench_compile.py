@@ -35,7 +35,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
   args = parse_args(argv)
-  from torch_on_tpu import xla_flags
+  from torch_on_tpu.runtime import xla_flags
 
   xla_flags.simulate_cpu_devices(args.devices)
 

@@ -16,7 +16,7 @@ contiguous, and their spread.
 allocation) on as many simulated devices as the slice has chips, then tokens/s
 per chip from the step's model FLOPs (the `causal` convention, x4/3 with full
 remat; XLA's cost analysis counts a loop body once), the collective bytes of
-the compiled step (loops counted by trip count, `torch_on_tpu.collectives`),
+the compiled step (loops counted by trip count, `torch_on_tpu.parallel.collectives`),
 and the chip's bf16 peak and ICI bandwidth: step time = max(FLOPs / (peak x
 EFFICIENCY), bytes / (ICI / 2)). A projection for a TPU from a CPU compile:
 the XLA attention kernel stands in for splash, and XLA CPU's partitioner
@@ -38,7 +38,7 @@ CPS = (1, 2, 4)
 
 
 def memory(args) -> int:
-  from torch_on_tpu import xla_flags
+  from torch_on_tpu.runtime import xla_flags
 
   xla_flags.simulate_cpu_devices(max(CPS), replace=False)
   import jax
@@ -47,8 +47,8 @@ def memory(args) -> int:
   import torch.nn.functional as F
 
   import torch_on_tpu as tot
-  from torch_on_tpu import metrics
   from torch_on_tpu.models import torchtitan as titan
+  from torch_on_tpu.training import metrics
 
   tot.setup()
 

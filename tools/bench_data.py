@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from torch_on_tpu import xla_flags  # noqa: E402  (imports nothing heavy: set before jax starts)
+from torch_on_tpu.runtime import xla_flags  # noqa: E402  (imports nothing heavy: set before jax starts)
 
 xla_flags.simulate_cpu_devices(8, replace=False)
 
@@ -23,7 +23,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import torch_on_tpu as tot  # noqa: E402
-from torch_on_tpu import _compat, data  # noqa: E402
+from torch_on_tpu.core import _compat  # noqa: E402
+from torch_on_tpu.io import data  # noqa: E402
 from torch_on_tpu.models.torchtitan import build_llama3  # noqa: E402
 
 torchax = _compat.import_torchax()

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
 
   import torch_on_tpu as tot
 
-  gen = importlib.import_module("torch_on_tpu.generation")
+  gen = importlib.import_module("torch_on_tpu.training.generation")
   config = transformers.LlamaConfig(
     vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=args.dim * 8 // 3, num_hidden_layers=args.layers,
     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=args.prompt + args.new,

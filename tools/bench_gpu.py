@@ -24,7 +24,7 @@ so the losses of the first step agree to bf16 rounding.
 
 `--float8=RECIPE` runs each runner a second time (`<runner>+float8`) with the model's
 linears converted to torchao's `Float8Linear` for that recipe by torchtitan's converter
-(`torch_on_tpu.float8.convert`: the output head stays bf16), ours lowered to XLA's fp8
+(`torch_on_tpu.lowering.float8.convert`: the output head stays bf16), ours lowered to XLA's fp8
 dots, PyTorch's on `torch._scaled_mm`; "vs bf16" is a run's speed over the same runner's
 without float8, "vs compile" over `compile` of the same precision.
 
@@ -33,7 +33,7 @@ Each (runner, shape) runs in its own process, one after another, so JAX and PyTo
 never hold the GPU's memory at the same time and a runner that runs out of memory
 costs only its own row. Step time is the wall time of `--steps` steps after
 `--warmup` steps, over `--steps`. MFU is model FLOPs per second over the device's
-bf16 dense peak (`torch_on_tpu.metrics.PEAK_BF16_FLOPS`), under torchtitan's
+bf16 dense peak (`torch_on_tpu.training.metrics.PEAK_BF16_FLOPS`), under torchtitan's
 convention (attention counted non-causal) and the causal one (on CPU, over the
 cached measured matmul rate). Peak memory is the
 device allocator's high-water mark (JAX `peak_bytes_in_use`, PyTorch
@@ -79,7 +79,7 @@ def parse_args(argv=None):
   p.add_argument("--steps", type=int, default=10, help="timed steps per run")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, allocator)")
   p.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated subset of " + ", ".join(RUNNERS))
-  p.add_argument("--remat", default="auto", help="torch_on_tpu per-layer remat: auto (the recipe's) or torch_on_tpu.remat.NAMES")
+  p.add_argument("--remat", default="auto", help="torch_on_tpu per-layer remat: auto (the recipe's) or torch_on_tpu.lowering.remat.NAMES")
   p.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True, help="torch_on_tpu: the layer stack as a scan (the recipe's default)")
   p.add_argument("--attention", default="auto", help="torch_on_tpu attention kernel: auto (cuDNN on GPU), cudnn, xla")
   p.add_argument("--float8", default=None, help="also run each runner with float8 linears: rowwise, tensorwise, rowwise_with_gw_hp")
@@ -151,7 +151,7 @@ def llama3_config(model: str, *, layers: int | None, seqlen: int, float8: str | 
   """torchtitan's config for the flavor: SDPA attention, RoPE for `seqlen`, first `layers` layers,
   linears in `float8` (a torchao recipe) when given.
 
-  Built from torchtitan (and `torch_on_tpu.float8`'s converter, which imports no torchax)
+  Built from torchtitan (and `torch_on_tpu.lowering.float8`'s converter, which imports no torchax)
   so the PyTorch workers never load torchax, whose `jax` device makes torch.compile refuse to run.
   """
   import dataclasses
@@ -173,7 +173,7 @@ def llama3_config(model: str, *, layers: int | None, seqlen: int, float8: str | 
     layer.attention.inner_attention = ScaledDotProductAttention.Config()
     layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=seqlen)
   if float8 is not None:
-    from torch_on_tpu.float8 import convert
+    from torch_on_tpu.lowering.float8 import convert
 
     config = convert(config, float8)
   return config
@@ -254,12 +254,12 @@ def trace_dir(args, runner: str, seqlen: int, batch: int) -> str:
 
 def ours_worker(args, seqlen: int, batch: int, float8: str | None) -> dict:
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
-  import torch
-
-  import torch_on_tpu as tot  # before jax starts: it adds its XLA flag defaults
   import jax
   import jax.numpy as jnp
   import optax
+  import torch
+
+  import torch_on_tpu as tot  # before jax starts: it adds its XLA flag defaults
 
   config = llama3_config(args.model, layers=args.layers, seqlen=seqlen, float8=float8)
   with torch.device("meta"):
@@ -468,7 +468,8 @@ def markdown(headers: list[str], lines: list[list]) -> str:
 
 def check_flags(args) -> None:
   """Flags the workers would fail on, refused here in one sentence before any starts."""
-  from torch_on_tpu import attention, remat
+  from torch_on_tpu import attention
+  from torch_on_tpu.lowering import remat
   from torch_on_tpu.models.torchtitan import FLAVORS
 
   if args.model not in FLAVORS:
@@ -482,8 +483,8 @@ def check_flags(args) -> None:
   if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
     raise SystemExit(f"--json={args.json}: its directory does not exist; create it or pick another path.")
   if args.float8 is not None:
-    from torch_on_tpu.float8 import check_recipe
     from torch_on_tpu.errors import TorchOnTpuError
+    from torch_on_tpu.lowering.float8 import check_recipe
 
     try:
       check_recipe(args.float8)
@@ -498,7 +499,7 @@ def add_flops(args, rows) -> None:
   the workers, so a runner that failed leaves the others' MFU intact."""
   import torch
 
-  from torch_on_tpu import metrics
+  from torch_on_tpu.training import metrics
 
   for seqlen in sorted({int(r["shape"].split("x")[0]) for r in rows}):
     with torch.device("meta"):

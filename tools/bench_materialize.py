@@ -45,7 +45,7 @@ def main(argv=None) -> int:
   import jax
 
   import torch_on_tpu as tot
-  from torch_on_tpu import checkpoint
+  from torch_on_tpu.io import checkpoint
   from torch_on_tpu.models.hf import build_causal_lm
   from torch_on_tpu.models.torchtitan import build_llama3
 

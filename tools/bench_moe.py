@@ -19,7 +19,6 @@ import statistics
 import sys
 import time
 
-
 # Each runner's first step after the other's is slow (3.9 s vs 2.1 s for ours
 # right after an eager step: the other's memory churn), so the runners take turns
 # in blocks: ROUNDS times, one untimed step then `--steps` timed steps each.
@@ -58,7 +57,7 @@ def build(args):
 
 def expert_flop_ratio(args) -> float:
   """Executed over active multiply-adds of the grouped matmuls (the shapes fix both)."""
-  from torch_on_tpu import ragged
+  from torch_on_tpu.lowering import ragged
 
   rows = args.batch * args.seq * args.top_k
   block = ragged.block_rows(rows, args.experts)

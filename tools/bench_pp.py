@@ -231,8 +231,8 @@ def compile_step(layers: int, axes: dict, *, microbatches=None, virtual_stages=1
   import jax
   import jax.numpy as jnp
   import optax
-
   import pp_parity
+
   import torch_on_tpu as tot
 
   model = pp_parity.titan8(layers=layers, seqlen=SEQ)
@@ -252,7 +252,7 @@ def main(argv=None) -> int:
   parser.add_argument("--virtual", type=int, nargs="+", default=[1, 2])
   args = parser.parse_args(argv)
 
-  from torch_on_tpu import xla_flags
+  from torch_on_tpu.runtime import xla_flags
 
   xla_flags.simulate_cpu_devices(8, replace=False)
   import torch_on_tpu as tot

@@ -11,7 +11,7 @@ classes with debugmodel's structure (vocab 2048, RoPE, SwiGLU, fused QKV) at
 the runners take turns step by step, so load from other processes hits all of
 them alike; the table shows medians. MFU is model FLOPs (torchtitan's count) per
 second (median step) over an fp32 XLA matmul rate measured between the rounds
-(the best one; `--peak=cached` uses `torch_on_tpu.metrics.cpu_matmul_peak`).
+(the best one; `--peak=cached` uses `torch_on_tpu.training.metrics.cpu_matmul_peak`).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def main(argv=None) -> None:
   args = parse_args(argv)
   if args.worker:
     return torch_worker(args)
-  from torch_on_tpu import xla_flags
+  from torch_on_tpu.runtime import xla_flags
 
   xla_flags.simulate_cpu_devices(args.devices)
 
@@ -172,7 +172,7 @@ def main(argv=None) -> None:
   import torch
 
   import torch_on_tpu as tot
-  from torch_on_tpu import metrics
+  from torch_on_tpu.training import metrics
 
   names = args.runners.split(",")
   config = llama3_bench_config(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq)

@@ -104,7 +104,7 @@ def bridge(fn, xs, cotangent):
   """The same function, jitted through torchax with the bridge's lowerings."""
   import jax
 
-  from torch_on_tpu import _compat
+  from torch_on_tpu.core import _compat
 
   torchax = _compat.import_torchax()
   from torchax.interop import jax_view, torch_view
@@ -121,7 +121,7 @@ def bridge(fn, xs, cotangent):
 
   arrays = [jax.numpy.asarray(x.view(torch.int16).numpy()).view(jax.numpy.bfloat16) for x in xs]
   ct = jax.numpy.asarray(cotangent.view(torch.int16).numpy()).view(jax.numpy.bfloat16)
-  from torch_on_tpu import xla_flags
+  from torch_on_tpu.runtime import xla_flags
 
   out, grads = jax.jit(both, compiler_options=xla_flags.compile_options("cpu"))(arrays, ct)
   as_torch = lambda a: torch.from_numpy(np.asarray(a).view(np.int16).copy()).view(torch.bfloat16)  # noqa: E731
@@ -203,13 +203,13 @@ def moe_spread(layers: int = 2, batch: int = 8, seq: int = 64) -> dict:
 seconds): reference B, and the bridge with excess precision off and on."""
   import copy
 
-  from torch_on_tpu import xla_flags
+  from torch_on_tpu.runtime import xla_flags
 
   xla_flags.simulate_cpu_devices(8, replace=False)
   import jax
 
   import torch_on_tpu as tot
-  from torch_on_tpu import _compat
+  from torch_on_tpu.core import _compat
 
   torchax = _compat.import_torchax()
   from torchax.interop import jax_view, torch_view
@@ -272,7 +272,7 @@ def main(argv=None) -> int:
       print(f"| {name} | {logits:.2e} | {grads:.2e} | {'' if seconds is None else f'{seconds:.2f}'} |")
     return 0
   if args.excess_precision != "default":
-    from torch_on_tpu import xla_flags
+    from torch_on_tpu.runtime import xla_flags
 
     xla_flags.EXCESS_PRECISION = args.excess_precision == "true"
   names = [o for o in args.ops.split(",") if o]

@@ -14,7 +14,7 @@ weights are read):
 (weights, config.json, the run's tokenizer; Muse Glimmer, which HF has only as
 a vision-language class, loads with `AutoModelForImageTextToText`); for a LoRA run (its saved config
 names the rank) the adapters are merged into the base weights, or written
-alone for peft with `--mode=adapter` (`torch_on_tpu/export.py`).
+alone for peft with `--mode=adapter` (`torch_on_tpu/io/export.py`).
 `to_safetensors` writes the model's own `state_dict` names (a LoRA run's are
 peft's). Both read the training state's `params` and `buffers` entries (the
 weights and the state_dict buffers, such as an MoE's trained expert bias; not
@@ -30,8 +30,10 @@ import sys
 from pathlib import Path
 
 import torch_on_tpu as tot
-from torch_on_tpu import checkpoint, errors, export, lora
+from torch_on_tpu import errors
 from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.io import checkpoint, export
+from torch_on_tpu.training import lora
 
 
 def build_model(model: str | None = None, hf_config: str | None = None, mtp_layers: int = 0):

@@ -100,8 +100,8 @@ def damage(tmp: Path, flips: int) -> list[tuple[str, int, str]]:
   import numpy as np
 
   from tests import test_checkpoint_faults as faults
-  from torch_on_tpu import checkpoint
   from torch_on_tpu.errors import TorchOnTpuError
+  from torch_on_tpu.io import checkpoint
 
   def trial(name, hurt, phrase):
     """(named in one sentence, previous step restored) after `hurt` damaged step 2."""
@@ -142,8 +142,8 @@ def damage(tmp: Path, flips: int) -> list[tuple[str, int, str]]:
 def storage_faults(tmp: Path, trials: int) -> list[tuple[str, int, str]]:
   sys.path.insert(0, str(ROOT))
   from tests import test_checkpoint_faults as faults
-  from torch_on_tpu import checkpoint
   from torch_on_tpu.errors import TorchOnTpuError
+  from torch_on_tpu.io import checkpoint
 
   rows = []
   for fault in ("full", "read-only"):
@@ -184,11 +184,10 @@ def nan_lr(tmp: Path, lr: str, expected: str) -> str:
          "--seqlen=32", "--global_batch_size=8", f"--log_dir={run}", "--cpu_devices=8"]
   done = subprocess.run(cmd, cwd=ROOT, env=_env(tmp / "cache"), capture_output=True, text=True)
   sys.path.insert(0, str(ROOT))
+  import jax
   import numpy as np
 
-  from torch_on_tpu import checkpoint
-
-  import jax
+  from torch_on_tpu.io import checkpoint
 
   ocp = checkpoint.ocp
   finite = True
@@ -352,7 +351,7 @@ def disk_faults(tmp: Path) -> list[tuple[str, int, str]]:
   full compilation cache: each on a tmpfs, under the launcher."""
   rows = []
   sys.path.insert(0, str(ROOT))
-  from torch_on_tpu import storage
+  from torch_on_tpu.core import storage
 
   rows = []
   cases = (
@@ -381,7 +380,7 @@ def disk_faults(tmp: Path) -> list[tuple[str, int, str]]:
 
 def _free_port() -> int:
   sys.path.insert(0, str(ROOT))
-  from torch_on_tpu import launch
+  from torch_on_tpu.runtime import launch
 
   return launch.free_port()
 

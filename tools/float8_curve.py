@@ -48,9 +48,9 @@ def running_means(curve: list[float]) -> list[float]:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from recipes import common
+  from recipes import startup
 
-  common.setup_platform(8)
+  startup.setup_platform(8)
   curves = {}
   with tempfile.TemporaryDirectory() as directory:
     for recipe in (None, *[r for r in args.recipes.split(",") if r]):

@@ -54,7 +54,7 @@ def mlp():
 
 
 def titan_config(recipe: str, emulate: bool = False):
-  from torch_on_tpu import float8
+  from torch_on_tpu.lowering import float8
   from torch_on_tpu.models.torchtitan import llama3_config
 
   config = llama3_config("debugmodel", attention="sdpa", max_seq_len=32)
@@ -87,7 +87,7 @@ def setup(kind: str, recipe: str, references=REFERENCES):
   import torch
 
   import torch_on_tpu as tot
-  from torch_on_tpu import float8
+  from torch_on_tpu.lowering import float8
   from torch_on_tpu.models.hf import build_causal_lm
 
   mesh = tot.make_mesh(fsdp=-1)
@@ -157,7 +157,7 @@ NAMES = {"mlp": "2-linear MLP", "titan": "torchtitan Llama 3 debugmodel, 2 layer
 
 def main(argv=None) -> int:
   argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
-  from torch_on_tpu import xla_flags
+  from torch_on_tpu.runtime import xla_flags
 
   xla_flags.simulate_cpu_devices(8, replace=False)  # before jax starts
   print("| model, recipe, lr (weights moved) | vs torchao hardware path: loss, weights | vs torchao emulation: loss, weights | torchao's two paths: weights |")

@@ -544,7 +544,7 @@ def main(argv=None):
   modes = [m for m in args.modes.split(",") if m]
   if args.merge:
     return _merged(args, modes)
-  from torch_on_tpu import xla_flags
+  from torch_on_tpu.runtime import xla_flags
 
   xla_flags.simulate_cpu_devices(1, replace=False)
   bridge = Bridge()

@@ -126,7 +126,7 @@ def main(argv=None) -> int:
   parser.add_argument("--scan", default="both", choices=("both", "true", "false"))
   args = parser.parse_args(argv)
 
-  from torch_on_tpu import xla_flags
+  from torch_on_tpu.runtime import xla_flags
 
   xla_flags.simulate_cpu_devices(8, replace=False)
   import torch_on_tpu as tot

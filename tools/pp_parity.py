@@ -18,7 +18,7 @@ step, which adds the rounding of that sum (not gated). The models: torchtitan's 
 The suite runs a slice of this (`tests/test_pipeline.py`).
 
 `--multiprocess` runs `tests/multihost_worker.py` (torchtitan's 2-layer Llama 3 on
-real data, 10 steps, checkpoints every 5) under `torch_on_tpu.launch`: pp=2 on 2
+real data, 10 steps, checkpoints every 5) under `torch_on_tpu.runtime.launch`: pp=2 on 2
 processes × 4 devices against no stages on 1 process × 8, then the pp=2 run's step-5
 checkpoint resumed without stages on 1 process, and the plain run's resumed at
 pp=2 on 2 processes: the worst relative loss difference of each.
@@ -242,7 +242,7 @@ def main(argv=None) -> int:
     numbers = [v for v in result.values() if not isinstance(v, str)]
     return 0 if max(numbers) <= TOLERANCE else 1
 
-  from torch_on_tpu import xla_flags
+  from torch_on_tpu.runtime import xla_flags
 
   xla_flags.simulate_cpu_devices(8, replace=False)
   import torch_on_tpu as tot

@@ -93,7 +93,7 @@ def make(directory: Path, spec: str, round_robin: bool) -> int:
   import safetensors.torch
   import torch
 
-  from torch_on_tpu import xla_flags
+  from torch_on_tpu.runtime import xla_flags
 
   xla_flags.simulate_cpu_devices(8, replace=False)
   tp = titan_parity()

@@ -708,7 +708,7 @@ def main(argv=None):
                  help="multi-token-prediction layers (num_mtp_layers; DeepSeek-V3): its outputs and MTPLoss compared")
   args = p.parse_args(argv)
   globals()["EPS"] = args.eps
-  from torch_on_tpu import xla_flags
+  from torch_on_tpu.runtime import xla_flags
 
   xla_flags.simulate_cpu_devices(8, replace=False)
   for spec in args.specs:

@@ -3,8 +3,9 @@
 Importing the package is quiet: public names load on first access and the
 platform (XLA flags, a multi-process join, torchax's lowerings) starts on first
 use or at `tot.setup()` (see `torch_on_tpu.runtime`). The one thing the import
-does is to put a finder on `sys.meta_path` that lets a later `import torchax`
-succeed on this stack (see `torch_on_tpu.torchax_import`).
+does is to put two finders on `sys.meta_path`: one lets a later `import torchax`
+succeed on this stack (`core.torchax_import`), the other keeps the module paths from
+before the package's layout working (`core.old_paths`).
 """
 
 from __future__ import annotations
@@ -12,28 +13,29 @@ from __future__ import annotations
 import importlib
 import warnings
 
-from torch_on_tpu import torchax_import
+from torch_on_tpu.core import old_paths, torchax_import
 
 torchax_import.install()
+old_paths.install()
 
 __version__ = "0.1.0"
 
 # Public name → the module that defines it, imported on first access.
 _EXPORTS = {
-  "ShardedModule": "module",
-  "ScannedModule": "scan",  # deprecated: StackedLayers
-  "StackedLayers": "scan",
+  "ShardedModule": "wrapper.module",
+  "ScannedModule": "wrapper.scan",  # deprecated: StackedLayers
+  "StackedLayers": "wrapper.scan",
   "TorchOnTpuError": "errors",
-  "TrainState": "train",
-  "TrainStep": "train",
-  "Trainer": "trainer",
-  "generate": "generation",
-  "initialize_distributed": "distributed",
-  "make_mesh": "mesh",
-  "make_train_step": "train",
-  "override_op": "ops",
+  "TrainState": "training.step",
+  "TrainStep": "training.step",
+  "Trainer": "training.trainer",
+  "generate": "training.generation",
+  "initialize_distributed": "runtime.distributed",
+  "make_mesh": "parallel.mesh",
+  "make_train_step": "training.step",
+  "override_op": "wrapper.ops",
   "setup": "runtime",
-  "to_cpu": "host",
+  "to_cpu": "lowering.host",
 }
 
 # Former public name → its new name (a DeprecationWarning, then the new object).

@@ -17,11 +17,13 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from torch_on_tpu import _compat, models, op_table
-from torch_on_tpu import mesh as mesh_lib
-from torch_on_tpu import remat as remat_lib
+from torch_on_tpu import models
 from torch_on_tpu.attention import context, splash, xla_flash
+from torch_on_tpu.core import _compat
 from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.lowering import op_table
+from torch_on_tpu.lowering import remat as remat_lib
+from torch_on_tpu.parallel import mesh as mesh_lib
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402

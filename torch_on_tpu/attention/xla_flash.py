@@ -16,8 +16,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero
 
-from torch_on_tpu import remat as remat_lib
 from torch_on_tpu.attention.padding import pad_to, round_up
+from torch_on_tpu.lowering import remat as remat_lib
 
 # Tiles: on CPU smaller tiles were faster (cache-resident, finer causal skipping;
 # tools/bench_attention.py); accelerators favour fewer, larger steps.

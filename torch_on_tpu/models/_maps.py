@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_on_tpu.sharding import compile_pattern
+from torch_on_tpu.parallel.sharding import compile_pattern
 
 
 def present_rules(module: torch.nn.Module, table: dict) -> dict:

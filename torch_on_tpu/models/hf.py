@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from torch_on_tpu import _compat, extras
+from torch_on_tpu.core import _compat, extras
 from torch_on_tpu.errors import first_line
 from torch_on_tpu.models._maps import present_rules
 from torch_on_tpu.models.family import CacheNotCarried, DecoderShape, Family, HFForm

@@ -1,0 +1,276 @@
+"""The flags every recipe takes, each with its default, its `--help` text, the values it accepts and
+the library argument it sets (`flag`), and the start-up checks that run on them before any model:
+each flag's own values, then the checks across flags (`@startup_check`), once without devices and
+once with the run's mesh. From here a flag goes to `recipe.run`, where it acts."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Callable
+
+DTYPES = ("float32", "bfloat16", "bfloat16-all")
+# Flags that change what the saved state is (its layout, dtypes, model): a resume must keep them.
+STATE_FLAGS = ("model", "model_impl", "config", "dtype", "lora_rank", "lora_targets", "mtp_layers")
+ATTENTION = ("auto", "xla", "splash", "cudnn", "none")
+
+
+def flag(default, help: str, *, choices=None, minimum=None, check=None, argument: str | None = None):
+  """A recipe flag: its default and `--help` text, the values it takes, and the call argument it sets.
+
+  What it takes is checked at start-up, before any device or model (`check_flags`):
+  `choices` (a tuple, or a function returning one, e.g. names another module defines),
+  `minimum` (for numbers; None always passes) and `check` (`(value, flags) → None`, raising
+  `TorchOnTpuError` with a sentence about the value; the flag's name is put in front), for
+  what needs a look at the machine (files).
+  `argument`: the library call argument this flag sets when its name differs (`--data_field`
+  sets `field=`), so that errors from the library name the flag (`errors.spoken_as_flags`).
+  """
+  metadata = {"help": help, "choices": choices, "minimum": minimum, "check": check, "argument": argument}
+  return dataclasses.field(default=default, metadata=metadata)
+
+
+def _remat_names() -> tuple[str, ...]:
+  from torch_on_tpu.lowering import remat as remat_lib
+
+  return ("auto", *remat_lib.NAMES)
+
+
+def _float8_recipes() -> tuple[str, ...]:
+  from torch_on_tpu.lowering.float8 import RECIPES
+
+  return RECIPES
+
+
+def _existing_data(spec, flags) -> None:
+  """--data names files that exist (listed; of JSONL or Parquet the first record is read, for --data_field)."""
+  if spec is not None:
+    from torch_on_tpu.io.data import sources
+
+    sources.source(spec, field=flags.data_field)
+
+
+def existing_path(path, flags) -> None:
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  if path is not None and not os.path.exists(path):
+    raise TorchOnTpuError(f"{path!r} does not exist; pass an existing file or directory.")
+
+
+def _profile_format(spec, flags) -> None:
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  try:
+    profile_steps(spec)
+  except ValueError:
+    raise TorchOnTpuError(f"{spec!r} is not FIRST,LAST step numbers; write e.g. --profile=10,12.") from None
+
+
+@dataclasses.dataclass
+class Flags:
+  """Flags both recipes take (the recipes add their model flags)."""
+
+  seqlen: int = flag(128, "tokens per sequence", minimum=1)
+  global_batch_size: int = flag(8, "sequences per optimizer step, over all devices", minimum=1)
+  steps: int = flag(100, "optimizer steps to train to", minimum=1)
+  lr: float = flag(3e-3, "peak learning rate of the warmup-cosine schedule (AdamW)")
+  warmup_steps: int = flag(10, "linear warmup steps; then cosine decay to lr/10 at --steps", minimum=0)
+  weight_decay: float = flag(0.1, "AdamW weight decay", minimum=0)
+  clip_norm: float = flag(1.0, "gradient clipping by global norm (0: off)", minimum=0)
+  max_skips: int = flag(5, "skip a step whose loss, gradient or update is NaN/Inf (state kept); stop after this many in a row (0: stop at the first)", minimum=0)
+  fsdp: int = flag(-1, "devices on the fsdp mesh axis (-1: all that --tp leaves)", minimum=-1)
+  tp: int = flag(1, "devices on the tensor-parallel mesh axis", minimum=1)
+  pp: int = flag(1, "pipeline stages: devices on the pp mesh axis (the outermost), which splits the scanned layers into stages", minimum=1)
+  microbatches: int | None = flag(None, "pipeline microbatches per pass (default with --pp: the largest divisor of the batch per pass up to 4·pp)", minimum=1)
+  virtual_stages: int = flag(1, "pipeline: blocks of layers per stage, visited round-robin (circular schedule; the bubble shrinks by this factor)", minimum=1)
+  cp: int = flag(1, "devices on the context-parallel mesh axis: each sequence split into cp pieces (long context; params shard over fsdp and cp)", minimum=1)
+  ep: int = flag(1, "devices on the expert-parallel mesh axis (MoE experts sharded over it, the batch too; not with --tp)", minimum=1)
+  scan: bool = flag(True, "run the layer stack as one lax.scan (compile time flat in depth)")
+  unroll: int = flag(1, "layers per scan iteration", minimum=1)
+  remat: str = flag("auto", "per-layer remat: auto (scanned: dots_and_attention; loop: none), none, full, dots_saveable, dots_with_no_batch_dims_saveable, dots_and_attention, offload_dots", choices=_remat_names)
+  attention: str = flag("auto", "attention kernel: auto (splash on TPU, cuDNN on GPU, blocked XLA on CPU), xla, splash, cudnn, none (torchax's own SDPA lowering)", choices=ATTENTION)
+  dtype: str = flag("float32", "float32; bfloat16 (bf16 compute, fp32 master weights and Adam); bfloat16-all", choices=DTYPES)
+  float8: str | None = flag(None, "float8 matmuls (torchao's Float8Linear, torchtitan's filter): rowwise, tensorwise or rowwise_with_gw_hp; weights and checkpoints stay in --dtype (default: off)", choices=_float8_recipes)
+  float8_skip: str = flag("lm_head", "with --float8: comma-separated names of linears kept in high precision (linears with a dim not a multiple of 16 always are)")
+  grad_accum: int = flag(1, "microbatches per step (activations shrink by this factor)", minimum=1)
+  data: str | None = flag(None, "text/JSONL/Parquet files, a glob, a directory or a datasets dir (default: built-in corpus)", check=_existing_data)
+  data_field: str = flag("text", "the JSONL/Parquet/datasets field holding the text", argument="field")
+  tokenizer: str | None = flag(None, "tokenizer.json or HF tokenizer dir (default: byte-level BPE trained on the data)", check=existing_path)
+  ckpt_dir: str | None = flag(None, "checkpoint directory (default: runs/<run>/ckpt)")
+  save_every: int = flag(50, "save a checkpoint every N steps (and at the end)", minimum=1)
+  resume: bool = flag(True, "continue from the newest good checkpoint in --ckpt_dir; False: set its checkpoints aside as <step>.replaced (nothing deleted) and start afresh")
+  resume_step: int | None = flag(None, "resume from this saved step instead of the newest (newer steps are set aside as <step>.superseded)", minimum=0)
+  eval_every: int = flag(25, "eval loss on held-out data every N steps (0: never)", minimum=0)
+  eval_batches: int = flag(4, "held-out batches per eval", minimum=1)
+  profile: str | None = flag(None, "steps to trace with jax.profiler, 'FIRST,LAST' (into <log_dir>/profile)", check=_profile_format)
+  log_dir: str | None = flag(None, "metrics.jsonl, TensorBoard and training.png (default: runs/<run>)")
+  cpu_devices: int | None = flag(None, "simulate N CPU devices (sets XLA_FLAGS before jax starts)", minimum=1)
+  dry_run: bool = flag(False, "plan memory and compile on abstract params, print both, allocate nothing, exit")
+  memory_gib: float | None = flag(None, "plan against this much memory per device (default: the device's own)", minimum=0)
+  seed: int = flag(0, "init, data order and dropout seed")
+  sample: str | None = flag(None, "after training, print a greedy completion of this prompt from the final weights")
+  compile_cache: str | None = flag(None, "jax's persistent compilation cache, so a relaunch skips the compile (default: $XDG_CACHE_HOME/torch_on_tpu/jax; off or none: no cache)")
+
+
+# ---- start-up checks: no model, no data read ---------------------------------------------
+
+STARTUP_CHECKS: list[Callable] = []  # (flags, mesh | None) → None, raising TorchOnTpuError
+
+
+def startup_check(fn: Callable) -> Callable:
+  """Registers a check across flags, run at start-up by `check_flags`: `fn(flags, mesh)` is
+  called once without devices (mesh None) and once with the run's mesh; it checks what it
+  can and raises one sentence naming the flags."""
+  STARTUP_CHECKS.append(fn)
+  return fn
+
+
+def check_flags(flags: Flags, mesh=None, *, read_files: bool = True) -> None:
+  """Every flag's own values (its `flag(choices=, minimum=, check=)`), then the checks across
+  flags (`STARTUP_CHECKS`); with `mesh`, the checks that need the devices. Runs before the
+  model is built, so a mistyped or impossible flag stops the run within seconds of start.
+  `read_files=False` skips the `check=`s, which look at files (a command for another machine)."""
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  if mesh is None:
+    for field in dataclasses.fields(flags):
+      _check_value(field, flags, TorchOnTpuError, read_files)
+  for check in STARTUP_CHECKS:
+    check(flags, mesh)
+
+
+def _check_value(field, flags: Flags, error, read_files: bool) -> None:
+  meta, name, value = field.metadata, field.name, getattr(flags, field.name)
+  choices = meta.get("choices")
+  choices = choices() if callable(choices) else choices
+  if choices and value is not None and value not in choices:  # None: an optional flag left off
+    by_case = {str(c).lower(): str(c) for c in choices}
+    near = difflib.get_close_matches(str(value).lower(), list(by_case), n=1)
+    fix = f"did you mean --{name}={by_case[near[0]]}?" if near else "pick one of those."
+    raise error(f"--{name}={value!r} is not one of {', '.join(map(str, choices))}; {fix}")
+  minimum = meta.get("minimum")
+  if minimum is not None and value is not None and value < minimum:
+    raise error(f"--{name}={value} is below its minimum of {minimum}; give {minimum} or more.")
+  if read_files and meta.get("check") is not None:
+    try:
+      meta["check"](value, flags)
+    except error as e:
+      raise error(f"--{name}: {e}") from None
+
+
+def flag_spelling(flags_cls) -> dict[str, str]:
+  """call argument → the flag that sets it, for `errors.spoken_as_flags`: every flag sets the
+  call argument of its own name, and the one its `flag(argument=)` names."""
+  spelling = {}
+  for field in dataclasses.fields(flags_cls):
+    spelling[field.name] = field.name
+    if field.metadata.get("argument"):
+      spelling[field.metadata["argument"]] = field.name
+  return spelling
+
+
+@startup_check
+def _resume_step_needs_resume(flags: Flags, mesh) -> None:
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  if flags.resume_step is not None and not flags.resume:
+    raise TorchOnTpuError("--resume_step needs --resume=True; drop one of the two.")
+
+
+@startup_check
+def _experts_over_one_axis(flags: Flags, mesh) -> None:
+  """The presets shard experts over ep or over tp, never both."""
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  if flags.ep > 1 and flags.tp > 1:
+    raise TorchOnTpuError(f"--ep={flags.ep} with --tp={flags.tp}: the presets shard experts over ep or tp, not both; drop one.")
+
+
+@startup_check
+def _batch_splits(flags: Flags, mesh) -> None:
+  """The global batch splits into --grad_accum microbatches, and over the data devices."""
+  from torch_on_tpu.errors import TorchOnTpuError
+  from torch_on_tpu.parallel import mesh as mesh_lib
+
+  batch = flags.global_batch_size
+  if mesh is None:
+    if batch % flags.grad_accum:
+      raise TorchOnTpuError(
+        f"--global_batch_size={batch} does not divide into --grad_accum={flags.grad_accum} "
+        f"microbatches; make the batch a multiple of {flags.grad_accum}."
+      )
+    return
+  axes = mesh_lib.data_axes(mesh)
+  ways = mesh_lib.batch_ways(mesh, axes)
+  if batch % ways:
+    over = " × ".join(f"{a}={mesh.shape[a]}" for a in axes)
+    raise TorchOnTpuError(
+      f"--global_batch_size={batch} does not split over the {ways} data devices ({over}); "
+      f"use a multiple of {ways}, e.g. --global_batch_size={ways * -(-batch // ways)}."
+    )
+
+
+@startup_check
+def _pipeline_splits(flags: Flags, mesh) -> None:
+  """--microbatches and --virtual_stages come with --pp; the microbatches divide one pass's rows."""
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  if flags.pp == 1 and (flags.microbatches is not None or flags.virtual_stages != 1):
+    raise TorchOnTpuError("--microbatches and --virtual_stages set up pipeline stages; give --pp=N (N > 1) too, or drop them.")
+  if flags.pp > 1 and flags.cp > 1:
+    raise TorchOnTpuError(
+      f"--pp={flags.pp} and --cp={flags.cp} do not compose yet (a stage's attention would need the cp ring inside "
+      f"the pipeline's loop); use --cp=1 with those devices on --fsdp, or --pp=1."
+    )
+  rows = flags.global_batch_size // flags.grad_accum
+  if flags.microbatches is not None and rows % flags.microbatches:
+    raise TorchOnTpuError(
+      f"--microbatches={flags.microbatches} does not divide the {rows} rows of one pipeline pass "
+      f"(--global_batch_size / --grad_accum); use a divisor of {rows}."
+    )
+
+
+@startup_check
+def _sequence_splits(flags: Flags, mesh) -> None:
+  """The sequence cuts into 2·cp equal chunks (context parallelism's causal balance)."""
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  if mesh is None and flags.seqlen % (2 * flags.cp):
+    raise TorchOnTpuError(
+      f"--seqlen={flags.seqlen} does not split into 2*cp={2 * flags.cp} equal chunks (causal load balance); "
+      f"make --seqlen a multiple of {2 * flags.cp} or pick another --cp."
+    )
+
+
+def mesh_axes(flags: Flags) -> dict:
+  """The recipe's mesh: pp outermost (stages across slices), fsdp, then cp, tp, and ep
+  innermost; pp, cp and ep only when asked for (a run without them keeps its mesh)."""
+  pp = {"pp": flags.pp} if flags.pp > 1 else {}
+  cp = {"cp": flags.cp} if flags.cp > 1 else {}
+  ep = {"ep": flags.ep} if flags.ep > 1 else {}
+  return {**pp, "fsdp": flags.fsdp, **cp, "tp": flags.tp, **ep}
+
+
+def float8_converted(target, flags: Flags):
+  """`target` (a torchtitan model config or a built model) with `--float8` applied; as is without it."""
+  if flags.float8 is None:
+    return target
+  from torch_on_tpu.lowering import float8
+
+  return float8.convert(target, flags.float8, skip=tuple(n for n in flags.float8_skip.split(",") if n))
+
+
+def layer_remat(flags: Flags) -> str | None:
+  """--remat as ShardedModule takes it: None lets the layer stack pick (`remat.layer_policy`)."""
+  return None if flags.remat == "auto" else flags.remat
+
+
+def profile_steps(spec) -> tuple[int, int] | None:
+  """`--profile`: 'FIRST,LAST', or one step N (traces N to N+2)."""
+  if spec is None:
+    return None
+  steps = [int(x) for x in (spec if isinstance(spec, (tuple, list)) else str(spec).split(","))]
+  if len(steps) not in (1, 2):
+    raise ValueError(spec)
+  return (steps[0], steps[0] + 2) if len(steps) == 1 else (steps[0], steps[1])

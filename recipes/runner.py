@@ -1,0 +1,478 @@
+"""A recipe run, top to bottom: flags → start-up checks → resolved config → mesh, model, plan, data,
+step, checkpoints, the Trainer (`run`).
+
+A recipe is a `Recipe`: a name for its run directory and a builder of the torch model on meta
+(called once for the plan and once for the run; twice more for LoRA). The flags and their checks
+are `recipes.flags`'s, the command line `recipes.cli`'s, what must happen before jax starts
+`recipes.startup`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from recipes.flags import STATE_FLAGS, Flags, check_flags, flag_spelling, layer_remat, mesh_axes, profile_steps
+from recipes.startup import initialize_distributed, setup_platform
+
+
+@dataclasses.dataclass
+class Recipe:
+  """What differs between the recipes."""
+
+  name: str  # the run directory under runs/
+  build: Callable  # () → a fresh torch model on meta
+  family: str  # "titan" or "hf": how the model is called
+  weights: str | None = None  # safetensors to start from
+  lora: dict | None = None  # lora.wrap keyword arguments (rank, alpha, targets)
+  convert_model: str | None = None  # how tools/convert.py names the model (--model=... / --hf_config=...)
+  loss: Callable | None = None  # the train step's loss_fn(outputs, labels); None: mean cross-entropy of the logits
+  labels: Callable | None = None  # data batch → the labels `loss` reads; None: batch["labels"]
+
+
+def resolve(flags: Flags, recipe: Recipe) -> dict:
+  """The flags with every default filled in: what is printed and saved with checkpoints."""
+  config = dataclasses.asdict(flags)
+  config["log_dir"] = flags.log_dir or os.path.join("runs", recipe.name)
+  config["ckpt_dir"] = flags.ckpt_dir or os.path.join(config["log_dir"], "ckpt")
+  cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  default_cache = os.path.join(cache_home, "torch_on_tpu", "jax")
+  no_cache = flags.compile_cache is not None and str(flags.compile_cache).lower() in ("off", "none")
+  config["compile_cache"] = None if no_cache else flags.compile_cache or default_cache
+  if flags.pp > 1 and flags.microbatches is None:
+    config["microbatches"] = default_microbatches(flags)
+  return config
+
+
+def default_microbatches(flags: Flags) -> int:
+  """The largest divisor of the rows one pipeline pass gets, from pp up to 4·pp (the bubble
+  (pp−1)/(V·M+pp−1) is then at most a fifth for V = 1); pp when none divides."""
+  rows = flags.global_batch_size // max(flags.grad_accum, 1)
+  fits = [m for m in range(flags.pp, 4 * flags.pp + 1) if rows % m == 0]
+  return max(fits) if fits else flags.pp
+
+
+def run(flags: Flags, recipe_for: Callable[[Flags], Recipe]) -> dict:
+  """Trains (or with `dry_run` plans and compiles) the recipe `recipe_for(flags)`; returns a summary dict.
+
+  In this order, so that a mistyped or impossible flag stops the run within seconds: the
+  flags' own checks, the platform, the mesh and the checks that need its devices
+  (`check_flags`), and only then the recipe's model. Throughout, errors from the library
+  name the flags that set their arguments (`errors.spoken_as_flags`).
+  """
+  from torch_on_tpu import errors
+
+  with errors.spoken_as_flags(flag_spelling(type(flags))):
+    setup_platform(flags.cpu_devices)
+    check_flags(flags)
+    initialize_distributed()
+
+    import jax
+
+    import torch_on_tpu as tot
+    from torch_on_tpu.core import storage
+    from torch_on_tpu.runtime import fingerprint
+
+    mesh = tot.make_mesh(**mesh_axes(flags))
+    check_flags(flags, mesh)
+    recipe = recipe_for(flags)
+    config = resolve(flags, recipe)
+    storage.note_checkpoints(config["ckpt_dir"])  # what a fault from here on names as kept
+    fingerprint.check_same(config=config)  # every process with the same flags, before anything is built
+    main = jax.process_index() == 0
+    latest = None if flags.dry_run else _latest_checkpoint(flags, config)
+    if latest is not None and latest >= flags.steps and flags.resume_step is None:
+      if main:
+        then = "sampling from it" if flags.sample is not None else "raise --steps to train further or pass another --ckpt_dir"
+        print(f"Nothing to train: {config['ckpt_dir']} already holds step {latest} of --steps={flags.steps}; {then}.", flush=True)
+      if flags.sample is None:
+        return {"finished": True, "steps": 0, "last_step": latest, "ckpt_dir": config["ckpt_dir"], "log_dir": config["log_dir"]}
+    config["compile_cache"] = _use_compile_cache(config["compile_cache"])
+    if main:
+      print("Run config:\n" + json.dumps(config, indent=1), flush=True)
+    return _run(flags, recipe, config, mesh, main)
+
+
+def _latest_checkpoint(flags: Flags, config: dict) -> int | None:
+  """The newest step in --ckpt_dir the run would resume from, read before anything is
+  built (a finished run has nothing to do); None for a fresh start (--resume=False
+  sets the old steps aside later, deleting nothing)."""
+  if not flags.resume or not os.path.isdir(config["ckpt_dir"]):
+    return None
+  from torch_on_tpu.io import checkpoint
+
+  with checkpoint.Checkpointer(config["ckpt_dir"]) as ckpt:  # read_only would log a warning
+    return ckpt.latest_step()
+
+
+def _use_compile_cache(directory: str | None) -> str | None:
+  """Points jax's persistent compilation cache at `directory` unless this process
+  already chose one (a test session, the user's JAX_COMPILATION_CACHE_DIR); returns
+  the directory in use."""
+  import jax
+
+  from torch_on_tpu.core import storage
+
+  if directory and not jax.config.jax_compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", directory)
+  if jax.config.jax_compilation_cache_dir:
+    storage.watch_compile_cache(jax.config.jax_compilation_cache_dir)  # a full disk there: one sentence
+  return jax.config.jax_compilation_cache_dir
+
+
+def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import torch_on_tpu as tot
+  from torch_on_tpu.io import checkpoint, data
+  from torch_on_tpu.lowering import remat as remat_lib
+  from torch_on_tpu.runtime import health
+  from torch_on_tpu.training import lora, plan
+  from torch_on_tpu.training.trainer import default_split
+
+  if main:
+    devices = mesh.devices.flat[0]
+    print(f"Mesh {dict(mesh.shape)} over {mesh.size} {devices.platform} devices ({devices.device_kind})", flush=True)
+  schedule = optax.warmup_cosine_decay_schedule(
+    0.0, flags.lr, max(flags.warmup_steps, 0), max(flags.steps, flags.warmup_steps + 1), end_value=flags.lr / 10
+  )
+  optimizer = optax.inject_hyperparams(optax.adamw)(
+    learning_rate=schedule, b1=0.9, b2=0.95, weight_decay=flags.weight_decay
+  )
+  compute_dtype = None if flags.dtype == "float32" else jnp.bfloat16
+  master_dtype = jnp.bfloat16 if flags.dtype == "bfloat16-all" else None
+
+  def make_step(abstract: bool):
+    jm = _model(flags, recipe, mesh, abstract, config.get("microbatches"))
+    return tot.make_train_step(
+      jm,
+      recipe.loss or _loss,
+      optimizer,
+      grad_accum=flags.grad_accum,
+      clip_norm=flags.clip_norm or None,
+      compute_dtype=compute_dtype,
+      master_dtype=master_dtype,
+      seed=flags.seed,
+      trainable=lora.TRAINABLE if recipe.lora else None,
+      skip_nonfinite=flags.max_skips > 0,
+    )
+
+  # 1. Plan on abstract params: nothing allocated, so a run that cannot fit fails here.
+  shape = plan.decoder_shape(recipe.build())
+  abstract_step = make_step(abstract=True)
+  memory_bytes = flags.memory_gib * 2**30 if flags.memory_gib else None
+  memory = plan.plan_memory(
+    abstract_step, shape, global_batch_size=flags.global_batch_size, seqlen=flags.seqlen,
+    remat=remat_lib.layer_policy(layer_remat(flags), scanned=flags.scan), device_bytes=memory_bytes,
+  )
+  if main:
+    print(memory, flush=True)
+    print(_parameter_count(abstract_step), flush=True)
+    if abstract_step.model.pipeline is not None:
+      print(f"Pipeline {abstract_step.model.pipeline.schedule}", flush=True)
+  spec = jax.ShapeDtypeStruct((flags.global_batch_size, flags.seqlen), jnp.int32)
+  documents = ("positions", "segment_ids") if recipe.family == "titan" else ()  # what data.batches yields
+  abstract_batch = {key: spec for key in ("input_ids", "labels", *documents)}
+  family_model = abstract_step.model  # how this family's model is called (structure only, no arrays)
+  def split(batch):
+    inputs, labels = default_split(family_model, batch)
+    return inputs, labels if recipe.labels is None else recipe.labels(batch)
+
+  if flags.dry_run:
+    if main and memory.fits is False:
+      print(f"Would not fit: {memory.message()}", flush=True)
+    report = abstract_step.compile(*split(abstract_batch))
+    if main:
+      print(f"Compiled step: {report}", flush=True)
+      if report.peak_bytes is not None:
+        print(f"Compiled peak per device: {report.peak_bytes / 2**30:.2f} GiB (plan: {memory.total / 2**30:.2f} GiB)")
+    return {"plan": memory, "compile": report}
+  memory.check()
+  del abstract_step
+
+  # 2. The real model, data and checkpoints.
+  health.doing("building the model")
+  step = make_step(abstract=False)
+  source = data.source(flags.data, field=flags.data_field)
+  tokenizer = data.build_tokenizer(flags.tokenizer, vocab_size=min(data.DEFAULT_VOCAB_SIZE, shape.vocab), corpus=source)
+  data.check_model_fit(tokenizer.vocab_size, shape.vocab, flags.seqlen)
+  tokenizer_dir = os.path.join(config["log_dir"], "tokenizer")
+  if main:
+    _keep_tokenizer(tokenizer, tokenizer_dir)
+  titan = recipe.family == "titan"
+  process_index, process_count = data.process_rows(mesh)  # pipeline stages read the same rows
+  data_kwargs = dict(
+    seqlen=flags.seqlen, global_batch_size=flags.global_batch_size, seed=flags.seed,
+    with_positions=titan, with_segment_ids=titan, field=flags.data_field,
+    process_index=process_index, process_count=process_count,
+  )
+  ckpt = checkpoint.Checkpointer(config["ckpt_dir"], save_every=flags.save_every, model=step.model)
+  try:
+    restored = _resume(ckpt, step, flags, config, main)
+  except BaseException:
+    ckpt.close()
+    raise
+  first_step = step.step_count
+  if first_step >= flags.steps:  # a finished run relaunched with --sample: nothing to compile or train
+    ckpt.close()
+    summary = {"steps": first_step, "preempted": False, "records": []}
+  else:
+    summary = _train(step, flags, config, ckpt, restored, source, tokenizer, data_kwargs, split, abstract_batch, memory, mesh, main)
+  summary.update(
+    ckpt_dir=config["ckpt_dir"], log_dir=config["log_dir"], tokenizer_dir=tokenizer_dir, plan=memory, train_step=step,
+    last_checkpoint=os.path.join(config["ckpt_dir"], str(summary["steps"])),
+  )
+  if flags.sample is not None:
+    summary["sample"] = _sample(step, tokenizer, split, flags, recipe)  # every process runs the program
+    if main:
+      print(f"Sample: {flags.sample!r} → {summary['sample']!r}", flush=True)
+  if main:
+    print(where_things_are(summary, recipe), flush=True)
+  return summary
+
+
+def _train(step, flags: Flags, config: dict, ckpt, restored, source, tokenizer, data_kwargs, split, abstract_batch, memory, mesh, main) -> dict:
+  """3. Compile ahead (the report comes before the first step), then the Trainer; its summary."""
+  import torch_on_tpu as tot
+  from torch_on_tpu.io import checkpoint, data
+  from torch_on_tpu.runtime import health
+
+  try:
+    evals = _eval_batches(flags, source, tokenizer, data_kwargs, main)
+    train = data.batches(source, tokenizer, state=restored.data if restored else None, **data_kwargs)
+  except BaseException:
+    ckpt.close()
+    raise
+  to_global = lambda batch: data.to_global(batch, mesh)  # noqa: E731 (each process's rows → global arrays)
+  report = None
+  first_step = step.step_count
+  try:
+    health.doing("compiling the train step")
+    report = step.compile(*split(abstract_batch))
+    if main:
+      print(f"Compiled step: {report}", flush=True)
+    with checkpoint.PreemptionGuard() as guard:
+      trainer = tot.Trainer(
+        step,
+        train,
+        steps=flags.steps,
+        log_dir=config["log_dir"],
+        split_batch=split,
+        to_global=to_global,
+        eval_data=evals,
+        eval_every=flags.eval_every if evals else 0,
+        eval_batches=flags.eval_batches,
+        profile_steps=profile_steps(flags.profile),
+        checkpointer=ckpt,
+        stop_requested=guard.should_stop,
+        max_skips=max(flags.max_skips, 1),
+        run_config=config,
+      )
+      summary = trainer.run()
+  except Exception as e:  # noqa: BLE001 (storage faults and device OOM are translated; the rest re-raises)
+    message = _run_error_message(e, memory, report, config)
+    if message is None:
+      raise
+    raise tot.TorchOnTpuError(message) from None
+  finally:
+    train.close()
+    ckpt.close()
+  losses = [r["loss"] for r in trainer.records if "loss" in r]
+  start_eval = [r["eval_loss"] for r in trainer.records if r["step"] == first_step and "eval_loss" in r]
+  summary.update(
+    start={"step": first_step, "eval_loss": start_eval[0] if start_eval else None},
+    first_loss=losses[0] if losses else None, records=trainer.records, compile=report,
+  )
+  return summary
+
+
+def _eval_batches(flags: Flags, source, tokenizer, data_kwargs: dict, main: bool) -> list | None:
+  """The held-out batches every eval reads; None when --eval_every=0, or when the data is too
+  small to hold any document out (then the run goes on without eval, and says so)."""
+  from torch_on_tpu.io import data
+
+  if not flags.eval_every:
+    return None
+  try:
+    return data.eval_batches(source, tokenizer, num_batches=flags.eval_batches, **data_kwargs)
+  except data.EmptySplit:
+    if main:
+      print(
+        f"No eval: {source.name} is too small to hold out any document for eval (a small hashed share of "
+        f"the documents is held out); training on all of it without eval (--eval_every=0 skips this look).",
+        flush=True,
+      )
+    return None
+
+
+def _parameter_count(step) -> str:
+  """peft's line, for every run: what trains of what the model holds."""
+  sizes = {name: math.prod(array.shape) for name, array in step.model.params.items()}
+  trainable, total = sum(sizes[n] for n in step.trainable), sum(sizes.values())
+  return f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {100 * trainable / total:.4f}"
+
+
+SAMPLE_TOKENS = 32  # what --sample adds to the prompt (fewer if --seqlen leaves less room)
+
+
+def _sample(step, tokenizer, split: Callable, flags: Flags, recipe: Recipe) -> str:
+  """A greedy completion of `--sample` from the step's current weights."""
+  import jax.numpy as jnp
+  import torch
+
+  import torch_on_tpu as tot
+
+  ids = tokenizer.encode_batch([flags.sample])[0][-(flags.seqlen // 2):] or [0]
+  new = min(SAMPLE_TOKENS, flags.seqlen - len(ids))
+
+  def inputs(tokens):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    batch = {"input_ids": tokens, "labels": tokens, "positions": positions, "segment_ids": jnp.zeros_like(tokens)}
+    return split(batch)[0]
+
+  # HF models: generate's own call (input_ids), which can use the model's KV cache
+  inputs_fn = None if recipe.family == "hf" else inputs
+  out = tot.generate(step.model, torch.tensor([ids]), new, inputs_fn=inputs_fn)
+  return tokenizer.decode(out[0, len(ids):].tolist())
+
+
+def where_things_are(summary: dict, recipe: Recipe) -> str:
+  """The end of a run: where its logs, last checkpoint and plot are, and how to export it."""
+  lines = [
+    f"Run directory: {summary['log_dir']} (metrics.jsonl, TensorBoard)",
+    f"Last checkpoint: {summary['last_checkpoint']}",
+  ]
+  if summary.get("plot"):
+    lines.append(f"Plot: {summary['plot']}")
+  if recipe.convert_model:
+    out = os.path.join(summary["log_dir"], "export")
+    lines.append(
+      f"Export for transformers: python tools/convert.py to_hf {summary['ckpt_dir']} {out} "
+      f"{recipe.convert_model} --tokenizer={summary['tokenizer_dir']} --step={summary['steps']}"
+    )
+    if recipe.lora:
+      lines.append("(LoRA: the adapters are merged into the base weights; --mode=adapter writes a peft adapter instead)")
+  return "\n".join(lines)
+
+
+def _keep_tokenizer(tokenizer, directory: str) -> None:
+  """Saves the run's tokenizer into its run directory (a run is self-contained), whole or not at all."""
+  from torch_on_tpu.core import storage
+
+  tmp = f"{directory}.tmp-{os.getpid()}"
+  shutil.rmtree(tmp, ignore_errors=True)
+  try:
+    with storage.writing("the run's tokenizer", directory, elsewhere="pass another --log_dir"):
+      tokenizer.save_pretrained(tmp)
+      shutil.rmtree(directory, ignore_errors=True)
+      os.replace(tmp, directory)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _resume(ckpt, step, flags: Flags, config: dict, main: bool):
+  """Restores the checkpoint to continue from into `step` (None: a fresh run), or refuses in one sentence."""
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  saved = ckpt.all_steps()
+  if not saved:
+    if flags.resume_step is not None:
+      raise TorchOnTpuError(f"--resume_step={flags.resume_step} but {config['ckpt_dir']} holds no checkpoint.")
+    return None
+  if not flags.resume:
+    ckpt.set_aside(saved, "replaced")
+    if main:
+      print(f"--resume=False: set aside steps {saved} of {config['ckpt_dir']} as <step>.replaced; starting afresh", flush=True)
+    return None
+  _check_same_state(ckpt.saved_config(flags.resume_step), config, ckpt.directory)
+  restored = ckpt.restore(step.abstract_state(), step=flags.resume_step)
+  _check_same_state(restored.config, config, ckpt.directory / str(restored.step))  # after a fallback
+  newer = [s for s in ckpt.all_steps() if s > restored.step]
+  ckpt.set_aside(newer, "superseded")
+  step.state = restored.state
+  if main:
+    aside = f"; set aside the newer steps {newer} as <step>.superseded" if newer else ""
+    print(f"Resumed from step {restored.step} of {config['ckpt_dir']}{aside}", flush=True)
+  return restored
+
+
+def _check_same_state(saved: dict | None, config: dict, where) -> None:
+  """Refuses a resume whose flags change what the saved state is, naming the flag and its saved value."""
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  for name in STATE_FLAGS:
+    if saved and name in saved and name in config and saved[name] != config[name]:
+      raise TorchOnTpuError(
+        f"The checkpoint at {where} was saved with --{name}={saved[name]} but this run has "
+        f"--{name}={config[name]}; resume with --{name}={saved[name]}, or start afresh with "
+        f"--resume=False or another --ckpt_dir."
+      )
+
+
+def _model(flags: Flags, recipe: Recipe, mesh, abstract: bool, microbatches: int | None = None):
+  """The ShardedModule: the recipe's model (with imported weights, with LoRA adapters)."""
+  import torch_on_tpu as tot
+  from torch_on_tpu.io import checkpoint
+  from torch_on_tpu.training import lora
+
+  sharding = "fsdp_tp" if flags.tp > 1 else "ep" if flags.ep > 1 else "fsdp"
+  attention = None if flags.attention == "none" else flags.attention
+  layers = dict(scan=flags.scan, unroll=flags.unroll, remat=layer_remat(flags))
+  if flags.pp > 1:
+    layers.update(microbatches=microbatches, virtual_stages=flags.virtual_stages)
+  common = dict(mesh=mesh, sharding=sharding, seed=flags.seed, attention=attention)
+  if not recipe.lora:
+    jm = tot.ShardedModule(recipe.build(), abstract=abstract, **common, **layers)
+    if recipe.weights and not abstract:
+      checkpoint.import_safetensors(jm, recipe.weights)
+    return jm
+  base = tot.ShardedModule(recipe.build(), abstract=abstract, **common)
+  if recipe.weights and not abstract:
+    checkpoint.import_safetensors(base, recipe.weights)
+  return lora.wrap(base, recipe.build(), seed=flags.seed, **recipe.lora, **layers)
+
+
+def _loss(outputs, labels):
+  import torch
+
+  logits = outputs.logits if hasattr(outputs, "logits") else outputs
+  return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _run_error_message(error, memory, report, config: dict) -> str | None:
+  """One sentence for a storage fault that reached the recipe untranslated (the writers
+  the run knows name their own path) or a device out-of-memory; None for anything else.
+  A full disk is RESOURCE_EXHAUSTED too, so the errno is asked first."""
+  from torch_on_tpu.core import storage
+  from torch_on_tpu.errors import TorchOnTpuError, first_line
+
+  if isinstance(error, TorchOnTpuError):
+    return None  # already one sentence
+  if storage.error_code(error) is not None:
+    filename = getattr(error, "filename", None)
+    if filename:
+      return storage.storage_error(error, "a file of the run", Path(filename))
+    return (
+      f"Could not write a file of the run ({first_line(error)}; the log directory {config['log_dir']} has "
+      f"{storage.free_space(config['log_dir'])}, the checkpoint directory {config['ckpt_dir']} has "
+      f"{storage.free_space(config['ckpt_dir'])}); {storage.kept()}; free space there."
+    )
+  if "RESOURCE_EXHAUSTED" in str(error):
+    return _oom_message(error, memory, report)
+  return None
+
+
+def _oom_message(error, memory, report) -> str:
+  first = str(error).strip().splitlines()[0][:200]
+  compiled = f", compiled peak {report.peak_bytes / 2**30:.2f} GiB" if report and report.peak_bytes else ""
+  return (
+    f"The step ran out of device memory ({first}); the plan was {memory.total / 2**30:.2f} GiB per device"
+    f"{compiled}; {memory.suggest(0.75 * memory.total)}."
+  )

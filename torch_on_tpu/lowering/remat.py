@@ -1,0 +1,119 @@
+"""Rematerialisation (activation checkpointing) policies by name.
+
+A policy decides which intermediate values of the forward pass the backward
+pass keeps; everything else is recomputed. One vocabulary serves the whole
+forward (`make_train_step(forward_remat=...)`) and the per-layer body of a scanned
+layer stack:
+
+| name | keeps for the backward pass |
+|---|---|
+| `none` | everything (no recomputation; most memory) |
+| `full` | nothing but the inputs (recompute the whole forward; least memory) |
+| `dots_saveable` | every matmul output |
+| `dots_with_no_batch_dims_saveable` | matmul outputs without batch dims (the projections, not attention scores) |
+| `dots_and_attention` | every matmul output and the attention kernels' outputs and softmax statistics: what an unrolled layer loop ends up keeping; cheap elementwise work (norms, activations, dtype converts) is recomputed |
+| `offload_dots` | like the previous, but moved to pinned host memory until the backward pass |
+
+`offload_dots` needs device memory distinct from host memory (TPU, GPU). On the
+CPU "device" memory already is host memory, so there is nothing to gain: it
+says so once and uses `dots_with_no_batch_dims_saveable`, which keeps the
+same values in place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import jax
+
+from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.lowering import device_checks
+
+logger = logging.getLogger(__name__)
+
+NAMES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "dots_and_attention", "offload_dots")
+
+# Matmuls the bridge runs inside a `custom_vjp` (the CPU `F.linear` of
+# `torch_on_tpu.lowering.aten`) are invisible to the dot-based policies; they tag their
+# output with this `checkpoint_name` so those policies keep it all the same.
+MATMUL_NAME = "torch_on_tpu.matmul"
+_NAMED_MATMULS = jax.checkpoint_policies.save_only_these_names(MATMUL_NAME)
+# The attention kernels' outputs and softmax statistics (a custom call or a
+# custom_vjp, not a dot) carry this name, so a policy can keep them instead of
+# recomputing the whole attention.
+ATTENTION_NAME = "torch_on_tpu.attention"
+
+_FIXED = {
+  "none": jax.checkpoint_policies.everything_saveable,
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "dots_saveable": jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_saveable, _NAMED_MATMULS
+  ),
+  "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _NAMED_MATMULS
+  ),
+  "dots_and_attention": jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_saveable,
+    jax.checkpoint_policies.save_only_these_names(MATMUL_NAME, ATTENTION_NAME),
+  ),
+}
+
+_offload_notice_given = False
+
+# What a scanned stack's layers keep when no policy is given. A scan has to
+# store every residual jax's autodiff picks as a stacked buffer written per
+# layer, where an unrolled loop lets XLA fuse cheap elementwise residuals
+# (norm intermediates in fp32, dtype converts) into their backward consumers;
+# keeping only matmul and attention outputs gives the scan what the loop keeps
+# (docs/performance.md, "Scan memory").
+SCANNED_DEFAULT = "dots_and_attention"
+
+
+def layer_policy(name: str | None, *, scanned: bool) -> str:
+  """The per-layer policy a layer stack runs: `name`, or for None the default
+  (`SCANNED_DEFAULT` for a scan, `none` for a loop)."""
+  if name is None:
+    return SCANNED_DEFAULT if scanned else "none"
+  policy(name)  # an unknown name fails here
+  return name
+
+
+def host_offload_supported(device: jax.Device | None = None) -> bool:
+  """True where activations can move to pinned host memory and back (TPU, GPU)."""
+  device = device or jax.devices()[0]
+  if device.platform == "cpu":
+    return False
+  return any(m.kind == "pinned_host" for m in device.addressable_memories())
+
+
+def policy(name: str) -> Callable:
+  """The `jax.checkpoint` policy for a name in `NAMES`."""
+  global _offload_notice_given
+  if name in _FIXED:
+    return _FIXED[name]
+  if name == "offload_dots":
+    if host_offload_supported():  # no named matmuls there: the CPU linear is CPU-only
+      return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    if not _offload_notice_given:
+      _offload_notice_given = True
+      logger.warning(
+        "remat='offload_dots': %s has no device memory apart from host memory, so nothing "
+        "would be offloaded; using 'dots_with_no_batch_dims_saveable' (keeps the same values "
+        "in place).",
+        jax.devices()[0].platform.upper(),
+      )
+    return _FIXED["dots_with_no_batch_dims_saveable"]
+  raise TorchOnTpuError(f"Unknown remat policy {name!r}; choose one of {', '.join(NAMES)}.")
+
+
+def checkpoint(fn: Callable, name: str | None, **kwargs) -> Callable:
+  """`fn` under `jax.checkpoint` with the named policy; `fn` itself for None or `none`.
+
+  Extra keyword arguments (`static_argnums`, `prevent_cse`) go to `jax.checkpoint`. Index
+  checks (`device_checks`) are not collected inside: their values live in the checkpoint's
+  own trace (a caller that wants them collects inside `fn` and returns them).
+  """
+  if name is None or name == "none":
+    return fn
+  return jax.checkpoint(device_checks.unchecked(fn), policy=policy(name), **kwargs)

@@ -1,0 +1,91 @@
+"""Qwen3.5's linear attention (Gated DeltaNet) in jax: flash-linear-attention's Triton kernels run only
+on CUDA torch tensors, so while a ShardedModule runs, torchtitan's document-resetting causal conv and
+gated delta rule run these instead."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from torch_on_tpu.core import _compat
+
+torchax = _compat.import_torchax()
+from torchax.interop import jax_view, torch_view  # noqa: E402
+
+
+@contextlib.contextmanager
+def routed():
+  """While active, torchtitan's Gated DeltaNet (Qwen3.5) runs its document-resetting causal
+  conv and its gated delta rule as the bridge's (`_causal_conv_by_document`,
+  `_gated_delta_rule`) instead of flash-linear-attention's Triton kernels, which run
+  only on CUDA torch tensors."""
+  qwen3_5 = sys.modules.get("torchtitan.models.qwen3_5.model")
+  if qwen3_5 is None:
+    yield
+    return
+  conv, kernel = qwen3_5._causal_conv1d_varlen, qwen3_5.GatedDeltaKernel.forward
+
+  def routed_kernel(self, q, k, v, g, beta, *, cu_seqlens=None, cu_seqlens_cpu=None):
+    if q.shape[2] != v.shape[2]:  # value heads share key heads, as torchtitan's forward expands them
+      q, k = (t.repeat_interleave(v.shape[2] // t.shape[2], dim=2) for t in (q, k))
+    documents = None if cu_seqlens is None else jax_view(_flat_documents(cu_seqlens))
+    return torch_view(_gated_delta_rule(*(jax_view(t) for t in (q, k, v, g, beta)), documents))
+
+  qwen3_5._causal_conv1d_varlen = lambda x, weight, ids, _host: _causal_conv_by_document(x, weight, _flat_documents(ids))
+  qwen3_5.GatedDeltaKernel.forward = routed_kernel
+  try:
+    yield
+  finally:
+    qwen3_5._causal_conv1d_varlen, qwen3_5.GatedDeltaKernel.forward = conv, kernel
+
+
+def _flat_documents(segment_ids: torch.Tensor) -> torch.Tensor:
+  """(B, L) document ids → (B·L,) ids unique across rows (the folded layout Gated DeltaNet runs)."""
+  rows, length = segment_ids.shape
+  offsets = torch.arange(rows, dtype=segment_ids.dtype, device=segment_ids.device)[:, None] * (length + 1)
+  return (segment_ids + offsets).reshape(-1)
+
+
+def _causal_conv_by_document(x: torch.Tensor, weight: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+  """flash-linear-attention's varlen `causal_conv1d` (depthwise, SiLU, restarted at each
+  document): x (1, T, D), weight (D, 1, K), documents (T,)."""
+  taps = weight.shape[-1]
+  w = weight.reshape(weight.shape[0], taps)
+  out = torch.zeros_like(x)
+  for back in range(taps):  # tap `back` reads the token `back` steps earlier, in the same document
+    earlier = torch.nn.functional.pad(x, (0, 0, back, 0))[:, : x.shape[1]]
+    same = documents == torch.nn.functional.pad(documents, (back, 0), value=-1)[: x.shape[1]]
+    out = out + earlier * same[None, :, None].to(x.dtype) * w[:, taps - 1 - back]
+  return torch.nn.functional.silu(out)
+
+
+def _gated_delta_rule(q, k, v, g, beta, documents=None):
+  """flash-linear-attention's `chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)`
+  as a sequential scan (jax arrays; q, k (1, T, H, K), v (1, T, H, V), g, beta (1, T, H)):
+  per head, the state S (K, V) decays by exp(g), is corrected toward v along k by beta,
+  and is read by q scaled by K^-1/2; S restarts at each document of `documents` (T,)
+  (one stream when None). fp32 inside, output in v's dtype."""
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  l2 = lambda x: (f32(x) / jnp.sqrt(jnp.sum(f32(x) ** 2, -1, keepdims=True) + 1e-6)).astype(x.dtype)  # noqa: E731
+  scale = q.shape[-1] ** -0.5
+  q, k = f32(l2(q))[0] * scale, f32(l2(k))[0]
+  v, g, beta = f32(v)[0], f32(g)[0], f32(beta)[0]
+  steps = q.shape[0]
+  starts = jnp.zeros(steps, bool).at[0].set(True)
+  if documents is not None:
+    starts = starts.at[1:].set(documents[1:] != documents[:-1])
+
+  def step(state, xs):
+    q_t, k_t, v_t, g_t, beta_t, start = xs
+    state = jnp.where(start, 0.0, state) * jnp.exp(g_t)[:, None, None]
+    delta = (v_t - jnp.einsum("hkv,hk->hv", state, k_t)) * beta_t[:, None]
+    state = state + k_t[:, :, None] * delta[:, None, :]
+    return state, jnp.einsum("hk,hkv->hv", q_t, state)
+
+  init = jnp.zeros((q.shape[1], q.shape[2], v.shape[2]), jnp.float32)
+  _, out = jax.lax.scan(step, init, (q, k, v, g, beta, starts))
+  return out[None].astype(v.dtype)

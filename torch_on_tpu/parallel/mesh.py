@@ -1,0 +1,112 @@
+"""Device meshes and device facts.
+
+`make_mesh(fsdp=-1)` / `make_mesh(fsdp=4, tp=2)` builds a `jax.sharding.Mesh`
+over all global devices (every host's), ordered by `jax.make_mesh` so that
+neighbouring mesh coordinates are neighbours in the physical topology.
+Axes are `Auto`: shardings propagate through torch code like GSPMD does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import AxisType, Mesh, PartitionSpec
+
+from torch_on_tpu import runtime
+from torch_on_tpu.errors import TorchOnTpuError, call
+
+# Mesh axes that carry the batch, in the order a batch dim is split over them.
+# Expert-parallel devices take their share of the batch too (tokens reach the
+# experts on other devices through XLA's collectives).
+DATA_AXIS_NAMES = ("data", "dp", "fsdp", "ep", "batch")
+
+# The mesh axis that splits the stacked layers into pipeline stages (`torch_on_tpu.parallel.pipeline`);
+# not a data axis. Name it first in `make_mesh` so stages sit farthest apart (across slices).
+PIPELINE_AXIS = "pp"
+
+# Context parallelism: the axis that splits dim 1 (the sequence) of every batch tensor
+# with one. It is not a data axis; its devices shard the parameters FSDP-style
+# together with `fsdp` (`param_axes`), so CP costs no parameter memory.
+SEQUENCE_AXIS = "cp"
+PARAM_AXIS_NAMES = ("fsdp", SEQUENCE_AXIS)
+
+
+def make_mesh(devices=None, **axes: int) -> Mesh:
+  """A named mesh over all global devices; one axis may be -1 (fill the rest).
+
+  `make_mesh(fsdp=-1)` puts every device on one `fsdp` axis;
+  `make_mesh(fsdp=4, tp=2)` needs exactly 8 devices.
+  """
+  runtime.setup()  # before jax lists devices: XLA flags, a multi-process join
+  if not axes:
+    axes = {"fsdp": -1}
+  devices = list(jax.devices() if devices is None else devices)
+  count = len(devices)
+  names = tuple(axes)
+  sizes = [int(s) for s in axes.values()]
+  fill = [n for n, s in zip(names, sizes) if s == -1]
+  if len(fill) > 1:
+    raise TorchOnTpuError(
+      f"make_mesh got -1 for axes {fill}; only one axis may fill the remaining devices."
+    )
+  bad = [n for n, s in zip(names, sizes) if s == 0 or s < -1]
+  if bad:
+    raise TorchOnTpuError(f"{call('make_mesh', axes)}: mesh axis sizes must be positive or -1.")
+  known = math.prod(s for s in sizes if s != -1)
+  if fill:
+    if count % known:
+      raise TorchOnTpuError(
+        f"{call('make_mesh', axes)}: the fixed axes multiply to {known}, which does not divide "
+        f"the {count} available devices; pick sizes whose product divides {count}."
+      )
+    sizes[names.index(fill[0])] = count // known
+  if math.prod(sizes) != count:
+    raise TorchOnTpuError(
+      f"{call('make_mesh', axes)} needs {math.prod(sizes)} devices but {count} are available; "
+      f"make the axis sizes multiply to {count} or use -1 on one axis."
+    )
+  return jax.make_mesh(
+    tuple(sizes), names, axis_types=(AxisType.Auto,) * len(names), devices=devices
+  )
+
+
+def data_axes(mesh: Mesh) -> tuple[str, ...]:
+  """The mesh axes a batch dim is sharded over by default.
+
+  Those named like data axes (`data`, `dp`, `fsdp`, `ep`, `batch`); a mesh with none of
+  them (say only `tp`) replicates the batch.
+  """
+  return tuple(a for a in mesh.axis_names if a in DATA_AXIS_NAMES)
+
+
+def param_axes(mesh: Mesh) -> tuple[str, ...]:
+  """The mesh axes parameters are FSDP-sharded over: `fsdp` and `cp`, those the mesh has."""
+  return tuple(a for a in PARAM_AXIS_NAMES if a in mesh.shape)
+
+
+def sequence_ways(mesh: Mesh) -> int:
+  """How many pieces the `cp` axis splits a sequence into (1 without one)."""
+  return mesh.shape.get(SEQUENCE_AXIS, 1)
+
+
+def batch_ways(mesh: Mesh, axes) -> int:
+  """How many pieces the mesh axes `axes` split a batch into."""
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def batch_spec(axes, ndim: int, sequence: bool = False) -> PartitionSpec:
+  """Dim 0 over the mesh axes `axes` (none: replicated); with `sequence`, dim 1 over
+  `cp` (context parallelism); the other dims replicated."""
+  axes = tuple(axes)
+  lead = None if not axes else axes[0] if len(axes) == 1 else axes
+  if sequence and ndim >= 2:
+    return PartitionSpec(lead, SEQUENCE_AXIS, *([None] * (ndim - 2)))
+  return PartitionSpec(lead, *([None] * (ndim - 1)))
+
+
+def splits_sequence(mesh: Mesh, shape) -> bool:
+  """Whether a batch tensor of `shape` has its dim 1 (the sequence) split over `cp`:
+  the mesh has a `cp` axis of more than one device and it divides dim 1."""
+  ways = sequence_ways(mesh)
+  return ways > 1 and len(shape) >= 2 and shape[1] % ways == 0

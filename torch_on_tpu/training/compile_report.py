@@ -1,0 +1,93 @@
+"""What one compiled step costs per device, from XLA's own analyses: memory (arguments, outputs,
+donated, temporaries, host-offloaded), FLOPs and bytes, the collectives' bytes with loop trip
+counts, and how attention and a pipeline ran. `TrainStep.compile()` returns it; the recipes print it."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+
+from torch_on_tpu.core.sizes import human_bytes
+from torch_on_tpu.parallel.collectives import CollectiveBytes, collective_bytes
+
+
+@dataclasses.dataclass
+class CompileReport:
+  """Per-device facts about one compiled step (from XLA's own analyses)."""
+
+  seconds: float
+  argument_bytes: int | None = None
+  output_bytes: int | None = None
+  alias_bytes: int | None = None  # outputs written into donated arguments
+  temp_bytes: int | None = None
+  generated_code_bytes: int | None = None
+  host_offloaded_bytes: int | None = None  # host temporaries + host arguments/outputs
+  attention_splits: tuple[str, ...] = ()  # how attention crossed a `cp` axis (context parallelism)
+  collective_bytes: CollectiveBytes | None = None  # received per device per step, loops counted
+  flops: float | None = None
+  bytes_accessed: float | None = None
+  pipeline: str | None = None  # the schedule and its bubble fraction, with a `pp` axis
+
+  @property
+  def peak_bytes(self) -> int | None:
+    """Arguments + outputs not aliased to them + temporaries: the step's device memory."""
+    if self.argument_bytes is None:
+      return None
+    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+  def __str__(self) -> str:
+    parts = [f"compiled in {self.seconds:.1f} s"]
+    if self.argument_bytes is not None:
+      parts.append(
+        f"per device: arguments {human_bytes(self.argument_bytes)}, outputs "
+        f"{human_bytes(self.output_bytes)} ({human_bytes(self.alias_bytes)} donated), "
+        f"temporaries {human_bytes(self.temp_bytes)}, generated code "
+        f"{human_bytes(self.generated_code_bytes)}, host offloaded "
+        f"{human_bytes(self.host_offloaded_bytes)}"
+      )
+    if self.flops is not None:
+      parts.append(f"{self.flops / 1e9:.2f} GFLOP, {human_bytes(self.bytes_accessed or 0)} accessed")
+    if self.pipeline is not None:
+      parts.append(self.pipeline)
+    if self.collective_bytes is not None:
+      parts.append(f"collectives {self.collective_bytes}")
+    if self.attention_splits:
+      parts.append("attention across " + "; ".join(self.attention_splits))
+    return "; ".join(parts)
+
+
+def report(compiled, seconds) -> CompileReport:
+  report = CompileReport(seconds=seconds)
+  try:
+    mem = compiled.memory_analysis()
+  except Exception:  # some backends do not implement it
+    mem = None
+  if mem is not None:
+    report.argument_bytes = mem.argument_size_in_bytes
+    report.output_bytes = mem.output_size_in_bytes
+    report.alias_bytes = mem.alias_size_in_bytes
+    report.temp_bytes = mem.temp_size_in_bytes
+    report.generated_code_bytes = mem.generated_code_size_in_bytes
+    report.host_offloaded_bytes = sum(
+      getattr(mem, f"host_{k}_size_in_bytes", 0) or 0 for k in ("argument", "output", "temp")
+    )
+  try:
+    report.collective_bytes = collective_bytes(compiled.as_text())
+  except Exception:  # noqa: BLE001 (a backend without HLO text: the report goes without)
+    report.collective_bytes = None
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # jax < 0.4.30 returns one dict per program
+    cost = cost[0] if cost else None
+  if cost:
+    report.flops = cost.get("flops")
+    report.bytes_accessed = cost.get("bytes accessed")
+  return report
+
+
+@contextlib.contextmanager
+def quiet_donation_warnings():
+  """Donated buffers XLA cannot reuse (e.g. small scalars) are harmless; jax warns per compile."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+    yield

@@ -1,0 +1,269 @@
+"""Cross-entropy over a large vocabulary without a full fp32 copy of the logits.
+
+torchax lowers `F.cross_entropy` as torch decomposes it: an fp32
+`log_softmax` of the whole [tokens, vocab] logits, kept for the backward, and
+an fp32 gradient of the same size. At vocab 128k and 8k tokens that is GiBs of
+temporaries. Here the loss is a `jax.custom_vjp` that walks the vocabulary in
+chunks: the forward keeps a running max and sum of exponentials (fp32 whatever
+the logits' dtype) plus the target logit, and saves only the logits and one
+logsumexp per row; the backward recomputes each chunk's softmax and writes the
+gradient into a buffer of the logits' own dtype.
+
+`cross_entropy` is what the train step installs for `F.cross_entropy`; a call
+it cannot express exactly (class weights, probability targets, logits that are
+not 2-D, the legacy `size_average`/`reduce`) goes to torchax's own lowering.
+
+`Upcasts` keeps the step's fp32 view of bf16 outputs from costing memory: the
+loss function sees fp32 tensors, but when `F.cross_entropy` gets one that is a
+reshape or slice of such an up-cast, the kernel reads the bf16 tensor it came
+from. That is exact (the kernel casts each chunk to fp32, and its bf16 gradient
+is the fp32 one rounded once, as the cast's own gradient would be), and the
+fp32 copy of the logits and its fp32 gradient are never built.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from torch_on_tpu.core import _compat
+from torch_on_tpu.lowering import device_checks, op_table
+
+torchax = _compat.import_torchax()
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from torchax.interop import jax_view, torch_view  # noqa: E402
+
+CHUNK_BYTES = 32 << 20  # one chunk's fp32 block: the loop's scratch, whatever the vocabulary
+MAX_CHUNK, MIN_CHUNK = 8192, 1024  # columns per chunk
+
+
+def installed(model, upcasts: "Upcasts | None" = None):
+  """While active (the train step's trace), `F.cross_entropy` runs `cross_entropy`, its rows
+  over `model`'s data axes, reading the low-precision source of `upcasts`' tensors."""
+  return op_table.bridge_overrides(
+    {torch.nn.functional.cross_entropy: functools.partial(cross_entropy, model, upcasts or Upcasts())}
+  )
+
+
+# Ops whose result is a rearrangement of their first argument's elements: applied to an
+# up-cast or to its source, they give the same values in fp32 and in the source dtype.
+_REARRANGING = frozenset({
+  torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.flatten,
+  torch.Tensor.contiguous, torch.Tensor.float, torch.Tensor.__getitem__,
+})
+
+
+class _Wide(torchax.tensor.Tensor):
+  """An fp32 tensor that is an up-cast of `low` (rearranged alike). A subclass because
+  torchax's `Tensor.flatten` is plain Python that no torch function mode sees."""
+
+  low: torch.Tensor
+
+  def flatten(self, start_dim=0, end_dim=-1):
+    return _wide(super().flatten(start_dim, end_dim), self.low.flatten(start_dim, end_dim))
+
+
+def _wide(t, low) -> _Wide:
+  wide = _Wide(jax_view(t), _compat.tensor_env(t))
+  wide.low = low
+  return wide
+
+
+class Upcasts(TorchFunctionMode):
+  """The loss function's fp32 view of the model's low-precision outputs.
+
+  `to_fp32(outputs)` casts floating tensors below fp32 up, each remembering its
+  source; while the mode is active, reshapes, views and basic slicing of them keep
+  that link (the same op applied to the source), which `source(t)` returns.
+  Sources nothing reads are dropped when jax traces the step."""
+
+  def to_fp32(self, outputs):
+    def up(t):
+      if isinstance(t, torch.Tensor) and t.is_floating_point() and torch.finfo(t.dtype).bits < 32:
+        return _wide(t.float(), t)
+      return t
+
+    return _compat.torch_pytree.tree_map(up, outputs)
+
+  @staticmethod
+  def source(t):
+    return t.low if isinstance(t, _Wide) else None
+
+  def __torch_function__(self, func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    out = func(*args, **kwargs)
+    if (
+      func in _REARRANGING and isinstance(args[0], _Wide) and isinstance(out, torch.Tensor)
+      and out.dtype == torch.float32 and _by_position(args[1:], kwargs)
+    ):
+      low = args[0].low
+      return _wide(out, low if func is torch.Tensor.float else func(low, *args[1:], **kwargs))
+    return out
+
+
+def _by_position(args, kwargs) -> bool:
+  """Shapes, dims, slices: no dtype (a bit view) and no tensor index (a gather whose
+  gradient sums duplicates, which would round differently in bf16)."""
+  leaves = _compat.torch_pytree.tree_leaves((args, kwargs))
+  return all(isinstance(x, (int, slice, type(None), type(Ellipsis), torch.Size)) for x in leaves)
+
+
+def cross_entropy(
+  model,
+  upcasts,
+  input,
+  target,
+  weight=None,
+  size_average=None,
+  ignore_index=-100,
+  reduce=None,
+  reduction="mean",
+  label_smoothing=0.0,
+):
+  """`torch.nn.functional.cross_entropy` (torch tensors in and out), chunked when it can be exact.
+
+  The rows are pinned to the data axes (and `cp`: rows are flattened batch ×
+  sequence positions) where they divide them: a loop over vocabulary slices of
+  logits sharded any other way (over the vocabulary, say) would gather them
+  whole on every device."""
+  exact = (
+    weight is None
+    and size_average is None
+    and reduce is None
+    and reduction in ("mean", "sum", "none")
+    and input.ndim == 2
+    and target.ndim == 1
+    and not target.is_floating_point()
+    and input.is_floating_point()
+  )
+  if not exact:
+    return _compat.torch_cross_entropy(
+      input, target, weight, size_average, reduce, reduction, ignore_index, label_smoothing
+    )
+  rows = input.shape[0]
+  classes = input.shape[1]
+  device_checks.index_in_range(
+    jax_view(target), classes, what=f"cross_entropy as a target (logits of {classes} classes)", allowed=int(ignore_index)
+  )
+  low = upcasts.source(input)
+  loss = chunked_cross_entropy(
+    jax_view(input if low is None else low), jax_view(target), ignore_index=int(ignore_index), reduction=reduction,
+    label_smoothing=float(label_smoothing),
+    sharding=_rows_sharding(model, rows),
+  )
+  return torch_view(loss)
+
+
+def _rows_sharding(model, rows: int):
+  """The loss rows over the data axes (and `pp` with pipeline stages, where the head
+  runs; `cp` without), or None where they do not divide."""
+  if model.pipeline is not None and model.pipeline.output_sharding(2, rows) is not None:
+    return model.pipeline.output_sharding(2, rows)
+  return model.token_sharding(rows)
+
+
+def chunked_cross_entropy(logits, targets, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, chunk=None, sharding=None):
+  """torch's cross-entropy of `logits` [N, V] against class ids `targets` [N], in fp32;
+  `sharding` (of the logits, rows over the data axes) is kept through the loops."""
+  valid = targets != ignore_index
+  targets = jnp.where(valid, targets, 0).astype(jnp.int32)
+  rows = _row_losses(logits, targets, valid, label_smoothing, chunk, sharding)
+  if reduction == "none":
+    return rows
+  total = rows.sum()
+  return total / valid.sum().astype(jnp.float32) if reduction == "mean" else total
+
+
+def _starts(rows: int, vocab: int, chunk: int | None) -> tuple[int, int]:
+  """(chunk width, number of chunks): chunk i covers `min(i * width, vocab - width)` on, so
+  the last one overlaps its neighbour rather than being narrower (one loop body, no copy).
+
+  By default a chunk is as wide as keeps its fp32 block within `CHUNK_BYTES` (a
+  multiple of 128 columns, from `MIN_CHUNK` to `MAX_CHUNK`); a vocabulary that
+  fits is one chunk, no loop."""
+  if chunk is None:
+    chunk = min(MAX_CHUNK, max(MIN_CHUNK, CHUNK_BYTES // (4 * max(rows, 1)) // 128 * 128))
+  width = min(chunk, vocab)
+  return width, -(-vocab // width)
+
+
+def _logsumexp(logits, chunk):
+  """Each row's logsumexp in fp32: a running max and sum of exponentials over the chunks."""
+  n, vocab = logits.shape
+  width, count = _starts(n, vocab, chunk)
+
+  def update(i, carry):
+    m, s = carry
+    start = jnp.minimum(i * width, vocab - width)
+    block = _columns(logits, start, width).astype(jnp.float32)
+    new = (start + jnp.arange(width) >= i * width)[None, :]  # the last chunk's overlap was counted
+    new_m = jnp.maximum(m, jnp.where(new, block, -jnp.inf).max(axis=1))
+    s = s * jnp.exp(m - new_m) + jnp.where(new, jnp.exp(block - new_m[:, None]), 0.0).sum(axis=1)
+    return new_m, s
+
+  carry = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32))
+  m, s = jax.lax.fori_loop(0, count, update, carry) if count > 1 else update(0, carry)
+  return m + jnp.log(s)
+
+
+def _bits(x, dtype=None):
+  """A 16-bit float array as its bit pattern (and back, given `dtype`): XLA CPU runs
+  bf16 slices and updates in fp32, and for a slice of the loop-invariant logits
+  hoists that cast out of the chunk loop, building the fp32 copy chunking avoids."""
+  if dtype is not None:
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+  return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+def _columns(logits, start, width):
+  """Columns `start` to `start + width` of `logits`, sliced as bits (see `_bits`)."""
+  return _bits(jax.lax.dynamic_slice_in_dim(_bits(logits), start, width, axis=1), logits.dtype)
+
+
+def _pin(x, sharding):
+  return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _row_losses(logits, targets, valid, smoothing, chunk, sharding):
+  """Each row's loss (0 where ignored): (1-ε)(lse - x_target) + ε(lse - mean x)."""
+  return _row_losses_fwd(logits, targets, valid, smoothing, chunk, sharding)[0]
+
+
+def _row_losses_fwd(logits, targets, valid, smoothing, chunk, sharding):
+  logits = _pin(logits, sharding)
+  lse = _logsumexp(logits, chunk)
+  picked = jnp.take_along_axis(logits, targets[:, None], axis=1)[:, 0].astype(jnp.float32)
+  rows = (1.0 - smoothing) * (lse - picked)
+  if smoothing:
+    rows = rows + smoothing * (lse - logits.sum(axis=1, dtype=jnp.float32) / logits.shape[1])
+  return jnp.where(valid, rows, 0.0), (logits, targets, valid, lse)
+
+
+def _row_losses_bwd(smoothing, chunk, sharding, residuals, grad):
+  """d logits = g (softmax - (1-ε) onehot - ε/V), chunk by chunk, in the logits' dtype.
+
+  The overlapping last chunk rewrites its neighbour's columns with the same values."""
+  logits, targets, valid, lse = residuals
+  n, vocab = logits.shape
+  width, count = _starts(n, vocab, chunk)
+  g = jnp.where(valid, grad, 0.0)[:, None]
+
+  def body(i, out):
+    start = jnp.minimum(i * width, vocab - width)
+    block = _columns(logits, start, width).astype(jnp.float32)
+    columns = start + jnp.arange(width)[None, :]
+    softmax = jnp.exp(block - lse[:, None])
+    target = jnp.where(columns == targets[:, None], 1.0 - smoothing, 0.0)
+    grads = (g * (softmax - target - smoothing / vocab)).astype(logits.dtype)
+    return _bits(jax.lax.dynamic_update_slice_in_dim(_bits(out), _bits(grads), start, axis=1), out.dtype)
+
+  out = _pin(jnp.empty_like(logits), sharding)
+  out = jax.lax.fori_loop(0, count, body, out) if count > 1 else body(0, out)
+  return out, None, None
+
+
+_row_losses.defvjp(_row_losses_fwd, _row_losses_bwd)

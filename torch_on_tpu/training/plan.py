@@ -1,0 +1,448 @@
+"""Memory planning: will this run fit on these devices, before anything compiles?
+
+    shape = plan.decoder_shape(meta_model)                  # before wrapping it
+    step = tot.make_train_step(tot.ShardedModule(meta_model, mesh=mesh, abstract=True), ...)
+    memory = plan.plan_memory(step, shape, global_batch_size=8, seqlen=8192, remat="offload_dots")
+    print(memory)                                           # the per-device table
+    memory.check()                                          # TorchOnTpuError with a concrete fix
+
+Compiling a large model takes minutes and an out-of-memory error arrives only
+after that, as a long XLA trace. The plan is arithmetic on shapes and
+shardings, so it answers in milliseconds, and when the run does not fit it
+says what would make it fit.
+
+Per device, it counts:
+
+* params, gradients and optimizer state exactly, from each array's shard shape
+  under its sharding (gradients only for trained params; with `grad_accum > 1`
+  the fp32 accumulator and one microbatch's gradients);
+* activations saved for the backward pass, an estimate per decoder layer and
+  per token of the microbatch on the device (hidden size d, MLP size f, q
+  heads h, kv heads hk, head dim dh, column-parallel tensors divided by `tp`):
+
+  | remat policy | kept per layer (elements per token) |
+  |---|---|
+  | `none` | every intermediate: `dots` + 4·d + (2·h·dh + hk·dh + 2·f)/tp (norms, RoPE, SwiGLU products) |
+  | `dots_saveable`, `dots_with_no_batch_dims_saveable` | the layer input d plus the matmul outputs (h·dh + 2·hk·dh + 2·f)/tp + 2·d |
+  | `dots_and_attention` (a scan's default) | the same plus the attention kernel's residuals 3·h·dh/tp (q after RoPE, its output, that output as wo's input) |
+  | `offload_dots` | the layer input d on the device; the matmul outputs go to host memory |
+  | `full` | the layer input d |
+
+* with a `cp` axis (context parallelism), the tokens of a device are its share
+  of the batch's rows times its 1/cp of their sequence, and one layer's backward
+  also holds the K/V attention gathers across `cp` (the whole sequence's K and V,
+  or two ring blocks);
+* the params cast to the compute dtype when it is narrower than theirs (bf16
+  compute over fp32 master weights);
+* the backward pass at its busiest, the largest of: the loss head's (the
+  logits kept for it and their gradient, tokens × vocab/tp in the compute
+  dtype each: the chunked cross-entropy builds no fp32 copy), just after it
+  (the logits' gradient and the params' gradients) and the layers' (the
+  gradients and one layer's `none` figure, its recomputed intermediates);
+* on the CPU with a compute dtype below fp32, what XLA CPU adds by running
+  those matmuls in fp32: an fp32 copy of the logits' gradient, and in a
+  scanned stack the saved residuals widened to fp32 (each converted whole
+  ahead of the backward loop, its bf16 original then freed). Other backends
+  compute in bf16 and have neither.
+
+With pipeline stages (a `pp` mesh axis, `torch_on_tpu.parallel.pipeline`), the layers'
+activations are those of the schedule: each tick keeps its stage's input (the
+stage is recomputed in the backward), `(V·M + S − 1)/M` times the tokens on the
+device, plus stage 0's inbox and its gradient (the tokens twice); the backward
+at its busiest recomputes one block of layers on one microbatch (keeping what
+the layer policy keeps of each, widened to fp32 on the CPU); the head and its
+logits see the tokens split over `pp` as well. When nothing else fits, the
+suggestion tries pipeline stages on the same devices before asking for more.
+
+The device's memory is `memory_stats()['bytes_limit']` (TPU, GPU); on the CPU
+it is the host's RAM shared by its (simulated) devices. A plan fits when it
+needs at most `USABLE` of that: XLA needs room of its own for fusion
+temporaries and collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+import psutil
+
+from torch_on_tpu import models
+from torch_on_tpu.attention import context
+from torch_on_tpu.core.sizes import human_bytes
+from torch_on_tpu.errors import TorchOnTpuError, arg, named
+from torch_on_tpu.models import DecoderShape
+from torch_on_tpu.parallel import mesh as mesh_lib
+from torch_on_tpu.wrapper import scan as scan_lib
+
+USABLE = 0.9  # fraction of device memory a plan may use
+
+
+def decoder_shape(module) -> DecoderShape:
+  """The decoder's shape, as the model's family reads it (`Family.decoder_shape`); meta is fine."""
+  shape = models.family_of(module).decoder_shape(module)
+  if shape is None:
+    raise TorchOnTpuError(
+      f"Cannot read the decoder shape of {type(module).__name__}; pass a plan.DecoderShape(...) "
+      f"with its layers, dims and heads."
+    )
+  return shape
+
+
+def device_memory(device: jax.Device | None = None) -> tuple[int | None, str]:
+  """(bytes one device may hold, where that number comes from)."""
+  device = device or jax.local_devices()[0]
+  if device.platform == "cpu":
+    count = len(jax.local_devices(backend="cpu"))
+    total = psutil.virtual_memory().total
+    return total // count, f"host RAM {human_bytes(total)} / {count} CPU devices"
+  try:
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+  except Exception:  # some backends do not implement memory_stats
+    limit = None
+  if limit is None:
+    return None, f"{device.device_kind} does not report its memory"
+  return int(limit), f"{device.device_kind} bytes_limit"
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+  """Per-device bytes of one training step; `str()` is the table, `check()` the verdict."""
+
+  params: int
+  grads: int
+  optimizer: int
+  compute_params: int  # the params cast to the compute dtype, for the forward and backward
+  saved_activations: int
+  layer_backward: int
+  logits: int  # kept for the loss head's backward
+  logits_grad: int
+  cpu_upcasts: int  # what XLA CPU adds widening a scan's bf16 residuals to fp32 (0 elsewhere)
+  host_offloaded: int
+  # With index checks (device_checks) the update is a branch that skips it on a bad index;
+  # XLA holds a copy of the trained params across that branch instead of updating in place.
+  update_branch: int
+  device_bytes: int | None
+  device_note: str
+  description: str
+  suggestion: str = ""
+  _context: tuple = dataclasses.field(default=(), repr=False)  # what `suggest` re-plans from
+
+  @property
+  def backward_peak(self) -> int:
+    """The busiest moment of the backward pass: the loss head's (logits and their
+    gradient), just after it (that gradient and the params' gradients) or the
+    layers' (the gradients and one layer's recomputed intermediates)."""
+    return max(
+      self.logits + self.logits_grad,
+      self.logits_grad + self.grads,
+      self.grads + self.layer_backward,
+    )
+
+  @property
+  def total(self) -> int:
+    return (
+      self.params + self.optimizer + self.compute_params + self.saved_activations + self.cpu_upcasts
+      + self.update_branch + self.backward_peak
+    )
+
+  @property
+  def activations(self) -> int:
+    """Everything but params, gradients and optimizer state."""
+    return self.total - self.params - self.grads - self.optimizer
+
+  @property
+  def fits(self) -> bool | None:
+    return None if self.device_bytes is None else self.total <= USABLE * self.device_bytes
+
+  def __str__(self) -> str:
+    rows = [
+      ("params", self.params),
+      ("optimizer state", self.optimizer),
+      ("params in the compute dtype", self.compute_params),
+      ("activations saved for backward", self.saved_activations),
+      ("+ widened to fp32 (XLA CPU)", self.cpu_upcasts),
+      ("params kept across the checked update", self.update_branch),
+      ("backward peak, the largest of:", self.backward_peak),
+      ("  logits + their gradient", self.logits + self.logits_grad),
+      ("  logits' gradient + gradients", self.logits_grad + self.grads),
+      ("  gradients + one layer's backward", self.grads + self.layer_backward),
+      ("total", self.total),
+    ]
+    lines = [f"Memory plan per device ({self.description}):"]
+    lines += [f"  {label:<36}{human_bytes(n):>12}" for label, n in rows if n or label == "total"]
+    if self.host_offloaded:
+      lines.append(f"  {'offloaded to host memory':<36}{human_bytes(self.host_offloaded):>12}")
+    if self.device_bytes is None:
+      lines.append(f"  device memory unknown ({self.device_note}): not checked")
+    else:
+      verdict = "fits" if self.fits else "does NOT fit"
+      lines.append(
+        f"  device memory {human_bytes(self.device_bytes)} ({self.device_note}); "
+        f"{int(USABLE * 100)}% usable: {verdict}"
+      )
+    return "\n".join(lines)
+
+  def message(self) -> str:
+    """One sentence: what the plan needs, what the device has, and what to change."""
+    return (
+      f"The step needs about {human_bytes(self.total)} per device but {self.device_note} gives "
+      f"{human_bytes(self.device_bytes or 0)} ({int(USABLE * 100)}% usable); {self.suggestion}."
+    )
+
+  def suggest(self, limit: float) -> str:
+    """The first change that brings the plan under `limit` bytes per device."""
+    return _suggest(*self._context, self, limit)
+
+  def check(self) -> None:
+    """Raises `TorchOnTpuError` with `message()` when the plan does not fit."""
+    if self.fits is False:
+      raise TorchOnTpuError(self.message())
+
+
+def plan_memory(
+  step,
+  shape: DecoderShape,
+  *,
+  global_batch_size: int,
+  seqlen: int,
+  remat: str | None = None,
+  device_bytes: int | None = None,
+) -> MemoryPlan:
+  """The per-device plan for `step` (a `TrainStep`, abstract or not) on its mesh.
+
+  `remat` is the per-layer policy the model runs with (`ShardedModule(remat=)`);
+  `device_bytes` overrides the device's own memory (plan for another device).
+  """
+  plan = _estimate(step, shape, global_batch_size, seqlen, remat, step.grad_accum)
+  plan._context = (step, shape, global_batch_size, seqlen, remat)
+  if device_bytes is None:
+    plan.device_bytes, plan.device_note = device_memory(step.model.mesh.devices.flat[0])
+  else:
+    plan.device_bytes, plan.device_note = int(device_bytes), "the given device memory"
+  if plan.fits is False:
+    plan.suggestion = plan.suggest(USABLE * plan.device_bytes)
+  return plan
+
+
+def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedule=None, split=None) -> MemoryPlan:
+  """The plan; `schedule` (a `pipeline.Schedule`) plans the model's own devices as if split
+  into its stages (for the suggestion), else the model's own pipeline, if any; `split` =
+  (data ways, cp ways) plans the same devices laid out otherwise."""
+  model = step.model
+  mesh = model.mesh
+  params = _sharded_bytes(model.params, model.param_shardings)
+  shardings = model.param_shardings
+  trained = {k: v for k, v in model.params.items() if k in step.trainable}
+  grads = _sharded_bytes(trained, {k: shardings[k] for k in trained})
+  if grad_accum > 1:  # an fp32 sum next to one microbatch's gradients
+    grads += _sharded_bytes(trained, {k: shardings[k] for k in trained}, itemsize=4)
+  optimizer = _sharded_bytes(step.opt_state, step.opt_state_shardings)
+  compute = np.dtype(step.compute_dtype or _float_dtype(model.params)).itemsize
+  narrower = {k: v for k, v in model.params.items() if _is_float(v) and np.dtype(v.dtype).itemsize > compute}
+  compute_params = _sharded_bytes(narrower, {k: shardings[k] for k in narrower}, itemsize=compute)
+
+  data_ways, cp = split or (math.prod(mesh.shape[a] for a in model.data_axes), mesh_lib.sequence_ways(mesh))
+  if schedule is None and model.pipeline is not None:
+    schedule = model.pipeline.schedule
+  elif schedule is not None:
+    data_ways //= schedule.stages  # the stages come out of the data axes
+  rows = global_batch_size // grad_accum
+  local_rows = rows / (data_ways if rows % data_ways == 0 else 1)
+  cp = cp if seqlen % cp == 0 else 1
+  tokens = local_rows * seqlen / cp
+  tp = mesh.shape.get("tp", 1)
+  # XLA CPU runs sub-fp32 matmuls in fp32: the input of the lm_head's backward dots is an
+  # fp32 copy of the logits' gradient, and a scan's saved bf16 residuals are each converted
+  # to fp32 whole ahead of the backward loop (the bf16 original then freed).
+  cpu_upcast = mesh.devices.flat[0].platform == "cpu" and compute < 4
+  scanned = any(f".{scan_lib.SCAN}.{scan_lib.LAYER}." in k for k in model.params)
+  s = shape
+  dots = (s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim + 2 * s.ffn_dim) / tp + 2 * s.dim
+  everything = dots + 4 * s.dim + (2 * s.heads * s.head_dim + s.kv_heads * s.head_dim + 2 * s.ffn_dim) / tp
+  policy = remat or "none"
+  # The attention kernel's residuals: q after RoPE, its output, and that output as wo's input.
+  attention_out = 3 * s.heads * s.head_dim / tp
+  kept = {
+    "none": everything, "full": s.dim, "offload_dots": s.dim, "dots_and_attention": s.dim + dots + attention_out,
+  }.get(policy, s.dim + dots)
+  offloaded = dots if policy == "offload_dots" and _can_offload(mesh) else 0
+  if policy == "offload_dots" and not offloaded:
+    kept = s.dim + dots  # no host memory apart from the device's: kept in place
+  per_token = compute * tokens
+  kv_across = 0
+  if cp > 1:  # attention's K/V across the sequence split, held during one layer
+    strategy, _ = context.choose(
+      model.context_parallel, heads=s.heads, kv_heads=s.kv_heads, ways=cp, plain=True
+    )
+    held = seqlen if strategy == "all_gather" else 2 * seqlen / cp
+    kv_across = int(local_rows * held * 2 * s.kv_heads * s.head_dim / tp * compute)
+  description = (
+    f"mesh {dict(mesh.shape)}, {global_batch_size} x {seqlen} tokens"
+    + (f" in {grad_accum} microbatches" if grad_accum > 1 else "")
+    + (f", each sequence over cp={cp}" if cp > 1 else "")
+    + f", remat {policy}, compute {_dtype_name(step, model)}"
+  )
+  saved = int(s.layers * kept * per_token)
+  layer_backward = int(0 if policy == "none" else everything * per_token)
+  head_tokens = tokens
+  if schedule is not None:
+    micro = per_token / schedule.microbatches
+    block = s.layers // (schedule.stages * schedule.virtual_stages)
+    saved = int((schedule.ticks / schedule.microbatches + 2) * s.dim * per_token)
+    layer_backward = int((block * kept + everything) * micro)
+    if cpu_upcast:  # the stage's recomputed residuals, widened like a scan's
+      layer_backward += int(block * kept * micro * (4 - compute) / compute)
+    head_tokens = tokens / schedule.stages
+    description += f", pipeline {schedule}"
+  logits = int(head_tokens * s.vocab * s.predictions / tp * compute)  # multi-token prediction: a logits tensor per depth
+  return MemoryPlan(
+    params=params,
+    grads=grads,
+    optimizer=optimizer,
+    compute_params=compute_params,
+    saved_activations=saved,
+    layer_backward=layer_backward + kv_across,
+    logits=logits,
+    logits_grad=logits + (logits * 4 // compute if cpu_upcast else 0),
+    cpu_upcasts=saved * (4 - compute) // compute if cpu_upcast and scanned else 0,
+    host_offloaded=int(s.layers * offloaded * per_token),
+    update_branch=_sharded_bytes(trained, {k: shardings[k] for k in trained})
+    if step.check_indices and not step.skip_nonfinite else 0,
+    device_bytes=None,
+    device_note="",
+    description=description,
+  )
+
+
+def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
+  """The first change under `limit`: remat, then grad_accum, then more devices."""
+  policy = remat or "none"
+  if policy not in ("full", "offload_dots"):
+    alternative = _estimate(step, shape, global_batch_size, seqlen, "full", step.grad_accum)
+    if alternative.total <= limit:
+      return f"use {arg('remat', 'full')} (recompute each layer in the backward pass: about {human_bytes(alternative.total)})"
+  mesh = step.model.mesh
+  data_ways = math.prod(mesh.shape[a] for a in step.model.data_axes)
+  best = "full" if policy == "none" else policy
+  accum = step.grad_accum
+  while global_batch_size % (accum * 2) == 0 and (global_batch_size // (accum * 2)) % data_ways == 0:
+    accum *= 2
+    alternative = _estimate(step, shape, global_batch_size, seqlen, best, accum)
+    if alternative.total <= limit:
+      extra = "" if best == policy else f" with {arg('remat', best)}"
+      return (
+        f"use {arg('grad_accum', accum)}{extra} (or a global batch {accum // step.grad_accum}x smaller: "
+        f"about {human_bytes(alternative.total)})"
+      )
+  staged = _pipeline_suggestion(step, shape, global_batch_size, seqlen, limit)
+  if staged:
+    return staged
+  split = _sequence_split(step, shape, global_batch_size, seqlen, best, policy, limit)
+  if split:
+    return split
+  state = plan.params + plan.grads + plan.optimizer
+  floor = _estimate(step, shape, global_batch_size, seqlen, best, accum).activations
+  if limit > floor:
+    factor = math.ceil(state / (limit - floor))
+    fsdp = mesh.shape.get("fsdp", 1)
+    return (
+      f"shard the params over about {factor}x more devices on fsdp ({arg('fsdp', fsdp * factor)} or more), "
+      f"since params, gradients and optimizer state alone take {human_bytes(state)}"
+    )
+  return (
+    f"even one sequence per device with {arg('remat', best)} needs {human_bytes(floor)} of activations; "
+    f"use a shorter {named('seqlen')} or shard activations with {named('tp')}"
+  )
+
+
+def _pipeline_suggestion(step, shape, global_batch_size, seqlen, limit) -> str | None:
+  """Pipeline stages on the same devices (taken from `fsdp`) that bring the plan under
+  `limit`: the fewest stages, with the most microbatches up to 4 per stage, each layer
+  recomputed whole (a stage then keeps only its input per tick: far fewer saved
+  activations than every layer's input when the stack is deep)."""
+  from torch_on_tpu.parallel import pipeline as pipeline_lib
+
+  model = step.model
+  scanned = any(f".{scan_lib.SCAN}.{scan_lib.LAYER}." in k for k in model.params)
+  if model.pipeline is not None or mesh_lib.sequence_ways(model.mesh) > 1 or not scanned:
+    return None  # already staged, or over `cp` (which stages refuse), or no stack to split
+  fsdp = model.mesh.shape.get("fsdp", 1)
+  rows = global_batch_size // step.grad_accum
+  for stages in range(2, fsdp + 1):
+    if fsdp % stages or shape.layers % stages:
+      continue
+    micro = [m for m in range(stages, 4 * stages + 1) if rows % m == 0]
+    if not micro:
+      continue
+    schedule = pipeline_lib.Schedule(stages, max(micro))
+    alternative = _estimate(step, shape, global_batch_size, seqlen, "full", step.grad_accum, schedule)
+    if alternative.total <= limit:
+      return (
+        f"use pipeline stages: pp={stages} with fsdp={fsdp // stages}, microbatches={schedule.microbatches} and "
+        f"remat='full' (about {human_bytes(alternative.total)}; bubble {schedule.bubble_fraction:.0%})"
+      )
+  return None
+
+
+def _sequence_split(step, shape, global_batch_size, seqlen, remat, policy, limit) -> str | None:
+  """The smallest `cp` (devices taken from the data axes, with the grad_accum that
+  leaves each device less than a sequence; `remat`, else 'full') under `limit`, as a
+  suggestion; None if none."""
+  mesh = step.model.mesh
+  if step.model.pipeline is not None:
+    return None  # pipeline stages and cp do not compose (`pipeline.Pipeline`)
+  data_ways = math.prod(mesh.shape[a] for a in step.model.data_axes)
+  cp_now = mesh_lib.sequence_ways(mesh)
+  devices = data_ways * cp_now
+  for candidate in dict.fromkeys((remat, "full")):
+    cp = cp_now * 2
+    while cp <= devices and devices % cp == 0 and seqlen % (2 * cp) == 0:
+      data = devices // cp
+      accum = step.grad_accum
+      while accum <= global_batch_size:
+        rows = global_batch_size // accum
+        if global_batch_size % accum == 0 and rows % data == 0:
+          alternative = _estimate(step, shape, global_batch_size, seqlen, candidate, accum, split=(data, cp))
+          if alternative.total <= limit:
+            extra = f" and {arg('grad_accum', accum)}" if accum != step.grad_accum else ""
+            where = f"{arg('remat', candidate)}, " if candidate != policy else ""
+            return (
+              f"split each sequence over more devices: {arg('cp', cp)} with {data} data devices{extra} "
+              f"({where}about {human_bytes(alternative.total)})"
+            )
+        accum *= 2
+      cp *= 2
+  return None
+
+
+def _sharded_bytes(tree, shardings, itemsize: int | None = None) -> int:
+  """Bytes one device holds of `tree`, whose leaves line up with those of `shardings`."""
+  total = 0
+  for x, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+    shard = sharding.shard_shape(tuple(x.shape)) if x.ndim else ()
+    total += math.prod(shard) * (itemsize or np.dtype(x.dtype).itemsize)
+  return total
+
+
+def _is_float(x) -> bool:
+  return np.issubdtype(np.dtype(x.dtype), np.floating) or np.dtype(x.dtype).name == "bfloat16"
+
+
+def _float_dtype(params) -> np.dtype:
+  for x in params.values():
+    if _is_float(x):
+      return np.dtype(x.dtype)
+  return np.dtype(np.float32)
+
+
+def _dtype_name(step, model) -> str:
+  return np.dtype(step.compute_dtype or _float_dtype(model.params)).name
+
+
+def _can_offload(mesh) -> bool:
+  from torch_on_tpu.lowering import remat as remat_lib
+
+  return remat_lib.host_offload_supported(mesh.devices.flat[0])
