@@ -35,9 +35,12 @@ setup(
     "logging": ["tensorboard", "matplotlib"],  # TensorBoard scalars, the training plot
     "recipes": ["fire"],
     "float8": ["torchao==0.18.0"],  # float8 training (torch_on_tpu.lowering.float8): torchao's Float8Linear
+    # compile for a TPU slice without one (torch_on_tpu.parallel.targets): libtpu's compile-only client, the
+    # version jax 0.10's own tpu extra pins; quiet and shared where no TPU chips are (torch_on_tpu.runtime.libtpu)
+    "targets": ["libtpu==0.0.42.*"],
     "all": [
       "torchtitan==0.3.0", "triton", "fla-core==0.6.0", "transformers>=5", "peft", "tokenizers", "datasets", "pyarrow",
-      "tensorboard", "matplotlib", "fire", "torchao==0.18.0",
+      "tensorboard", "matplotlib", "fire", "torchao==0.18.0", "libtpu==0.0.42.*",
     ],
     "cpu": ["jax[cpu]"],
     "tpu": ["jax[tpu]"],

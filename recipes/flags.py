@@ -58,6 +58,14 @@ def existing_path(path, flags) -> None:
     raise TorchOnTpuError(f"{path!r} does not exist; pass an existing file or directory.")
 
 
+def _target_name(name, flags) -> None:
+  """--target names a TPU slice libtpu's compile-only client knows."""
+  if name is not None:
+    from torch_on_tpu.parallel import targets
+
+    targets.parse(name)
+
+
 def _profile_format(spec, flags) -> None:
   from torch_on_tpu.errors import TorchOnTpuError
 
@@ -106,6 +114,7 @@ class Flags:
   profile: str | None = flag(None, "steps to trace with jax.profiler, 'FIRST,LAST' (into <log_dir>/profile)", check=_profile_format)
   log_dir: str | None = flag(None, "metrics.jsonl, TensorBoard and training.png (default: runs/<run>)")
   cpu_devices: int | None = flag(None, "simulate N CPU devices (sets XLA_FLAGS before jax starts)", minimum=1)
+  target: str | None = flag(None, "compile for this TPU slice without having it (v6e-8, v5p-1024, 2xv6e-256: torch_on_tpu.parallel.targets), with --dry_run: the TPU compiler's memory per chip against its HBM", check=_target_name)
   dry_run: bool = flag(False, "plan memory and compile on abstract params, print both, allocate nothing, exit")
   memory_gib: float | None = flag(None, "plan against this much memory per device (default: the device's own)", minimum=0)
   seed: int = flag(0, "init, data order and dropout seed")
@@ -176,6 +185,20 @@ def _resume_step_needs_resume(flags: Flags, mesh) -> None:
 
   if flags.resume_step is not None and not flags.resume:
     raise TorchOnTpuError("--resume_step needs --resume=True; drop one of the two.")
+
+
+@startup_check
+def _target_only_compiles(flags: Flags, mesh) -> None:
+  """A compile-only target runs nothing: it comes with --dry_run, and chooses the devices itself."""
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  if flags.target is not None and not flags.dry_run:
+    raise TorchOnTpuError(
+      f"--target={flags.target} compiles for a TPU slice this machine does not have and runs nothing; add --dry_run, "
+      f"or drop --target on that slice itself."
+    )
+  if flags.target is not None and flags.cpu_devices is not None:
+    raise TorchOnTpuError(f"--target={flags.target} and --cpu_devices={flags.cpu_devices} both choose the devices; drop --cpu_devices.")
 
 
 @startup_check

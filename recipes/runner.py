@@ -13,12 +13,14 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 from recipes.flags import STATE_FLAGS, Flags, check_flags, flag_spelling, layer_remat, mesh_axes, profile_steps
 from recipes.startup import initialize_distributed, setup_platform
+from torch_on_tpu.errors import TorchOnTpuError
 
 
 @dataclasses.dataclass
@@ -78,7 +80,7 @@ def run(flags: Flags, recipe_for: Callable[[Flags], Recipe]) -> dict:
     from torch_on_tpu.core import storage
     from torch_on_tpu.runtime import fingerprint
 
-    mesh = tot.make_mesh(**mesh_axes(flags))
+    mesh = tot.make_mesh(target=flags.target, **mesh_axes(flags))
     check_flags(flags, mesh)
     recipe = recipe_for(flags)
     config = resolve(flags, recipe)
@@ -188,11 +190,15 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   if flags.dry_run:
     if main and memory.fits is False:
       print(f"Would not fit: {memory.message()}", flush=True)
-    report = abstract_step.compile(*split(abstract_batch))
+    report = _compile_for(abstract_step, split(abstract_batch), flags, memory)
     if main:
       print(f"Compiled step: {report}", flush=True)
       if report.peak_bytes is not None:
         print(f"Compiled peak per device: {report.peak_bytes / 2**30:.2f} GiB (plan: {memory.total / 2**30:.2f} GiB)")
+      if flags.target is not None:
+        print(target_verdict(report, memory, flags.target), flush=True)
+    if flags.target is not None and not report.fits(memory.device_bytes):
+      raise TorchOnTpuError(_does_not_fit(report, memory, flags.target))
     return {"plan": memory, "compile": report}
   memory.check()
   del abstract_step
@@ -414,6 +420,45 @@ def _check_same_state(saved: dict | None, config: dict, where) -> None:
         f"--{name}={config[name]}; resume with --{name}={saved[name]}, or start afresh with "
         f"--resume=False or another --ckpt_dir."
       )
+
+
+def _compile_for(step, batch, flags: Flags, memory):
+  """The compiled step's report; on a compile-only target, the TPU compiler's out-of-memory
+  refusal (its temporaries alone exceed HBM) said in one sentence with what to change."""
+  try:
+    return step.compile(*batch)
+  except Exception as e:  # noqa: BLE001 (the compiler's RESOURCE_EXHAUSTED; the rest re-raises)
+    if flags.target is None or "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    needed = re.search(r"temporaries \(([\d.]+)([KMGT]?)\)", str(e))
+    raise TorchOnTpuError(
+      f"The step does not fit {flags.target}: the TPU compiler needs {f'{needed[1]} {needed[2]}iB' if needed else 'more'} of "
+      f"temporaries per chip against {memory.device_bytes / 2**30:.2f} GiB of HBM; {memory.suggest(0.75 * memory.total)}."
+    ) from None
+
+
+def target_verdict(report, memory, target: str) -> str:
+  """Per chip of `target`, what the TPU compiler's program holds against the chip's HBM, the
+  plan beside it, and the bytes its collectives move."""
+  from torch_on_tpu.core.sizes import human_bytes
+
+  hbm = memory.device_bytes
+  verdict = "fits" if report.fits(hbm) else "does NOT fit"
+  lines = [
+    f"TPU compiler, per chip of {target} ({human_bytes(hbm)} HBM): arguments {human_bytes(report.argument_bytes)} + "
+    f"temporaries {human_bytes(report.temp_bytes)} = {human_bytes(report.peak_bytes)} ({report.peak_bytes / hbm:.1%}: {verdict}); "
+    f"host offloaded {human_bytes(report.host_offloaded_bytes)}; plan {human_bytes(memory.total)}",
+    f"Collectives per chip per step (loops counted): {report.collective_bytes or 'none'}",
+  ]
+  return "\n".join(lines)
+
+
+def _does_not_fit(report, memory, target: str) -> str:
+  return (
+    f"The step does not fit {target}: the TPU compiler's program holds {report.peak_bytes / 2**30:.2f} GiB per chip "
+    f"(arguments {report.argument_bytes / 2**30:.2f} + temporaries {report.temp_bytes / 2**30:.2f}) against "
+    f"{memory.device_bytes / 2**30:.2f} GiB of HBM; {memory.suggest(memory.total * memory.device_bytes / report.peak_bytes * 0.95)}."
+  )
 
 
 def _model(flags: Flags, recipe: Recipe, mesh, abstract: bool, microbatches: int | None = None):

@@ -4,7 +4,6 @@ level: XLA reads its flags when jax starts its backend."""
 
 from __future__ import annotations
 
-import glob
 import importlib.util
 import os
 
@@ -58,7 +57,9 @@ def _on_tpu_host() -> bool:
     return False
   if importlib.util.find_spec("libtpu") is None:
     return False
-  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+  from torch_on_tpu.runtime import libtpu
+
+  return libtpu.tpu_chips_visible()
 
 
 # MULTI-HOST: the single call site. Starts the platform, which joins the processes

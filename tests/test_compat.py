@@ -301,6 +301,14 @@ def _check_backend_started():
   assert run.stdout.split() == ["False", "True"], run.stderr[-1000:]
 
 
+def _check_persistent_cache_off():
+  import jax
+
+  with _compat.without_persistent_cache():
+    assert not jax.config.jax_enable_compilation_cache
+  assert jax.config.jax_enable_compilation_cache
+
+
 def _check_clusters():
   assert _compat.managed_cluster_size() == 0  # this machine is no pod, Slurm job or MPI run
 
@@ -316,12 +324,12 @@ def _check_device_module():
 
 def _check_distributed_client():
   """One process joins a 1-process run and uses every client call `health` and `fingerprint` make."""
-  run = _run(textwrap.dedent(f"""
+  run = _run(textwrap.dedent("""
     import jax
     from torch_on_tpu import _compat, launch
     assert _compat.distributed_client() is None
     jax.config.update("jax_enable_recoverability", True)
-    jax.distributed.initialize(f"127.0.0.1:{{launch.free_port()}}", 1, 0, heartbeat_timeout_seconds=5)
+    jax.distributed.initialize(f"127.0.0.1:{launch.free_port()}", 1, 0, heartbeat_timeout_seconds=5)
     client = _compat.distributed_client()
     client.key_value_set("t/a/0", "x", allow_overwrite=True)
     client.key_value_set("t/a/0", "y", allow_overwrite=True)
@@ -510,6 +518,7 @@ _INTERNAL_API_CHECKS = {
   "torch.utils._pytree": _check_pytree,
   "jax._src.interpreters.partial_eval.dce_jaxpr": _check_dce_jaxpr,
   "jax._src.xla_bridge.backends_are_initialized": _check_backend_started,
+  "jax._src.config.enable_compilation_cache": _check_persistent_cache_off,
   "jax._src.clusters.ClusterEnv": _check_clusters,
   "torchax.device_module.is_available": _check_device_module,
   "torchax.device_module.get_amp_supported_dtype": _check_amp_supported_dtypes,

@@ -93,6 +93,19 @@ def test_qwen3_5_under_tp_puts_fsdp_on_a_dim_it_can_split_and_matches_eager():
   assert tp.check(spec, "tp", config=tiny(spec, layers=2))["forward"] < 1e-5
 
 
+def test_qwen3_5s_linear_attention_returns_its_inputs_dtype_as_flash_linear_attention_does():
+  """fla's kernel returns `o.to(q.dtype)`: a bf16 layer stays bf16 (an fp32 output made the rest
+  of the layer fp32, and a scanned stack's carry change dtype)."""
+  import jax.numpy as jnp
+
+  from torch_on_tpu.models.torchtitan import linear_attention
+
+  q = k = jnp.ones((1, 6, 2, 4), jnp.bfloat16)
+  v = jnp.ones((1, 6, 2, 3), jnp.bfloat16)
+  g, beta = jnp.full((1, 6, 2), -0.1, jnp.float32), jnp.full((1, 6, 2), 0.5, jnp.bfloat16)
+  assert linear_attention._gated_delta_rule(q, k, v, g, beta).dtype == jnp.bfloat16
+
+
 def test_moe_trains_scanned_with_torchtitans_load_balancing():
   """5 AdamW steps of Qwen3-MoE, scanned, fsdp=8, against torchtitan's eager trainer with its
   load-balancing hook: losses, every weight, and the balancing buffers (expert_bias_E moved by

@@ -353,7 +353,8 @@ class Attention:
     if mesh is None or mesh.size == 1:
       return self._local(q, k, v, mask, segment_ids, sinks, seed, None, **settings)
     b_axes, h_axis, s_axis = self.specs(q.shape, k.shape, split)
-    if b_axes is None and h_axis is None and s_axis is None:
+    if b_axes is None and h_axis is None and s_axis is None and settings["kind"] != "splash":
+      # nothing to split; a Mosaic kernel still runs per device (the partitioner cannot split it)
       return self._local(q, k, v, mask, segment_ids, sinks, seed, None, **settings)
     qkv_spec = P(b_axes, h_axis, s_axis, None)
     args, specs = [q, k, v], [qkv_spec] * 3

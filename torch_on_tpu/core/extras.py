@@ -25,6 +25,7 @@ EXTRA_OF = {
   "matplotlib": "logging",
   "tensorboard": "logging",
   "fire": "recipes",
+  "libtpu": "targets",
 }
 
 

@@ -29,6 +29,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from torch_on_tpu.lowering import remat as remat_lib
+from torch_on_tpu.lowering import target_device
 
 _MIN_BLOCK, _MAX_BLOCK = 8, 256
 
@@ -37,7 +38,7 @@ def ragged_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None):
   """`lhs` [M, K] rows grouped by `group_sizes` [G] (in order), times `rhs` [G, K, N]."""
   out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
   group_sizes = group_sizes.astype(jnp.int32)
-  if jax.default_backend() == "tpu":
+  if target_device.device().platform == "tpu":
     out = lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
   else:
     out = _blocked(lhs, rhs, group_sizes, block_rows(lhs.shape[0], rhs.shape[0]), jnp.dtype(out_dtype))

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import jax
 
 from torch_on_tpu.errors import TorchOnTpuError
-from torch_on_tpu.lowering import device_checks
+from torch_on_tpu.lowering import device_checks, target_device
 
 logger = logging.getLogger(__name__)
 
@@ -75,36 +75,58 @@ def layer_policy(name: str | None, *, scanned: bool) -> str:
   (`SCANNED_DEFAULT` for a scan, `none` for a loop)."""
   if name is None:
     return SCANNED_DEFAULT if scanned else "none"
-  policy(name)  # an unknown name fails here
+  return check(name)
+
+
+def check(name: str) -> str:
+  """`name` if it is a policy in `NAMES`, else one sentence listing them (nothing is decided
+  about the platform here: that waits for the trace, `policy`)."""
+  if name not in NAMES:
+    raise TorchOnTpuError(f"Unknown remat policy {name!r}; choose one of {', '.join(NAMES)}.")
   return name
 
 
 def host_offload_supported(device: jax.Device | None = None) -> bool:
-  """True where activations can move to pinned host memory and back (TPU, GPU)."""
-  device = device or jax.devices()[0]
+  """True where activations can move to pinned host memory and back (TPU, GPU): on `device`, or
+  the device the program being traced is for."""
+  device = device or target_device.device()
   if device.platform == "cpu":
     return False
   return any(m.kind == "pinned_host" for m in device.addressable_memories())
 
 
 def policy(name: str) -> Callable:
-  """The `jax.checkpoint` policy for a name in `NAMES`."""
+  """The `jax.checkpoint` policy for a name in `NAMES`, for the device being traced for."""
   global _offload_notice_given
+  check(name)
   if name in _FIXED:
     return _FIXED[name]
   if name == "offload_dots":
-    if host_offload_supported():  # no named matmuls there: the CPU linear is CPU-only
-      return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    if host_offload_supported():
+      return _offload_dots_and_named_matmuls("device", "pinned_host")
     if not _offload_notice_given:
       _offload_notice_given = True
       logger.warning(
         "remat='offload_dots': %s has no device memory apart from host memory, so nothing "
         "would be offloaded; using 'dots_with_no_batch_dims_saveable' (keeps the same values "
         "in place).",
-        jax.devices()[0].platform.upper(),
+        target_device.device().platform.upper(),
       )
-    return _FIXED["dots_with_no_batch_dims_saveable"]
-  raise TorchOnTpuError(f"Unknown remat policy {name!r}; choose one of {', '.join(NAMES)}.")
+  return _FIXED["dots_with_no_batch_dims_saveable"]
+
+
+def _offload_dots_and_named_matmuls(src: str, dst: str) -> Callable:
+  """Moves to `dst` the matmul outputs without batch dims and the matmuls the bridge runs in a
+  `custom_vjp` (named `MATMUL_NAME`: a bf16 linear with a bias), recomputing the rest."""
+  dots = jax.checkpoint_policies.offload_dot_with_no_batch_dims(src, dst)
+  named = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[], names_which_can_be_offloaded=[MATMUL_NAME], offload_src=src, offload_dst=dst
+  )
+
+  def policy(prim, *args, **params):
+    return (named if getattr(prim, "name", None) == "name" else dots)(prim, *args, **params)  # `name`: checkpoint_name's
+
+  return policy
 
 
 def checkpoint(fn: Callable, name: str | None, **kwargs) -> Callable:

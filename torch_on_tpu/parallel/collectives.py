@@ -6,7 +6,9 @@ the trip counts of the loops around it (`known_trip_count`, else the largest
 integer constant the loop's condition compares with). Per device and per
 execution, the bytes received, by the usual ring algorithms over a group of n
 devices: all-gather out·(n-1)/n, reduce-scatter out·(n-1), all-reduce
-2·out·(n-1)/n, all-to-all out·(n-1)/n, collective-permute out.
+2·out·(n-1)/n, all-to-all out·(n-1)/n, collective-permute out. The TPU compiler
+runs SPMD's all-reduce-then-slice of a sharded gradient as one reduce-scatter (an
+`all-reduce-scatter` fusion): counted as the reduce-scatter it is.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def collective_bytes(hlo_text: str) -> CollectiveBytes:
       if line.startswith("ENTRY"):
         entry = current
     elif current is not None:
-      if line.startswith("}"):
+      if line.rstrip() == "}":  # a computation's end; a Mosaic kernel's config spans lines that start with "}}"
         current = None
       else:
         bodies[current].append(line)
@@ -71,6 +73,10 @@ def collective_bytes(hlo_text: str) -> CollectiveBytes:
       kind = op.removesuffix("-start")
       if kind in _KINDS and not op.endswith("-done"):
         totals[kind] = totals.get(kind, 0) + _received(kind, _bytes(shape), _group_size(rest))
+      scatter = _reduce_scatter_fusion(op, rest, bodies)
+      if scatter is not None:  # the TPU compiler's all-reduce + slice, run as a reduce-scatter
+        totals["reduce-scatter"] = totals.get("reduce-scatter", 0) + _received("reduce-scatter", _bytes(shape), scatter)
+        continue
       for callee, times in _callees(op, rest, bodies):
         for k, n in of(callee).items():
           totals[k] = totals.get(k, 0) + n * times
@@ -113,6 +119,16 @@ def _received(kind: str, out: int, n: int) -> float:
     "all-to-all": out * (n - 1) / n,
     "collective-permute": out,
   }[kind]
+
+
+def _reduce_scatter_fusion(op: str, rest: str, bodies: dict) -> int | None:
+  """The group size of a TPU `all-reduce-scatter` fusion (SPMD's all-reduce followed by each
+  device's slice, which the TPU compiler runs as one reduce-scatter), or None for another op."""
+  called = re.search(r"calls=%(all-reduce-scatter[^\s,}]*)", rest) if op == "fusion" else None
+  if called is None:
+    return None
+  groups = [_group_size(line) for line in bodies.get(called.group(1), ()) if " all-reduce(" in line]
+  return groups[0] if groups else None
 
 
 def _callees(op: str, rest: str, bodies: dict) -> list[tuple[str, int]]:

@@ -3,6 +3,8 @@
 `make_mesh(fsdp=-1)` / `make_mesh(fsdp=4, tp=2)` builds a `jax.sharding.Mesh`
 over all global devices (every host's), ordered by `jax.make_mesh` so that
 neighbouring mesh coordinates are neighbours in the physical topology.
+`make_mesh(target="v6e-8", fsdp=-1)` builds it over a TPU slice's compile-only
+devices instead (`parallel.targets`): programs on it compile, nothing runs.
 Axes are `Auto`: shardings propagate through torch code like GSPMD does.
 """
 
@@ -15,6 +17,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from torch_on_tpu import runtime
 from torch_on_tpu.errors import TorchOnTpuError, call
+from torch_on_tpu.parallel import targets
 
 # Mesh axes that carry the batch, in the order a batch dim is split over them.
 # Expert-parallel devices take their share of the batch too (tokens reach the
@@ -32,15 +35,21 @@ SEQUENCE_AXIS = "cp"
 PARAM_AXIS_NAMES = ("fsdp", SEQUENCE_AXIS)
 
 
-def make_mesh(devices=None, **axes: int) -> Mesh:
+def make_mesh(devices=None, *, target: str | None = None, **axes: int) -> Mesh:
   """A named mesh over all global devices; one axis may be -1 (fill the rest).
 
   `make_mesh(fsdp=-1)` puts every device on one `fsdp` axis;
-  `make_mesh(fsdp=4, tp=2)` needs exactly 8 devices.
+  `make_mesh(fsdp=4, tp=2)` needs exactly 8 devices. `target` names a TPU slice
+  to compile for (`"v6e-8"`, `"2xv6e-256"`: `parallel.targets`) whose compile-only
+  devices the mesh is made of; with several slices the first axis spans them.
   """
   runtime.setup()  # before jax lists devices: XLA flags, a multi-process join
   if not axes:
     axes = {"fsdp": -1}
+  if target is not None:
+    if devices is not None:
+      raise TorchOnTpuError("make_mesh takes devices= or target=, not both; a target names its own devices.")
+    devices = targets.devices(target)
   devices = list(jax.devices() if devices is None else devices)
   count = len(devices)
   names = tuple(axes)
@@ -66,9 +75,28 @@ def make_mesh(devices=None, **axes: int) -> Mesh:
       f"{call('make_mesh', axes)} needs {math.prod(sizes)} devices but {count} are available; "
       f"make the axis sizes multiply to {count} or use -1 on one axis."
     )
+  slices = len({getattr(d, "slice_index", 0) for d in devices})
+  if slices > 1:
+    return _multislice_mesh(tuple(sizes), names, devices, slices)
   return jax.make_mesh(
     tuple(sizes), names, axis_types=(AxisType.Auto,) * len(names), devices=devices
   )
+
+
+def _multislice_mesh(sizes: tuple, names: tuple, devices: list, slices: int) -> Mesh:
+  """A mesh over several slices: the first axis spans them (its devices in different slices
+  talk over the data-center network), the rest lies inside each slice."""
+  from jax.experimental import mesh_utils
+
+  if sizes[0] % slices:
+    raise TorchOnTpuError(
+      f"The mesh's first axis, {names[0]}={sizes[0]}, spans the {slices} slices and must be a multiple of "
+      f"{slices}; put an axis of {slices} (or a multiple) first, e.g. dp={slices} or pp={slices}."
+    )
+  inside = (sizes[0] // slices, *sizes[1:])
+  across = (slices, *([1] * (len(sizes) - 1)))
+  grid = mesh_utils.create_hybrid_device_mesh(inside, across, devices)
+  return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:

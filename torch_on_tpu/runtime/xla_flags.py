@@ -64,6 +64,8 @@ from __future__ import annotations
 import logging
 import os
 
+from torch_on_tpu.runtime import libtpu
+
 logger = logging.getLogger(__name__)
 
 DEFAULTS = {"--xla_cpu_experimental_ynn_fusion_type": ""}
@@ -112,6 +114,7 @@ def simulate_cpu_devices(count: int, environ=os.environ, *, replace: bool = True
   GPU/TPU. Before jax starts."""
   environ["XLA_FLAGS"] = with_cpu_devices(environ.get("XLA_FLAGS", ""), count, replace=replace)
   with_thread_headroom(environ)
+  libtpu.quiet_without_chips(environ)
   if cpu_only:
     environ["JAX_PLATFORMS"] = "cpu"
 
@@ -150,8 +153,10 @@ def with_thread_headroom(environ) -> None:
 
 
 def apply_defaults(environ=os.environ) -> None:
-  """Adds the defaults to `environ["XLA_FLAGS"]` and sizes XLA:CPU's thread pool for the
-  simulated devices (`with_thread_headroom`); says so if jax already started."""
+  """Adds the defaults to `environ["XLA_FLAGS"]`, sizes XLA:CPU's thread pool for the
+  simulated devices (`with_thread_headroom`) and quiets libtpu where no TPU chips are
+  (`libtpu.quiet_without_chips`); says so if jax already started."""
+  libtpu.quiet_without_chips(environ)
   current = environ.get("XLA_FLAGS", "")
   updated = with_defaults(current)
   pool = environ.get("PJRT_NPROC")

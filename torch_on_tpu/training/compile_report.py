@@ -4,12 +4,17 @@ counts, and how attention and a pipeline ran. `TrainStep.compile()` returns it; 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import re
 import warnings
 
 from torch_on_tpu.core.sizes import human_bytes
 from torch_on_tpu.parallel.collectives import CollectiveBytes, collective_bytes
+
+_OPCODE = re.compile(r"^\s*(?:ROOT )?%\S+ = .*? ([a-z][a-z0-9-]*)\(", re.M)
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 
 
 @dataclasses.dataclass
@@ -28,6 +33,8 @@ class CompileReport:
   flops: float | None = None
   bytes_accessed: float | None = None
   pipeline: str | None = None  # the schedule and its bubble fraction, with a `pp` axis
+  ops: dict[str, int] = dataclasses.field(default_factory=dict)  # HLO opcode → instructions in the optimized program
+  custom_calls: dict[str, int] = dataclasses.field(default_factory=dict)  # kernel target → calls (Mosaic: tpu_custom_call)
 
   @property
   def peak_bytes(self) -> int | None:
@@ -35,6 +42,10 @@ class CompileReport:
     if self.argument_bytes is None:
       return None
     return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+  def fits(self, device_bytes: int | None) -> bool:
+    """The program's memory per device fits `device_bytes` (no memory analysis: assumed to)."""
+    return self.peak_bytes is None or device_bytes is None or self.peak_bytes <= device_bytes
 
   def __str__(self) -> str:
     parts = [f"compiled in {self.seconds:.1f} s"]
@@ -73,9 +84,13 @@ def report(compiled, seconds) -> CompileReport:
       getattr(mem, f"host_{k}_size_in_bytes", 0) or 0 for k in ("argument", "output", "temp")
     )
   try:
-    report.collective_bytes = collective_bytes(compiled.as_text())
+    text = compiled.as_text()
   except Exception:  # noqa: BLE001 (a backend without HLO text: the report goes without)
-    report.collective_bytes = None
+    text = None
+  if text is not None:
+    report.collective_bytes = collective_bytes(text)
+    report.ops = dict(collections.Counter(_OPCODE.findall(text)))
+    report.custom_calls = dict(collections.Counter(_CUSTOM_CALL.findall(text)))
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):  # jax < 0.4.30 returns one dict per program
     cost = cost[0] if cost else None

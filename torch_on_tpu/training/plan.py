@@ -55,7 +55,8 @@ logits see the tokens split over `pp` as well. When nothing else fits, the
 suggestion tries pipeline stages on the same devices before asking for more.
 
 The device's memory is `memory_stats()['bytes_limit']` (TPU, GPU); on the CPU
-it is the host's RAM shared by its (simulated) devices. A plan fits when it
+it is the host's RAM shared by its (simulated) devices; on a compile-only TPU
+target (`parallel.targets`), the HBM its compiler budgets. A plan fits when it
 needs at most `USABLE` of that: XLA needs room of its own for fusion
 temporaries and collectives.
 """
@@ -75,6 +76,7 @@ from torch_on_tpu.core.sizes import human_bytes
 from torch_on_tpu.errors import TorchOnTpuError, arg, named
 from torch_on_tpu.models import DecoderShape
 from torch_on_tpu.parallel import mesh as mesh_lib
+from torch_on_tpu.parallel import targets
 from torch_on_tpu.wrapper import scan as scan_lib
 
 USABLE = 0.9  # fraction of device memory a plan may use
@@ -94,6 +96,9 @@ def decoder_shape(module) -> DecoderShape:
 def device_memory(device: jax.Device | None = None) -> tuple[int | None, str]:
   """(bytes one device may hold, where that number comes from)."""
   device = device or jax.local_devices()[0]
+  target = targets.target_of([device])
+  if target is not None:  # a compile-only TPU device: its HBM as the TPU compiler budgets it
+    return target.hbm_bytes, f"{target.name} HBM as the TPU compiler budgets it"
   if device.platform == "cpu":
     count = len(jax.local_devices(backend="cpu"))
     total = psutil.virtual_memory().total

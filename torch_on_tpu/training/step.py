@@ -65,6 +65,7 @@ the same names and shapes); `step.abstract_state()` gives the restore target.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -81,8 +82,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from torch_on_tpu.core import _compat
 from torch_on_tpu.errors import TorchOnTpuError, arg
-from torch_on_tpu.lowering import aten, device_checks, op_table, refusals
+from torch_on_tpu.lowering import aten, device_checks, op_table, refusals, target_device
 from torch_on_tpu.lowering import remat as remat_lib
+from torch_on_tpu.parallel import targets
 from torch_on_tpu.training import batch as batch_lib
 from torch_on_tpu.training import compile_report, gradients, losses
 from torch_on_tpu.wrapper.module import ShardedModule
@@ -221,7 +223,7 @@ class TrainStep:
     if clip_norm is not None and not clip_norm > 0:
       raise TorchOnTpuError(f"clip_norm must be positive or None, got {clip_norm!r}.")
     if forward_remat is not None:
-      remat_lib.policy(forward_remat)  # an unknown name fails here, not at the first step
+      remat_lib.check(forward_remat)  # an unknown name fails here, not at the first step
     self.model = model
     self.loss_fn = loss_fn
     self.optimizer = optimizer
@@ -258,7 +260,10 @@ class TrainStep:
       )
     else:
       self.opt_state = jax.jit(optimizer.init, out_shardings=self.opt_state_shardings)(trained)
-    self.rng = jax.device_put(jax.random.PRNGKey(seed), self._replicated)
+    if self._abstract:  # nothing is transferred for a step that only compiles (a compile-only target has no memory)
+      self.rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=self._replicated)
+    else:
+      self.rng = jax.device_put(jax.random.PRNGKey(seed), self._replicated)
     self.step_count = 0
     self.metrics: dict[str, jax.Array] = {}
     self.last_compile: compile_report.CompileReport | None = None
@@ -471,6 +476,10 @@ class TrainStep:
     return trained, {k: v for k, v in tree.items() if k not in self.trainable}
 
   def _loss_and_grads(self, params, frozen, buffers, inputs, labels, rng):
+    with target_device.compiling_for(self.model.mesh.devices.flat[0]):  # the forward remat's policy
+      return self._loss_and_grads_for_target(params, frozen, buffers, inputs, labels, rng)
+
+  def _loss_and_grads_for_target(self, params, frozen, buffers, inputs, labels, rng):
     def loss_fn(params, frozen, buffers, inputs, labels, rng):
       with device_checks.collecting(self.check_indices) as collector:  # index checks come out with the loss
         loss, changed = self._loss({**frozen, **params}, buffers, inputs, labels, rng)
@@ -589,7 +598,8 @@ class TrainStep:
       donate_argnums=(0, 3) if self.donate else (),
     )
     start = time.perf_counter()
-    with compile_report.quiet_donation_warnings():
+    compile_only = targets.target_of(model.mesh.devices.flat) is not None
+    with compile_report.quiet_donation_warnings(), _compat.without_persistent_cache() if compile_only else contextlib.nullcontext():
       compiled = jitted.lower(
         trained,
         frozen,

@@ -26,7 +26,6 @@ from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -35,7 +34,7 @@ from torch_on_tpu import models, runtime
 from torch_on_tpu.core import _compat
 from torch_on_tpu.core.sizes import human_bytes
 from torch_on_tpu.errors import TorchOnTpuError, arg, named
-from torch_on_tpu.lowering import aten, device_checks, float8, host, op_table, refusals
+from torch_on_tpu.lowering import aten, device_checks, float8, host, op_table, refusals, target_device
 from torch_on_tpu.parallel import mesh as mesh_lib
 from torch_on_tpu.parallel import pipeline as pipeline_lib
 from torch_on_tpu.parallel import sharding as sharding_lib
@@ -302,7 +301,8 @@ class ShardedModule:
     kwargs = {**self.family.call_defaults(self.module), **kwargs}
     with env, env.override_property(prng=env.param.prng):
       with self._activation_constraints(), self._sequence_split(args, kwargs), self._attention_kernels(), \
-          aten.cpu_linear(self.mesh), aten.made_on_device(), self.family.running(self.module):
+          aten.cpu_linear(self.mesh), aten.made_on_device(), self.family.running(self.module), \
+          target_device.compiling_for(self.mesh.devices.flat[0]):
         with _compat.reparametrized(self.module, tensors), _running_wrapped():
           out = self.module(*args, **kwargs)
           after = {n: jax_view(self.module.get_buffer(n)) for n in before}

@@ -53,7 +53,6 @@ import, because it depends on the mesh's platform; a user's own override of
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import numpy as np
 import torch

@@ -68,7 +68,8 @@ def _gated_delta_rule(q, k, v, g, beta, documents=None):
   as a sequential scan (jax arrays; q, k (1, T, H, K), v (1, T, H, V), g, beta (1, T, H)):
   per head, the state S (K, V) decays by exp(g), is corrected toward v along k by beta,
   and is read by q scaled by K^-1/2; S restarts at each document of `documents` (T,)
-  (one stream when None). fp32 inside, output in v's dtype."""
+  (one stream when None). fp32 inside, output in q's dtype (as flash-linear-attention's)."""
+  out_dtype = q.dtype  # flash-linear-attention's: `o.to(q.dtype)`
   f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
   l2 = lambda x: (f32(x) / jnp.sqrt(jnp.sum(f32(x) ** 2, -1, keepdims=True) + 1e-6)).astype(x.dtype)  # noqa: E731
   scale = q.shape[-1] ** -0.5
@@ -88,4 +89,4 @@ def _gated_delta_rule(q, k, v, g, beta, documents=None):
 
   init = jnp.zeros((q.shape[1], q.shape[2], v.shape[2]), jnp.float32)
   _, out = jax.lax.scan(step, init, (q, k, v, g, beta, starts))
-  return out[None].astype(v.dtype)
+  return out[None].astype(out_dtype)

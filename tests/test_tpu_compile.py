@@ -1,0 +1,138 @@
+"""Every mode's train step, built by the real TPU compiler for a slice this machine does not have.
+
+Small shapes on compile-only devices (`tot.make_mesh(target=...)`): each test asserts that the
+step compiled for the slice, fits its HBM (the compiler's arguments + temporaries against the
+budget it reports), and holds the kernels that mode is for on TPU: Mosaic (splash attention,
+`tpu_custom_call`) where attention runs, XLA's ragged matmul for MoE experts. Nothing runs.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+import torch
+
+import torch_on_tpu as tot
+from recipes import hf as hf_recipe
+from recipes import llama3 as llama3_recipe
+from tests import helpers as h
+from torch_on_tpu.lowering import ragged, target_device
+from torch_on_tpu.models.torchtitan import build_llama3
+from torch_on_tpu.parallel import targets
+from torch_on_tpu.training import lora
+from torch_on_tpu.training.trainer import default_split
+
+MOSAIC = "tpu_custom_call"
+tp = h.titan_parity()
+
+
+def _loss(outputs, labels):
+  logits = outputs.logits if hasattr(outputs, "logits") else outputs
+  return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def compile_step(jm, inputs, labels, **step_kw):
+  step = tot.make_train_step(jm, _loss, optax.adamw(1e-3), compute_dtype=jnp.bfloat16, **step_kw)
+  report = step.compile(inputs, labels)
+  hbm = targets.target_of(jm.mesh.devices.flat).hbm_bytes
+  assert report.temp_bytes > 0 and report.fits(hbm), report
+  return report
+
+
+def titan(seq):
+  """torchtitan's Llama 3 debugmodel (6 layers, dim 256), SDPA attention, RoPE for `seq`."""
+  return build_llama3("debugmodel", attention="sdpa", max_seq_len=seq)
+
+
+def tokens(batch, seq):
+  return jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+
+
+def test_scanned_llama3_step_compiles_for_v6e_with_splash_kernels():
+  mesh = tot.make_mesh(target="v6e-8", fsdp=-1)
+  jm = tot.ShardedModule(titan(256), mesh=mesh, abstract=True, scan=True)
+  report = compile_step(jm, tokens(8, 256), tokens(8, 256))
+  assert report.custom_calls.get(MOSAIC, 0) > 0, report.custom_calls  # splash, forward and backward
+  assert report.collective_bytes.by_kind.get("all-gather", 0) > 0
+
+
+def test_context_parallel_step_keeps_splash_across_the_cp_axis():
+  mesh = tot.make_mesh(target="v6e-8", fsdp=4, cp=2)
+  jm = tot.ShardedModule(titan(512), mesh=mesh, abstract=True)
+  report = compile_step(jm, tokens(4, 512), tokens(4, 512))
+  assert report.custom_calls.get(MOSAIC, 0) > 0 and report.attention_splits, report
+
+
+def test_pipeline_stages_compile_for_v6e():
+  mesh = tot.make_mesh(target="v6e-8", pp=2, fsdp=4)
+  jm = tot.ShardedModule(titan(128), mesh=mesh, abstract=True, scan=True, microbatches=4)
+  report = compile_step(jm, tokens(8, 128), tokens(8, 128))
+  assert report.pipeline and report.collective_bytes.by_kind.get("collective-permute", 0) > 0, report
+
+
+def test_hf_llama_step_compiles_for_v5p():
+  mesh = tot.make_mesh(target="v5p-8", fsdp=-1)
+  jm = tot.ShardedModule(h.build_causal_lm(h.hf_config("llama")), mesh=mesh, abstract=True)
+  compile_step(jm, {"input_ids": tokens(4, 64)}, tokens(4, 64))
+
+
+def test_lora_step_compiles_for_v5p():
+  mesh = tot.make_mesh(target="v5p-8", fsdp=-1)
+  config = h.hf_config("llama")
+  base = tot.ShardedModule(h.build_causal_lm(config), mesh=mesh, abstract=True)
+  jm = lora.wrap(base, h.build_causal_lm(config), rank=4)
+  compile_step(jm, {"input_ids": tokens(4, 64)}, tokens(4, 64), trainable=lora.TRAINABLE)
+
+
+def _family_step(spec, target, **mesh_axes):
+  """A torchtitan family's debug flavor, made small as the parity tests make it (2 layers, vocab
+  256, 8 experts of top-2), scanned as the recipe runs it, called as torchtitan's trainer calls
+  it, compiled for `target` in bf16."""
+  with torch.device("meta"):
+    model = tp.shrink(tp.registry_config(spec), layers=2).build()
+  mesh = tot.make_mesh(target=target, **(mesh_axes or {"fsdp": -1}))
+  jm = tot.ShardedModule(model, mesh=mesh, abstract=True, scan=True, sharding="ep" if "ep" in mesh_axes else "fsdp")
+  batch = {key: tokens(8, 64) for key in ("input_ids", "labels", "positions", "segment_ids")}
+  return compile_step(jm, *default_split(jm, batch))
+
+
+@pytest.mark.parametrize("spec", ["qwen3:debugmodel", "deepseek_v3:debugmodel", "kimi_k2_7:debugmodel",
+                                  "qwen3_5:debugmodel", "gpt_oss:debugmodel", "muse_glimmer:debugmodel"])
+def test_each_torchtitan_familys_debug_flavor_compiles_for_v5p_with_mosaic_attention(spec):
+  report = _family_step(spec, "v5p-8")
+  assert report.custom_calls.get(MOSAIC, 0) > 0, (spec, report.custom_calls)
+
+
+def test_expert_parallel_moe_compiles_for_v5p():
+  report = _family_step("qwen3:debugmodel_moe", "v5p-8", ep=4)
+  assert report.collective_bytes.total > 0
+
+
+def test_the_grouped_matmul_compiled_for_a_tpu_is_xlas_ragged_dot():
+  """Traced for a TPU device (here a compile-only one, on a CPU-only machine), MoE experts run
+  `lax.ragged_dot`, which the TPU compiler builds as its own kernel; elsewhere the blocked loop."""
+  device = targets.devices("v5p-8")[0]
+  args = (jnp.zeros((64, 32), jnp.bfloat16), jnp.zeros((4, 32, 16), jnp.bfloat16), jnp.full((4,), 16, jnp.int32))
+  traced = lambda: str(jax.make_jaxpr(lambda *a: ragged.ragged_matmul(*a))(*args))  # noqa: E731 (a fresh trace each time)
+  with target_device.compiling_for(device):
+    on_tpu = traced()
+  assert "ragged_dot" in on_tpu and "ragged_dot" not in traced()
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  with target_device.compiling_for(device):
+    compiled = jax.jit(ragged.ragged_matmul).lower(*(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args)).compile()
+  assert "tpu_custom_call" in compiled.as_text() or "ragged" in compiled.as_text()
+
+
+def test_llama3_recipe_dry_run_on_a_target_prints_the_chip_verdict(capsys):
+  summary = llama3_recipe.run(llama3_recipe.Llama3Flags(target="v6e-8", dry_run=True, seqlen=128, dtype="bfloat16"))
+  out = capsys.readouterr().out
+  assert "TPU compiler, per chip of v6e-8 (31.2 GiB HBM): arguments" in out and ": fits); host offloaded" in out
+  assert "Collectives per chip per step (loops counted):" in out
+  assert summary["compile"].fits(summary["plan"].device_bytes)
+
+
+def test_hf_recipe_dry_run_compiles_for_v5e(tmp_path, capsys):
+  h.hf_config("llama").save_pretrained(tmp_path)
+  summary = hf_recipe.run(hf_recipe.HFFlags(config=str(tmp_path), target="v5e-4", dry_run=True, seqlen=64, dtype="bfloat16"))
+  assert "per chip of v5e-4 (15.8 GiB HBM)" in capsys.readouterr().out
+  assert summary["compile"].fits(summary["plan"].device_bytes)
