@@ -15,14 +15,17 @@ fp32 lowering that group left and wins only for low-precision inputs.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
 from torch_on_tpu.core import _compat
+from torch_on_tpu.lowering import remat as remat_lib
 
 _compat.import_torchax()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.ad_checkpoint import checkpoint_name  # noqa: E402
 
 _LOW_PRECISION = (jnp.bfloat16, jnp.float16)
 _SQRT1_2 = 0.7071067811865476
@@ -104,18 +107,53 @@ def accumulator(*operands):
 
 
 def _linear32(x, weight, bias=None):
-  """`F.linear` of low-precision inputs as torch's addmm computes it: the bias joins the fp32
-  accumulator and the sum is rounded once (jax's `dot + bias` rounds the product, then the sum)."""
-  out = jnp.einsum("...a,ba->...b", x, weight, preferred_element_type=jnp.float32)
-  if bias is not None:
-    out = out + bias.astype(jnp.float32)
-  return out.astype(jnp.result_type(x, weight))
+  """`F.linear` of low-precision inputs as torch computes it: without a bias, jax's own dot (XLA
+  accumulates a bf16 dot in fp32 and rounds once, as cuBLAS does); with one, torch's addmm: the
+  bias joins the fp32 accumulator and the sum is rounded once (jax's `dot + bias` would round the
+  product, then the sum), with torch's backward (`_matmul_rounded_once`)."""
+  if bias is None or x.dtype != weight.dtype or bias.dtype != x.dtype:
+    out = jnp.einsum("...a,ba->...b", x, weight, preferred_element_type=jnp.float32 if bias is not None else None)
+    return out if bias is None else (out + bias.astype(jnp.float32)).astype(jnp.result_type(x, weight))
+  return _matmul_rounded_once(x, weight.T, bias, 1.0, 1.0)
 
 
 def _addmm32(bias, mat1, mat2, *, beta=1.0, alpha=1.0):
   """`addmm` of low-precision inputs: beta·bias + alpha·mat1@mat2 in fp32, rounded once."""
-  out = alpha * jnp.matmul(mat1, mat2, preferred_element_type=jnp.float32) + beta * bias.astype(jnp.float32)
-  return out.astype(jnp.result_type(mat1, mat2))
+  if not (mat1.dtype == mat2.dtype == bias.dtype):
+    out = alpha * jnp.matmul(mat1, mat2, preferred_element_type=jnp.float32) + beta * bias.astype(jnp.float32)
+    return out.astype(jnp.result_type(mat1, mat2))
+  return _matmul_rounded_once(mat1, mat2, bias, float(alpha), float(beta))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _matmul_rounded_once(x, w, bias, alpha, beta):
+  """alpha·(x @ w) + beta·bias with x [..., k], w [k, n], bias [n] of one low-precision dtype,
+  summed in fp32 and rounded once (torch's addmm, cuBLAS's bias epilogue). Its backward is
+  torch's too: each gradient a low-precision matmul accumulated in fp32 and rounded once, so
+  the backward's GEMMs stay bf16 × bf16 (jax differentiating the fp32 accumulator would feed
+  them an fp32 cotangent and run them in fp32)."""
+  out = alpha * jnp.matmul(x, w, preferred_element_type=jnp.float32) + beta * bias.astype(jnp.float32)
+  return checkpoint_name(out.astype(x.dtype), remat_lib.MATMUL_NAME)  # a dot to the remat policies
+
+
+def _matmul_rounded_once_fwd(x, w, bias, alpha, beta):
+  return _matmul_rounded_once(x, w, bias, alpha, beta), (x, w)
+
+
+def _matmul_rounded_once_bwd(alpha, beta, saved, g):
+  """torch's addmm backward: grad·wᵀ and xᵀ·grad (each rounded, then times alpha, rounded
+  again), the bias's gradient beta·grad summed over rows in fp32 and rounded."""
+  x, w = saved
+  rows = math.prod(x.shape[:-1])
+  rounded = lambda value: value.astype(x.dtype)  # noqa: E731
+  scaled = lambda value, by: value if by == 1.0 else rounded(by * value.astype(jnp.float32))  # noqa: E731
+  dx = scaled(rounded(jnp.matmul(g, w.T, preferred_element_type=jnp.float32)), alpha)
+  dw = scaled(rounded(jnp.matmul(x.reshape(rows, -1).T, g.reshape(rows, -1), preferred_element_type=jnp.float32)), alpha)
+  dbias = rounded(scaled(g, beta).astype(jnp.float32).reshape(rows, -1).sum(0))
+  return dx, dw, dbias
+
+
+_matmul_rounded_once.defvjp(_matmul_rounded_once_fwd, _matmul_rounded_once_bwd)
 
 
 def _native_layer_norm32(x, normalized_shape, weight=None, bias=None, eps=1e-5):

@@ -1,0 +1,46 @@
+"""What the train step's program is made of, so a regression in its cost cannot come back silently.
+
+Traced for a compile-only TPU slice (the programs a TPU or GPU runs; the CPU mesh takes the CPU
+linear of `lowering.aten.model_ops` instead), nothing allocated.
+"""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import optax
+import torch
+from jax.extend import core as jex
+
+import torch_on_tpu as tot
+from tests import helpers as h
+
+
+def _dot_operand_dtypes(jaxpr, found=None) -> collections.Counter:
+  """(lhs dtype, rhs dtype) of every matmul in `jaxpr` and the jaxprs inside it."""
+  found = collections.Counter() if found is None else found
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
+      found[tuple(str(v.aval.dtype) for v in eqn.invars[:2])] += 1
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        if isinstance(sub, (jex.ClosedJaxpr, jex.Jaxpr)):
+          _dot_operand_dtypes(getattr(sub, "jaxpr", sub), found)
+  return found
+
+
+def test_a_bf16_step_runs_every_matmul_in_bf16_both_ways():
+  """bf16 linears with a bias add it in the fp32 accumulator and round once, as torch's addmm does,
+  without widening their backward: every GEMM of the step, forward and backward, is bf16 × bf16
+  (jax differentiating an fp32 accumulator fed its fp32 cotangent to dX and dW, two thirds of the
+  step's GEMM FLOPs in fp32: 0.314 → 0.194 s/step for Llama 3 1B on an H100)."""
+  config = h.hf_config("qwen2")  # q, k and v projections with biases
+  jm = tot.ShardedModule(h.build_causal_lm(config), mesh=tot.make_mesh(target="v5p-8", fsdp=-1), abstract=True)
+  loss = lambda out, y: torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten())  # noqa: E731
+  step = tot.make_train_step(jm, loss, optax.sgd(1e-3), compute_dtype=jnp.bfloat16)
+  shapes = lambda tree: {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in tree.items()}  # noqa: E731
+  ids = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+  opt_state = jax.eval_shape(step.optimizer.init, shapes(jm.params))
+  jaxpr = jax.make_jaxpr(step.pure)(shapes(jm.params), shapes(jm.buffers), opt_state, {"input_ids": ids}, ids)
+  dtypes = _dot_operand_dtypes(jaxpr.jaxpr)
+  assert set(dtypes) == {("bfloat16", "bfloat16")} and sum(dtypes.values()) >= 3 * 7 * config.num_hidden_layers, dtypes  # forward, dX, dW
