@@ -82,9 +82,20 @@ def test_a_process_using_libtpu_prints_none_of_its_start_up_lines():
 
 
 def test_collectives_are_read_from_tpu_hlo():
-  """A Mosaic kernel's config spans lines that start with "}}" (the computation goes on), and
-  the TPU compiler's all-reduce + slice fusion moves what a reduce-scatter moves."""
+  """A Mosaic kernel's config spans lines that start with "}}" (the computation goes on), a loop's
+  trip count is its condition's constant (with a TPU layout), and the TPU compiler's all-reduce +
+  slice fusion moves what a reduce-scatter moves."""
   hlo = "\n".join([
+    "%cond (p: (s32[], bf16[8])) -> pred[] {",
+    "  %c = s32[]{:T(128)} constant(16)",
+    "  %i = s32[]{:T(128)} get-tuple-element(%p), index=0",
+    "  ROOT %lt = pred[]{:T(512)} compare(%i, %c), direction=LT",
+    "}",
+    "%body (p: (s32[], bf16[8])) -> (s32[], bf16[8]) {",
+    "  %x = bf16[8]{0:T(128)} get-tuple-element(%p), index=1",
+    "  %ag = bf16[64]{0:T(128)} all-gather(%x), replica_groups=mesh['axis_0'=8] {'axis_0'}, dimensions={0}",
+    "  ROOT %t = (s32[], bf16[8]) tuple(%i, %x)",
+    "}",
     "%all-reduce-scatter.1 (input.1: f32[1024,256]) -> f32[128,256] {",
     "  %input.1 = f32[1024,256]{1,0:T(8,128)} parameter(0)",
     "  %all-reduce.2 = f32[1024,256]{1,0:T(8,128)} all-reduce(%input.1), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add",
@@ -95,8 +106,10 @@ def test_collectives_are_read_from_tpu_hlo():
     '  %custom-call.1 = bf16[8,256]{1,0} custom-call(%p.2), custom_call_target="tpu_custom_call", backend_config={"a":"{',
     '}}", "b": 1}',
     "  %all-gather.1 = bf16[256,256]{1,0:T(8,128)} all-gather(%p.2), replica_groups=mesh['axis_0'=8] {'axis_0'}, dimensions={0}",
+    "  %w = (s32[]{:T(128)}, bf16[8]{0:T(128)}) while(%t0), condition=%cond, body=%body",
     "  ROOT %fusion.1 = f32[128,256]{1,0:T(8,128)} fusion(%p.1), kind=kCustom, calls=%all-reduce-scatter.1",
     "}",
   ])
   found = collectives.collective_bytes(hlo).by_kind
-  assert found == {"all-gather": 256 * 256 * 2 * 7 // 8, "reduce-scatter": 128 * 256 * 4 * 7}
+  in_loop = 16 * 64 * 2 * 7 // 8  # the loop's trip count read from its condition's constant (a TPU layout on it)
+  assert found == {"all-gather": 256 * 256 * 2 * 7 // 8 + in_loop, "reduce-scatter": 128 * 256 * 4 * 7}

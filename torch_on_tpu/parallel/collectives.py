@@ -140,7 +140,7 @@ def _callees(op: str, rest: str, bodies: dict) -> list[tuple[str, int]]:
     if trips:
       times = int(trips.group(1))
     else:
-      constants = [int(c) for line in bodies.get(cond.group(1), ()) if cond for c in re.findall(r"s32\[\] constant\((\d+)\)", line)]
+      constants = [int(c) for line in bodies.get(cond.group(1), ()) if cond for c in re.findall(r"s32\[\](?:\{[^}]*\})? constant\((\d+)\)", line)]
       times = max(constants, default=1)
     return [(body.group(1), times)] if body else []
   names = re.findall(r"(?:calls|to_apply|true_computation|false_computation)=%([^\s,}]+)", rest)
