@@ -29,7 +29,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from torch_on_tpu.core import _compat
-from torch_on_tpu.lowering import device_checks, op_table
+from torch_on_tpu.lowering import device_checks, op_table, target_device
 
 torchax = _compat.import_torchax()
 import jax  # noqa: E402
@@ -210,9 +210,13 @@ def _logsumexp(logits, chunk):
 
 
 def _bits(x, dtype=None):
-  """A 16-bit float array as its bit pattern (and back, given `dtype`): XLA CPU runs
-  bf16 slices and updates in fp32, and for a slice of the loop-invariant logits
-  hoists that cast out of the chunk loop, building the fp32 copy chunking avoids."""
+  """On the CPU, a 16-bit float array as its bit pattern (and back, given `dtype`): XLA CPU
+  runs bf16 slices and updates in fp32, and for a slice of the loop-invariant logits hoists
+  that cast out of the chunk loop, building the fp32 copy chunking avoids. Elsewhere `x` as
+  it is: on TPU the bitcast would cost a second copy of the logits and keep the gradient's
+  chunk updates from running in place (each chunk rewrote the whole [tokens, vocab] buffer)."""
+  if target_device.device().platform != "cpu":
+    return x
   if dtype is not None:
     return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
   return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating) else x

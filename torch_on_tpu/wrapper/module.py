@@ -181,7 +181,7 @@ class ShardedModule:
       _to_meta(module)
 
     if self._layout:
-      self._layout.apply(module, remat=remat, unroll=unroll, scan=scan)
+      self._layout.apply(module, remat=remat, unroll=unroll, scan=scan, carry_sharding=self.batch_sharding)
       is_param = {n: self._entries[group[0]].is_param for n, group in self._layout.groups.items()}
     else:
       is_param = {}

@@ -96,6 +96,10 @@ class StackedLayers(torch.nn.Module):
     pipeline: a `torch_on_tpu.parallel.pipeline.Pipeline`: the stack runs as pipeline
       stages over the mesh's `pp` axis (the stacked tensors then hold the
       layers in the schedule's `storage_order`).
+    carry_sharding: `(ndim, batch, length) → NamedSharding` of a hidden state (ShardedModule's
+      batch sharding): the scan's carry is pinned to it on every layer, so the partitioner
+      keeps the activations split over the batch rather than choosing a layout that
+      reshards them in every layer.
   """
 
   def __init__(
@@ -106,6 +110,7 @@ class StackedLayers(torch.nn.Module):
     unroll: int = 1,
     scan: bool = True,
     pipeline=None,
+    carry_sharding=None,
   ):
     super().__init__()
     layers = list(layers)
@@ -122,6 +127,7 @@ class StackedLayers(torch.nn.Module):
     self.unroll = unroll
     self.scanned = scan
     self.pipeline = pipeline
+    self.carry_sharding = carry_sharding
     if pipeline is not None and not scan:
       raise TorchOnTpuError(
         "Pipeline stages split a scanned layer stack, but StackedLayers got scan=False; use scan=True."
@@ -221,10 +227,15 @@ class StackedLayers(torch.nn.Module):
       self._write_buffers(stacked, dict(enumerate(updates)))
       return outputs
     groups = self.num_layers // period
-    _, per_layer = self._scan_groups(run, h, stacked, keys)
+    last, per_layer = self._scan_groups(run, h, stacked, keys)
     for g in range(groups):
       for j in range(period):
         h_g, produced = jax.tree.map(lambda a, g=g: a[g], per_layer[j])
+        if (g, j) == (groups - 1, period - 1):
+          # the stack's output is the scan's final carry, not a slice of the per-layer outputs:
+          # where nothing reads an earlier layer's output, the program then drops that stacked
+          # [layers, ...] buffer and its cotangent (two copies of every layer's hidden state)
+          h_g = last
         outputs.append(self._layer_output(extras, j, h_g, produced))
         updates.append(produced[2])
     self._write_buffers(stacked, dict(enumerate(updates)))
@@ -246,13 +257,21 @@ class StackedLayers(torch.nn.Module):
     def body(h, xs):
       tensors, group_keys = xs
       per_layer = []
+      h = self._pinned(h)
       for j in range(period):
         pick = (lambda a: a) if period == 1 else (lambda a, j=j: a[j])
         h, produced = run[j](h, jax.tree.map(pick, tensors), pick(group_keys))
         per_layer.append((h, produced))
-      return h, per_layer
+      return self._pinned(h), per_layer
 
     return jax.lax.scan(body, h, grouped, unroll=self.unroll)
+
+  def _pinned(self, h):
+    """The hidden state laid out as `carry_sharding` says (as it is without one)."""
+    if self.carry_sharding is None:
+      return h
+    pin = lambda a: jax.lax.with_sharding_constraint(a, self.carry_sharding(a.ndim, *a.shape[:2])) if a.ndim >= 2 else a  # noqa: E731
+    return jax.tree.map(pin, h)
 
   def _pipelined(self, hidden, args, kwargs) -> list[tuple]:
     """The stack as pipeline stages (`torch_on_tpu.parallel.pipeline`): the last layer's output,
@@ -722,9 +741,12 @@ class ScanLayout:
     remat: str | None,
     unroll: int,
     scan: bool,
+    carry_sharding=None,
   ) -> StackedLayers:
     """Swaps the model's layer container for the scan (in place)."""
-    scanned = StackedLayers(self.stack.layers, remat=remat, unroll=unroll, scan=scan, pipeline=self.pipeline)
+    scanned = StackedLayers(
+      self.stack.layers, remat=remat, unroll=unroll, scan=scan, pipeline=self.pipeline, carry_sharding=carry_sharding
+    )
     container = ScanContainer(scanned, self.stack)
     owner_path, _, leaf = self.stack.path.rpartition(".")
     owner = module.get_submodule(owner_path) if owner_path else module
