@@ -1,6 +1,6 @@
-"""What one compiled step costs per device, from XLA's own analyses: memory (arguments, outputs,
-donated, temporaries, host-offloaded), FLOPs and bytes, the collectives' bytes with loop trip
-counts, and how attention and a pipeline ran. `TrainStep.compile()` returns it; the recipes print it."""
+"""What one compiled step costs per device: memory from XLA's own analysis (arguments, outputs,
+donated, temporaries, host-offloaded); FLOPs, HBM bytes and the collectives' bytes from its
+optimized HLO with loops counted; its ops and kernels; how attention and a pipeline ran. `TrainStep.compile()` returns it; the recipes print it."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import dataclasses
 import re
 import warnings
 
+from torch_on_tpu.core import hlo_text
 from torch_on_tpu.core.sizes import human_bytes
 from torch_on_tpu.parallel.collectives import CollectiveBytes, collective_bytes
+from torch_on_tpu.training.program_cost import ProgramCost, program_cost
 
 _OPCODE = re.compile(r"^\s*(?:ROOT )?%\S+ = .*? ([a-z][a-z0-9-]*)\(", re.M)
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
@@ -30,8 +32,9 @@ class CompileReport:
   host_offloaded_bytes: int | None = None  # host temporaries + host arguments/outputs
   attention_splits: tuple[str, ...] = ()  # how attention crossed a `cp` axis (context parallelism)
   collective_bytes: CollectiveBytes | None = None  # received per device per step, loops counted
-  flops: float | None = None
-  bytes_accessed: float | None = None
+  flops: float | None = None  # matmul FLOPs per device, loops counted (Mosaic kernels' not included)
+  bytes_accessed: float | None = None  # HBM bytes the kernels read and write, loops counted
+  cost: ProgramCost | None = None  # per kernel, for a roofline (`ProgramCost.roofline_seconds`)
   pipeline: str | None = None  # the schedule and its bubble fraction, with a `pp` axis
   ops: dict[str, int] = dataclasses.field(default_factory=dict)  # HLO opcode → instructions in the optimized program
   custom_calls: dict[str, int] = dataclasses.field(default_factory=dict)  # kernel target → calls (Mosaic: tpu_custom_call)
@@ -88,15 +91,12 @@ def report(compiled, seconds) -> CompileReport:
   except Exception:  # noqa: BLE001 (a backend without HLO text: the report goes without)
     text = None
   if text is not None:
-    report.collective_bytes = collective_bytes(text)
+    module = hlo_text.parse(text)
+    report.collective_bytes = collective_bytes(module)
+    report.cost = program_cost(module)  # loops by trip count, where XLA's cost analysis counts a body once
+    report.flops, report.bytes_accessed = report.cost.flops, report.cost.hbm_bytes
     report.ops = dict(collections.Counter(_OPCODE.findall(text)))
     report.custom_calls = dict(collections.Counter(_CUSTOM_CALL.findall(text)))
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):  # jax < 0.4.30 returns one dict per program
-    cost = cost[0] if cost else None
-  if cost:
-    report.flops = cost.get("flops")
-    report.bytes_accessed = cost.get("bytes accessed")
   return report
 
 

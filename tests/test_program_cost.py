@@ -1,0 +1,92 @@
+"""FLOPs, HBM bytes and roofline time read from optimized HLO text, loops counted (what
+`tools/bench_tpu.py` puts beside MaxText's program), and the tool's own table and arguments."""
+
+import pytest
+
+from tests import helpers as h
+from torch_on_tpu.core import hlo_text
+from torch_on_tpu.training import program_cost
+
+HLO = "\n".join([
+  "%cond (p: (s32[], f32[8,16])) -> pred[] {",
+  "  %c = s32[]{:T(128)} constant(4)",
+  "  %i = s32[]{:T(128)} get-tuple-element(%p), index=0",
+  "  ROOT %lt = pred[]{:T(512)} compare(%i, %c), direction=LT",
+  "}",
+  "%fused_dot (a: bf16[8,32], b: bf16[32,16]) -> f32[8,16] {",
+  "  %a = bf16[8,32]{1,0} parameter(0)",
+  "  %b = bf16[32,16]{1,0} parameter(1)",
+  "  ROOT %d = f32[8,16]{1,0} convolution(%a, %b), dim_labels=bf_io->bf",
+  "}",
+  "%fused_slice (x: bf16[1024,64], i: s32[]) -> f32[8] {",
+  "  %x = bf16[1024,64]{1,0} parameter(0)",
+  "  %i = s32[] parameter(1)",
+  "  %s = bf16[8,64]{1,0} dynamic-slice(%x, %i, %i), dynamic_slice_sizes={8,64}",
+  "  ROOT %r = f32[8]{0} reduce(%s), dimensions={1}",
+  "}",
+  "%fused_update (buf: bf16[1024,64], u: bf16[8,64], i: s32[]) -> bf16[1024,64] {",
+  "  %buf = bf16[1024,64]{1,0} parameter(0)",
+  "  %u = bf16[8,64]{1,0} parameter(1)",
+  "  %i = s32[] parameter(2)",
+  "  ROOT %w = bf16[1024,64]{1,0} dynamic-update-slice(%buf, %u, %i, %i)",
+  "}",
+  "%batched (a: bf16[4,8,32], b: bf16[4,32,16]) -> f32[4,8,16] {",
+  "  %a = bf16[4,8,32]{2,1,0} parameter(0)",
+  "  %b = bf16[4,32,16]{2,1,0} parameter(1)",
+  "  ROOT %c = f32[4,8,16]{2,1,0} convolution(%a, %b), window={size=4 pad=3_3 rhs_reversal=1}, dim_labels=0bf_0io->0bf",
+  "}",
+  "%body (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {",
+  "  %x = bf16[8,32]{1,0} parameter(0)",
+  "  %w = bf16[32,16]{1,0} parameter(1)",
+  "  ROOT %f = f32[8,16]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot",
+  "}",
+  "ENTRY %main (l: bf16[1024,64], i: s32[], u: bf16[8,64], q: bf16[4,8,32], k: bf16[4,32,16]) -> f32[8] {",
+  "  %l = bf16[1024,64]{1,0} parameter(0)",
+  "  %i = s32[] parameter(1)",
+  "  %u = bf16[8,64]{1,0} parameter(2)",
+  "  %q = bf16[4,8,32]{2,1,0} parameter(3)",
+  "  %k = bf16[4,32,16]{2,1,0} parameter(4)",
+  "  %loop = (s32[], f32[8,16]) while(%t), condition=%cond, body=%body",
+  "  %bmm = f32[4,8,16]{2,1,0} fusion(%q, %k), kind=kOutput, calls=%batched",
+  "  %upd = bf16[1024,64]{1,0} fusion(%l, %u, %i), kind=kLoop, calls=%fused_update",
+  "  ROOT %red = f32[8]{0} fusion(%upd, %i), kind=kLoop, calls=%fused_slice",
+  "}",
+])
+
+
+def test_flops_count_matmuls_by_loop_trips_and_batched_dots_once():
+  cost = program_cost.program_cost(HLO)
+  loop = 4 * 2 * 8 * 16 * 32  # the loop's dot, run 4 times
+  batched = 2 * (4 * 8 * 16) * 32  # a dot batched over a window dim reads one tap of it per output
+  assert cost.flops == loop + batched
+
+
+def test_bytes_count_slices_and_in_place_updates_not_whole_buffers():
+  by_kernel = {(f, b) for f, b, _ in program_cost.program_cost(HLO).kernels}
+  update = 8 * 64 * 2
+  assert (0.0, update + update + 4) in by_kernel  # reads its update and writes it in place (and reads its index)
+  assert (0.0, 8 * 4 + 8 * 64 * 2 + 4) in by_kernel  # the reduction reads its slice and writes 8 floats
+
+
+def test_roofline_takes_the_slower_of_compute_and_memory_per_kernel():
+  cost = program_cost.ProgramCost(flops=0, hbm_bytes=0, kernels=[(100.0, 10.0, 2), (1.0, 50.0, 1)])
+  assert cost.roofline_seconds(peak_flops=10.0, hbm_bandwidth=10.0, extra_flops=30.0) == 2 * 10.0 + 5.0 + 3.0
+
+
+def test_a_computation_runs_as_often_as_the_loops_around_it_say():
+  module = hlo_text.parse(HLO)
+  runs = module.runs()
+  assert runs["body"] == 4 and runs["fused_dot"] == 4 and runs["main"] == 1
+  assert module.fused() == {"fused_dot", "fused_slice", "fused_update", "batched"}
+
+
+def test_bench_tpu_tables_both_programs_and_refuses_what_it_does_not_know(capsys):
+  bench = h.load_module("tools/bench_tpu.py")
+  cell = dict(arguments=2**30, temporaries=2**31, host=0, collectives={"all-gather": 2**30}, flops=1e12, hbm_bytes=1e9,
+              roofline_s=0.4, hbm_budget=int(31.25 * 2**30))
+  text = bench.table({("8b-v6e", "full"): {"torch_on_tpu": cell, "MaxText": {**cell, "roofline_s": 0.5}}})
+  assert "| 8b-v6e | full | torch_on_tpu | 1.00 + 2.00 = 3.00 (31.25) | 0.0 | 1.0 (1.0 / 0.0 / 0.0 / 0.0) | 1.0 | 1 | 0.400 | 0.80 × |" in text
+  for bad in (["--rows=70b"], ["--remats=some"], ["--maxtext=/src"]):
+    with pytest.raises(SystemExit):
+      bench.parse_args(bad)
+  assert "--maxtext and --maxtext_python go together" in capsys.readouterr().err

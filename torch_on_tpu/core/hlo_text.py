@@ -1,0 +1,122 @@
+"""An optimized HLO module's text, read as its computations, their instructions and how many times
+each computation runs per execution (loops by trip count), for what the reports count from it:
+collective bytes (`parallel.collectives`), FLOPs and HBM bytes (`training.program_cost`).
+
+A loop's trip count is its `known_trip_count`, else the largest integer constant its condition
+compares with. A computation called by a fusion is marked fused: its instructions run inside one
+kernel, so only the fusion's own operands and result touch memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+            "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) \((.*)\) -> .*\{$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
+_SHAPE = re.compile(r"\b(pred|[sufc]\d+|bf16|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
+_CALLS = re.compile(r"(?:calls|to_apply|true_computation|false_computation)=%([^\s,}]+)")
+
+
+@dataclasses.dataclass
+class Instruction:
+  name: str
+  shape: str  # the result's shape text (a tuple's too)
+  op: str
+  rest: str  # operands and attributes
+  root: bool = False  # its computation's result
+
+  def operands(self) -> list[str]:
+    """The names of the instruction's operands, in order."""
+    depth, args = 0, []
+    for i, ch in enumerate(self.rest):
+      if ch in "([{":
+        depth += 1
+      elif ch in ")]}":
+        if depth == 0:
+          args = self.rest[:i]
+          break
+        depth -= 1
+    return re.findall(r"%([^\s,)]+)", args) if args else []
+
+
+@dataclasses.dataclass
+class Module:
+  computations: dict[str, list[Instruction]]
+  entry: str | None
+  shapes: dict[str, dict[str, str]]  # computation → instruction (or parameter) name → its shape text
+
+  def runs(self) -> dict[str, float]:
+    """Computation → how many times it runs per execution of the module."""
+    counts: dict[str, float] = {}
+
+    def visit(name: str, times: float) -> None:
+      counts[name] = counts.get(name, 0) + times
+      for inst in self.computations.get(name, ()):
+        for callee, n in self.callees(inst):
+          visit(callee, times * n)
+
+    if self.entry:
+      visit(self.entry, 1)
+    return counts
+
+  def fused(self) -> set[str]:
+    """The computations a fusion calls (their instructions run inside its kernel)."""
+    return {callee for insts in self.computations.values() for inst in insts if inst.op == "fusion"
+            for callee, _ in self.callees(inst)}
+
+  def callees(self, inst: Instruction) -> list[tuple[str, int]]:
+    """(computation, times it runs per run of `inst`)."""
+    if inst.op == "while":
+      body = re.search(r"body=%([^\s,]+)", inst.rest)
+      cond = re.search(r"condition=%([^\s,]+)", inst.rest)
+      trips = re.search(r'known_trip_count":\{"n":"(\d+)"', inst.rest)
+      if trips:
+        times = int(trips.group(1))
+      else:
+        constants = [int(c) for i in self.computations.get(cond.group(1), ()) if cond
+                     for c in re.findall(r"s32\[\](?:\{[^}]*\})? constant\((\d+)\)", f"{i.shape} {i.op}({i.rest}")]
+        times = max(constants, default=1)
+      return [(body.group(1), times)] + ([(cond.group(1), times + 1)] if cond else []) if body else []
+    names = _CALLS.findall(inst.rest)
+    branches = re.search(r"branch_computations=\{([^}]*)\}", inst.rest)
+    if branches:
+      names += re.findall(r"%([^\s,]+)", branches.group(1))
+    return [(n, 1) for n in names if n in self.computations]
+
+
+def parse(text: str) -> Module:
+  computations: dict[str, list[Instruction]] = {}
+  shapes: dict[str, dict[str, str]] = {}
+  entry, current = None, None
+  for line in text.splitlines():
+    match = _COMPUTATION.match(line)
+    if match:
+      current = match.group(1)
+      computations[current], shapes[current] = [], {}
+      if line.startswith("ENTRY"):
+        entry = current
+    elif current is not None:
+      if line.rstrip() == "}":  # a computation's end; a Mosaic kernel's config spans lines that start with "}}"
+        current = None
+        continue
+      inst = _INSTRUCTION.match(line)
+      if inst:
+        root, name, shape, op, rest = inst.groups()
+        computations[current].append(Instruction(name, shape, op, rest, root=bool(root)))
+        shapes[current][name] = shape
+  return Module(computations, entry, shapes)
+
+
+def nbytes(shape: str) -> int:
+  """Bytes of a shape text (a tuple's elements summed)."""
+  return sum(ITEMSIZE.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _SHAPE.findall(shape))
+
+
+def dims(shape: str) -> list[int]:
+  """The dimensions of an array shape text."""
+  found = _SHAPE.search(shape)
+  return [int(d) for d in found.group(2).split(",") if d] if found else []

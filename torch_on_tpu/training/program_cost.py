@@ -1,0 +1,130 @@
+"""What a compiled program computes and moves per device, read from its optimized HLO with loops
+counted by trip count (XLA's own cost analysis counts a loop body once), and the roofline time
+those give on a chip.
+
+Per kernel (a fusion, or an instruction outside any fusion) run `n` times: its FLOPs are the
+matmuls inside it (dots, and the convolutions the TPU compiler writes them as: 2 × output
+elements × the contracted size), its HBM bytes its operands plus its result (a fusion's
+intermediates stay on chip); its time is the larger of FLOPs at the chip's peak and bytes at its
+HBM bandwidth. Custom calls (Mosaic kernels: splash attention) report no FLOPs here: the caller
+adds the attention's FLOPs it knows from the model (`roofline_seconds(extra_flops=)`).
+Collectives are counted apart (`parallel.collectives`); they overlap compute on TPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from torch_on_tpu.core import hlo_text
+
+# Instructions that move no data of their own (views, tuples, parameters) or are collectives.
+_FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id",
+         "replica-id", "iota", "opt-barrier", "while", "conditional", "call", "copy-done", "all-gather-done",
+         "all-reduce-done", "collective-permute-done", "async-done", "send-done", "recv-done"}
+_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute", "send", "recv")
+
+
+@dataclasses.dataclass
+class ProgramCost:
+  """Per device, per execution of the program."""
+
+  flops: float  # matmul FLOPs (the Mosaic kernels' not included)
+  hbm_bytes: float  # bytes the kernels read and write
+  kernels: list  # (flops, bytes, runs) of every kernel: what the roofline sums
+
+  def roofline_seconds(self, peak_flops: float, hbm_bandwidth: float, extra_flops: float = 0.0) -> float:
+    """Σ over kernels of max(FLOPs / peak, bytes / bandwidth), plus `extra_flops` (the attention
+    kernels' FLOPs) at the peak."""
+    seconds = sum(runs * max(f / peak_flops, b / hbm_bandwidth) for f, b, runs in self.kernels)
+    return seconds + extra_flops / peak_flops
+
+
+def program_cost(text: str | hlo_text.Module) -> ProgramCost:
+  module = hlo_text.parse(text) if isinstance(text, str) else text
+  fused = module.fused()
+  kernels, flops, hbm = [], 0.0, 0.0
+  for name, runs in module.runs().items():
+    if name in fused:
+      continue  # inside a fusion: counted with it
+    shapes = module.shapes[name]
+    for inst in module.computations[name]:
+      if inst.op in _FREE or inst.op.removesuffix("-start") in _COLLECTIVES:
+        continue
+      moved = _bytes(inst, module, shapes)
+      computed = _flops(inst, module, shapes)
+      kernels.append((computed, moved, runs))
+      flops += computed * runs
+      hbm += moved * runs
+  return ProgramCost(flops, hbm, kernels)
+
+
+def _bytes(inst: hlo_text.Instruction, module: hlo_text.Module, shapes: dict) -> float:
+  """HBM bytes one kernel reads and writes: its operands and its result, except what it only
+  slices (a dynamic slice reads its slice) and what it updates in place (a dynamic update slice
+  reads and writes its update, not the whole buffer it writes into)."""
+  operands = [hlo_text.nbytes(shapes.get(op, "")) for op in inst.operands()]
+  if inst.op == "dynamic-slice":
+    return 2.0 * hlo_text.nbytes(inst.shape)
+  if inst.op == "dynamic-update-slice" and len(operands) >= 2:
+    return 2.0 * operands[1]
+  if inst.op != "fusion":
+    return hlo_text.nbytes(inst.shape) + sum(operands)
+  (callee, _), *_ = module.callees(inst) or [(None, 0)]
+  body = module.computations.get(callee, [])
+  params = {re.search(r"^(\d+)", i.rest).group(1): i.name for i in body if i.op == "parameter"}
+  users = {name: [i for i in body if name in i.operands()] for name in params.values()}
+  root = next((i for i in body if i.root), None)
+  written = hlo_text.nbytes(inst.shape)
+  in_place = None
+  if root is not None and root.op == "dynamic-update-slice" and root.operands()[0] in users:
+    in_place = root.operands()[0]
+    written = hlo_text.nbytes(module.shapes[callee].get(root.operands()[1], ""))  # its update, read and written
+  total = written
+  for index, size in enumerate(operands):
+    name = params.get(str(index))
+    if name == in_place:
+      continue  # the buffer updated in place is neither read nor written whole
+    if name is not None and users[name] and all(u.op == "dynamic-slice" and u.operands()[0] == name for u in users[name]):
+      total += sum(hlo_text.nbytes(u.shape) for u in users[name])  # it reads its slices only
+    else:
+      total += size
+  return total
+
+
+def _flops(inst: hlo_text.Instruction, module: hlo_text.Module, shapes: dict) -> float:
+  """The matmul FLOPs of one instruction (a fusion's: of the computations it calls)."""
+  if inst.op == "fusion":
+    return sum(_flops(i, module, module.shapes[callee]) for callee, _ in module.callees(inst)
+               for i in module.computations[callee])
+  out = math.prod(hlo_text.dims(inst.shape))
+  operands = inst.operands()
+  if inst.op == "dot" and operands:
+    lhs = hlo_text.dims(shapes.get(operands[0], ""))
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.rest)
+    size = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting and lhs else 1
+    return 2.0 * out * size
+  if inst.op == "convolution" and operands:
+    lhs = hlo_text.dims(shapes.get(operands[0], ""))
+    labels = re.search(r"dim_labels=([0-9a-z]+)_", inst.rest)
+    groups = re.search(r"feature_group_count=(\d+)", inst.rest)
+    if not (labels and lhs) or "f" not in labels.group(1):
+      return 0.0
+    features = lhs[labels.group(1).index("f")]
+    return 2.0 * out * features * _taps(inst.rest) / (int(groups.group(1)) if groups else 1)
+  return 0.0
+
+
+def _taps(rest: str) -> int:
+  """Input positions one output of a convolution reads per feature: its window's size, except
+  along a dim the TPU compiler uses to batch a dot (window padded by size-1 on both sides and
+  reversed: each output reads one position of it)."""
+  window = re.search(r"window=\{([^}]*)\}", rest)
+  if window is None:
+    return 1
+  fields = dict(re.findall(r"(\w+)=(\S+)", window.group(1)))
+  sizes = [int(x) for x in fields.get("size", "1").split("x")]
+  pads = fields.get("pad", "").split("x") if "pad" in fields else [""] * len(sizes)
+  reversed_ = fields.get("rhs_reversal", "").split("x") if "rhs_reversal" in fields else ["0"] * len(sizes)
+  return math.prod(1 if r == "1" and p == f"{n - 1}_{n - 1}" else n for n, p, r in zip(sizes, pads, reversed_))
