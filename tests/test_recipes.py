@@ -264,7 +264,7 @@ def test_bad_flags_are_one_sentence_naming_the_flag_before_the_model_is_built(tm
     (dict(resume_step=2, resume=False), "--resume_step needs --resume=True; drop one of the two."),
     (dict(global_batch_size=6, grad_accum=4), "--global_batch_size=6 does not divide into --grad_accum=4 microbatches; make the batch a multiple of 4."),
     (dict(global_batch_size=6), "--global_batch_size=6 does not split over the 8 data devices (fsdp=8); use a multiple of 8, e.g. --global_batch_size=8."),
-    (dict(fsdp=64, tp=4), "--fsdp=64 --tp=4 needs 256 devices but 8 are available; make the axis sizes multiply to 8 or use -1 on one axis."),
+    (dict(fsdp=64, tp=4), "--fsdp=64 --tp=4 needs 256 devices but 8 are available; make the axis sizes multiply to 8 or use -1 on one axis, or simulate 256 CPU devices with --cpu_devices=256."),
     (dict(attention="none"), "--attention=none leaves attention to torchax's own SDPA lowering, which cannot run torchtitan's flex attention; add --titan_attention=sdpa (plain causal attention) or pick an --attention kernel."),
     (dict(cpu_devices=3), "--cpu_devices=3 but jax already started with 8 cpu devices in this process; run the recipe in a fresh process."),
   ]:

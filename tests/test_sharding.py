@@ -156,8 +156,10 @@ def test_activation_rule_of_the_wrong_rank_names_module_and_shape():
 
 
 def test_make_mesh_errors():
-  with pytest.raises(tot.TorchOnTpuError, match="needs 6 devices but 8"):
+  with pytest.raises(tot.TorchOnTpuError, match="needs 6 devices but 8") as info:
     tot.make_mesh(fsdp=3, tp=2)
+  # on CPU devices, how to simulate the count the mesh needs (from Python: XLA's own flag)
+  assert str(info.value).endswith("or simulate 6 CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=6 before jax starts.")
   with pytest.raises(tot.TorchOnTpuError, match="only one axis"):
     tot.make_mesh(fsdp=-1, tp=-1)
   with pytest.raises(tot.TorchOnTpuError, match="does not divide"):

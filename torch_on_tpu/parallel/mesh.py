@@ -16,7 +16,7 @@ import jax
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from torch_on_tpu import runtime
-from torch_on_tpu.errors import TorchOnTpuError, call
+from torch_on_tpu.errors import TorchOnTpuError, call, named
 from torch_on_tpu.parallel import targets
 
 # Mesh axes that carry the batch, in the order a batch dim is split over them.
@@ -67,13 +67,13 @@ def make_mesh(devices=None, *, target: str | None = None, **axes: int) -> Mesh:
     if count % known:
       raise TorchOnTpuError(
         f"{call('make_mesh', axes)}: the fixed axes multiply to {known}, which does not divide "
-        f"the {count} available devices; pick sizes whose product divides {count}."
+        f"the {count} available devices; pick sizes whose product divides {count}{_simulate_hint(devices, known)}."
       )
     sizes[names.index(fill[0])] = count // known
   if math.prod(sizes) != count:
     raise TorchOnTpuError(
       f"{call('make_mesh', axes)} needs {math.prod(sizes)} devices but {count} are available; "
-      f"make the axis sizes multiply to {count} or use -1 on one axis."
+      f"make the axis sizes multiply to {count} or use -1 on one axis{_simulate_hint(devices, math.prod(sizes))}."
     )
   slices = len({getattr(d, "slice_index", 0) for d in devices})
   if slices > 1:
@@ -81,6 +81,15 @@ def make_mesh(devices=None, *, target: str | None = None, **axes: int) -> Mesh:
   return jax.make_mesh(
     tuple(sizes), names, axis_types=(AxisType.Auto,) * len(names), devices=devices
   )
+
+
+def _simulate_hint(devices: list, wanted: int) -> str:
+  """On CPU devices: how to simulate `wanted` of them (a command line's flag, or XLA's own)."""
+  if not devices or devices[0].platform != "cpu":
+    return ""
+  flag = named("cpu_devices")  # `--cpu_devices` where a recipe's command line runs
+  how = f"{flag}={wanted}" if flag.startswith("--") else f"XLA_FLAGS=--xla_force_host_platform_device_count={wanted} before jax starts"
+  return f", or simulate {wanted} CPU devices with {how}"
 
 
 def _multislice_mesh(sizes: tuple, names: tuple, devices: list, slices: int) -> Mesh:
