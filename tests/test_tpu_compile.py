@@ -136,3 +136,20 @@ def test_hf_recipe_dry_run_compiles_for_v5e(tmp_path, capsys):
   summary = hf_recipe.run(hf_recipe.HFFlags(config=str(tmp_path), target="v5e-4", dry_run=True, seqlen=64, dtype="bfloat16"))
   assert "per chip of v5e-4 (15.8 GiB HBM)" in capsys.readouterr().out
   assert summary["compile"].fits(summary["plan"].device_bytes)
+
+
+@pytest.mark.parametrize("target", ["v5p-8", "tpu7x:2x2x1"])
+def test_float8_matmuls_reach_the_tpu_compiler_as_float8_with_or_without_an_fp8_mxu(target):
+  """torchao's rowwise float8 linears (torchtitan's converter; the head stays bf16) compile for a
+  chip without an fp8 MXU (v5p) and one with (tpu7x) alike: the optimized program keeps float8
+  operands for every converted matmul, forward and backward; the compiler decides how the chip
+  runs them."""
+  from torch_on_tpu.lowering import float8
+  from torch_on_tpu.models.torchtitan import llama3_config
+
+  config = float8.convert(llama3_config("debugmodel", attention="sdpa", max_seq_len=256), "rowwise")
+  with torch.device("meta"):
+    model = config.build()
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(target=target, fsdp=-1), abstract=True, scan=True)
+  report = compile_step(jm, tokens(8, 256), tokens(8, 256))
+  assert report.matmuls.get("f8e4m3fn×f8e4m3fn", 0) >= 15 and report.matmuls.get("bf16×bf16", 0) >= 1, report.matmuls

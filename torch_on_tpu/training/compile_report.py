@@ -38,6 +38,7 @@ class CompileReport:
   pipeline: str | None = None  # the schedule and its bubble fraction, with a `pp` axis
   ops: dict[str, int] = dataclasses.field(default_factory=dict)  # HLO opcode → instructions in the optimized program
   custom_calls: dict[str, int] = dataclasses.field(default_factory=dict)  # kernel target → calls (Mosaic: tpu_custom_call)
+  matmuls: dict[str, int] = dataclasses.field(default_factory=dict)  # "lhs×rhs" operand dtypes → matmuls (dots, TPU convolutions)
 
   @property
   def peak_bytes(self) -> int | None:
@@ -97,6 +98,10 @@ def report(compiled, seconds) -> CompileReport:
     report.flops, report.bytes_accessed = report.cost.flops, report.cost.hbm_bytes
     report.ops = dict(collections.Counter(_OPCODE.findall(text)))
     report.custom_calls = dict(collections.Counter(_CUSTOM_CALL.findall(text)))
+    report.matmuls = dict(collections.Counter(
+      "×".join(module.shapes[name].get(op, "?").split("[")[0] for op in inst.operands()[:2])
+      for name, insts in module.computations.items() for inst in insts if inst.op in ("dot", "convolution")
+    ))
   return report
 
 
