@@ -16,6 +16,7 @@ import torch_on_tpu as tot
 from recipes import hf as hf_recipe
 from recipes import llama3 as llama3_recipe
 from tests import helpers as h
+from tests import test_bf16_training as bf16_training
 from torch_on_tpu.lowering import ragged, target_device
 from torch_on_tpu.models.torchtitan import build_llama3
 from torch_on_tpu.parallel import targets
@@ -74,6 +75,17 @@ def test_hf_llama_step_compiles_for_v5p():
   mesh = tot.make_mesh(target="v5p-8", fsdp=-1)
   jm = tot.ShardedModule(h.build_causal_lm(h.hf_config("llama")), mesh=mesh, abstract=True)
   compile_step(jm, {"input_ids": tokens(4, 64)}, tokens(4, 64))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "mamba"])
+def test_hf_linear_attention_and_state_space_steps_compile_for_v5p(arch):
+  """Qwen3-Next's gated delta rule (transformers' torch code, not flash-linear-attention's CUDA
+  kernels; its mixed layer types run unscanned) and Mamba's fp32 residual under bf16 compute,
+  scanned."""
+  mesh = tot.make_mesh(target="v5p-8", fsdp=-1)
+  jm = tot.ShardedModule(h.build_causal_lm(bf16_training.HF[arch]()), mesh=mesh, abstract=True, scan=True)
+  assert (jm._layout is not None) == (arch == "mamba")
+  compile_step(jm, {"input_ids": tokens(8, 64), "use_cache": False}, tokens(8, 64))
 
 
 def test_lora_step_compiles_for_v5p():

@@ -7,11 +7,12 @@ import contextlib
 import copy
 import functools
 import logging
+import sys
 
 import torch
 
 from torch_on_tpu.core import _compat, extras
-from torch_on_tpu.errors import first_line
+from torch_on_tpu.errors import TorchOnTpuError, first_line
 from torch_on_tpu.models._maps import present_rules
 from torch_on_tpu.models.family import CacheNotCarried, DecoderShape, Family, HFForm
 
@@ -156,6 +157,51 @@ def replay_output_capture(template: torch.nn.Module, records) -> None:
         fn(module, args, output)
 
 
+@contextlib.contextmanager
+def torch_reference_kernels(module: torch.nn.Module):
+  """While the bridge traces, transformers' kernel-or-torch functions in the model's modules
+  (Qwen3-Next's gated delta rule and causal conv, ...) run transformers' torch code.
+  Where a kernel package is installed (flash-linear-attention is, for torchtitan's Qwen3.5)
+  transformers calls it instead, and its Triton/CUDA kernels cannot run on traced tensors.
+  A packed-sequence call is refused: the torch code cannot keep the sequences apart."""
+  swapped = []
+  for name in {type(m).__module__ for m in module.modules()}:
+    namespace = vars(sys.modules[name]) if name in sys.modules else {}
+    for attr, fn in list(namespace.items()):
+      if _calls_kernel_package(fn):
+        swapped.append((namespace, attr, fn))
+        namespace[attr] = _torch_path(fn)
+  try:
+    yield
+  finally:
+    for namespace, attr, fn in swapped:
+      namespace[attr] = fn
+
+
+def _calls_kernel_package(fn) -> bool:
+  """Whether `fn` is transformers' `use_kernel_func_from_hub_with_fallback` wrapper around
+  an installed package's kernel (its closure's `is_new_implementation`)."""
+  code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+  if code is None or not cells or not hasattr(fn, "__wrapped__") or "is_new_implementation" not in code.co_freevars:
+    return False
+  return cells[code.co_freevars.index("is_new_implementation")].cell_contents is True
+
+
+def _torch_path(fn):
+  torch_function = fn.__wrapped__
+
+  @functools.wraps(torch_function)
+  def run(*args, **kwargs):
+    if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
+      raise TorchOnTpuError(
+        f"{torch_function.__name__} is given packed sequences, which transformers' torch code for it cannot "
+        "keep apart and its CUDA kernel cannot run under the bridge; train this model on unpacked batches."
+      )
+    return torch_function(*args, **kwargs)
+
+  return run
+
+
 def build_causal_lm(config, *, device="meta") -> torch.nn.Module:
   """`AutoModelForCausalLM.from_config` on `device` (meta: nothing allocated)."""
   AutoModelForCausalLM = extras.require("transformers", "An HF model").AutoModelForCausalLM
@@ -273,6 +319,9 @@ class HFFamily(Family):
 
   def sharding_map(self, module, preset):
     return fsdp_tp_map(module) if preset == "fsdp_tp" else None
+
+  def running(self, module):
+    return torch_reference_kernels(module)
 
   def layer_stack_problem(self, module, layers):
     return per_layer_inputs_problem(module, layers)

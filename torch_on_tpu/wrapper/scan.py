@@ -254,17 +254,42 @@ class StackedLayers(torch.nn.Module):
       lambda a: a.reshape(groups, period, *a.shape[1:]), (stacked, keys)
     )
 
+    entry = jax.tree.map(lambda a: a.dtype, h)
+    widened = self._widened(run, h, grouped, period)
+    if widened is not None:  # the carry takes the dtype the layers hand on; the first layer still gets h's own
+      h = jax.tree.map(lambda a, d: a.astype(d), h, widened)
+
     def body(h, xs):
-      tensors, group_keys = xs
+      tensors, group_keys, group = xs
       per_layer = []
       h = self._pinned(h)
       for j in range(period):
         pick = (lambda a: a) if period == 1 else (lambda a, j=j: a[j])
-        h, produced = run[j](h, jax.tree.map(pick, tensors), pick(group_keys))
+        layer = lambda h, run=run[j], t=jax.tree.map(pick, tensors), k=pick(group_keys): run(h, t, k)  # noqa: E731
+        if widened is not None and j == 0:
+          as_entered = lambda h: layer(jax.tree.map(lambda a, d: a.astype(d), h, entry))  # noqa: E731 (exact: h was widened)
+          h, produced = jax.lax.cond(group == 0, as_entered, layer, h)
+        else:
+          h, produced = layer(h)
         per_layer.append((h, produced))
       return self._pinned(h), per_layer
 
-    return jax.lax.scan(body, h, grouped, unroll=self.unroll)
+    return jax.lax.scan(body, h, (*grouped, jnp.arange(groups)), unroll=self.unroll)
+
+  def _widened(self, run, h, grouped, period):
+    """The dtypes a group hands on where they differ from the ones it gets (HF Mamba adds its
+    residual in fp32: a bf16 hidden state comes out fp32), else None. The scan then carries the
+    wider dtype and runs the first layer on the hidden state as it came (widening it is exact,
+    narrowing it back too), so every layer sees what it sees in a loop, as in torch."""
+    tensors, keys = grouped
+    first = jax.tree.map(lambda a: a[0], tensors)
+    out = h
+    for j in range(period):
+      pick = (lambda a: a) if period == 1 else (lambda a, j=j: a[j])
+      out, _ = jax.eval_shape(run[j], out, jax.tree.map(pick, first), pick(keys[0]))
+    if jax.tree.map(lambda a: a.dtype, out) == jax.tree.map(lambda a: a.dtype, h):
+      return None
+    return jax.tree.map(lambda a: a.dtype, out)
 
   def _pinned(self, h):
     """The hidden state laid out as `carry_sharding` says (as it is without one)."""

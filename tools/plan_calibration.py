@@ -1,0 +1,135 @@
+"""The memory plan against the compilers it predicts: per chip, plan vs the TPU compiler vs XLA:CPU.
+
+    python tools/plan_calibration.py                                # the grid: 1B and 8B, v5p-8 and v6e-8, 4 remats
+    python tools/plan_calibration.py --models=1B --targets=v5p-8 --remats=full --cpu=false   # one cell
+
+Each cell is `python -m recipes.llama3 --model=M --seqlen=8192 --global_batch_size=8
+--dtype=bfloat16 --remat=R --target=T --dry_run` (torchtitan's Llama 3, fsdp over every chip,
+scanned, fp32 weights and AdamW, bf16 compute, splash attention): the plan's total per chip beside
+the TPU compiler's arguments + temporaries (and what it offloads to host memory), and, with
+`--cpu`, the same step compiled by XLA:CPU on as many simulated devices (what the plan was fitted
+to before there was a TPU compiler here). `auto` is the scanned stack's default
+(`dots_and_attention`). Cells that do not fit the chip are measured all the same (the recipe's
+refusal is lifted with `--memory_gib`). Each compile runs in its own process: 1–4 min and up
+to 4 GB of RAM each on a 2-core VM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # recipes and torch_on_tpu from this checkout, run as a script
+MODELS, TARGETS, REMATS = ("1B", "8B"), ("v5p-8", "v6e-8"), ("none", "auto", "full", "offload_dots")
+SEQLEN, BATCH = 8192, 8
+TOLERANCE = 0.10  # the plan's promise: within 10% of the TPU compiler's peak
+GiB = 2**30
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
+  p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated TPU slices (tot.parallel.targets names)")
+  p.add_argument("--remats", default=",".join(REMATS), help="comma-separated subset of " + ", ".join(REMATS))
+  p.add_argument("--cpu", default="true", choices=("true", "false"), help="also compile each cell with XLA:CPU")
+  p.add_argument("--json", default=None, help="also write every cell's numbers here")
+  p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # MODEL:TARGET:REMAT:PLATFORM, in this process
+  p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  for name, allowed in (("models", MODELS), ("remats", REMATS)):
+    for value in getattr(args, name).split(","):
+      if value not in allowed:
+        p.error(f"--{name}: {value!r} is not one of {', '.join(allowed)}")
+  from torch_on_tpu.errors import TorchOnTpuError
+  from torch_on_tpu.parallel import targets
+
+  for target in args.targets.split(","):
+    try:
+      targets.parse(target)
+    except TorchOnTpuError as e:
+      p.error(f"--targets: {e}")
+  return args
+
+
+def cell(model: str, target: str, remat: str, platform: str) -> dict:
+  """One dry run through the recipe, in this process: the plan's total and the compiler's figures."""
+  from recipes import llama3
+  from torch_on_tpu.parallel import targets
+
+  slice_ = targets.parse(target)
+  where = dict(target=target) if platform == "tpu" else dict(cpu_devices=slice_.chips * slice_.generation.devices_per_chip)
+  flags = llama3.Llama3Flags(model=model, seqlen=SEQLEN, global_batch_size=BATCH, dtype="bfloat16", remat=remat,
+                             dry_run=True, compile_cache="off", memory_gib=4096, **where)
+  summary = llama3.run(flags)
+  plan, report = summary["plan"], summary["compile"]
+  return dict(plan=plan.total, plan_host=plan.host_offloaded, arguments=report.argument_bytes, temporaries=report.temp_bytes,
+              host=report.host_offloaded_bytes or 0, hbm=slice_.generation.hbm_bytes)
+
+
+def in_worker(model: str, target: str, remat: str, platform: str) -> dict:
+  """A cell in a fresh process (a compile holds GBs; a CPU cell needs its device count before jax starts)."""
+  with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+    command = [sys.executable, __file__, "--worker", f"{model}:{target}:{remat}:{platform}", "--out", out.name]
+    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if run.returncode != 0:
+      tail = run.stderr.strip().splitlines()[-1:] or ["no output"]
+      return {"error": f"{platform} compile failed: {tail[0][:300]}"}
+    return json.load(open(out.name))
+
+
+def table(results: dict) -> str:
+  lines = [
+    "| model | slice | remat | plan GiB | TPU compiler: args + temps GiB (of HBM) | plan / TPU | host offloaded GiB: plan / TPU "
+    "| XLA:CPU args + temps GiB |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
+  for (model, target, remat), sides in results.items():
+    tpu, cpu = sides["tpu"], sides.get("cpu")
+    cpu_cell = "-" if cpu is None else cpu.get("error") or f"{(cpu['arguments'] + cpu['temporaries']) / GiB:.2f}"
+    if "error" in tpu:
+      lines.append(f"| {model} | {target} | {remat} | | {tpu['error']} | | | {cpu_cell} |")
+      continue
+    peak = tpu["arguments"] + tpu["temporaries"]
+    ratio = tpu["plan"] / peak
+    mark = "" if abs(ratio - 1) <= TOLERANCE else " (outside 10%)"
+    lines.append(
+      f"| {model} | {target} | {remat} | {tpu['plan'] / GiB:.2f} | {tpu['arguments'] / GiB:.2f} + {tpu['temporaries'] / GiB:.2f} = "
+      f"{peak / GiB:.2f} ({tpu['hbm'] / GiB:.2f}) | {ratio:.2f}{mark} | {tpu['plan_host'] / GiB:.1f} / {tpu['host'] / GiB:.1f} "
+      f"| {cpu_cell} |"
+    )
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  if args.worker:
+    model, target, remat, platform = args.worker.split(":", 3)
+    if platform == "tpu":
+      from torch_on_tpu.runtime import libtpu
+
+      libtpu.quiet_without_chips()
+    json.dump(cell(model, target, remat, platform), open(args.out, "w"))
+    return 0
+  results = {}
+  for model in args.models.split(","):
+    for target in args.targets.split(","):
+      for remat in args.remats.split(","):
+        sides = {"tpu": in_worker(model, target, remat, "tpu")}
+        if args.cpu == "true":
+          sides["cpu"] = in_worker(model, target, remat, "cpu")
+        results[(model, target, remat)] = sides
+        print(f"{model} {target} {remat}: {json.dumps(sides)}", file=sys.stderr, flush=True)
+  print(table(results))
+  if args.json:
+    json.dump([{"model": m, "target": t, "remat": r, **sides} for (m, t, r), sides in results.items()], open(args.json, "w"), indent=1)
+  worst = [abs(s["tpu"]["plan"] / (s["tpu"]["arguments"] + s["tpu"]["temporaries"]) - 1) for s in results.values() if "error" not in s["tpu"]]
+  return 0 if worst and max(worst) <= TOLERANCE else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
