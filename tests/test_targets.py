@@ -65,6 +65,9 @@ def test_several_slices_put_the_first_axis_across_them():
   assert {d.slice_index for d in first.flat} == {0} and {d.slice_index for d in mesh.devices[1].flat} == {1}
   with pytest.raises(TorchOnTpuError, match="must be a multiple of 2"):
     tot.make_mesh(target="2xv5e-4", tp=1, fsdp=-1)
+  # an axis that splits a physical torus axis (2 of a 16x16 slice's 16), as 405B's fsdp x cp needs
+  mesh = tot.make_mesh(target="2xv6e-256", fsdp=256, cp=2)
+  assert dict(mesh.shape) == {"fsdp": 256, "cp": 2} and {d.slice_index for d in mesh.devices[:128].flat} == {0}
 
 
 def test_a_process_using_libtpu_prints_none_of_its_start_up_lines():

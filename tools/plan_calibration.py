@@ -10,14 +10,19 @@ the TPU compiler's arguments + temporaries (and what it offloads to host memory)
 `--cpu`, the same step compiled by XLA:CPU on as many simulated devices (what the plan was fitted
 to before there was a TPU compiler here). `auto` is the scanned stack's default
 (`dots_and_attention`). Cells that do not fit the chip are measured all the same (the recipe's
-refusal is lifted with `--memory_gib`). Each compile runs in its own process: 1–4 min and up
+refusal is lifted with `--memory_gib`; where the TPU compiler itself refuses, its temporaries
+come from its message and the arguments are the plan's params and optimizer state, which the
+plan counts exactly). Each compile runs in its own process: 1–4 min and up
 to 4 GB of RAM each on a 2-core VM.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -59,13 +64,24 @@ def parse_args(argv=None):
 def cell(model: str, target: str, remat: str, platform: str) -> dict:
   """One dry run through the recipe, in this process: the plan's total and the compiler's figures."""
   from recipes import llama3
+  from torch_on_tpu.errors import TorchOnTpuError
   from torch_on_tpu.parallel import targets
 
   slice_ = targets.parse(target)
   where = dict(target=target) if platform == "tpu" else dict(cpu_devices=slice_.chips * slice_.generation.devices_per_chip)
   flags = llama3.Llama3Flags(model=model, seqlen=SEQLEN, global_batch_size=BATCH, dtype="bfloat16", remat=remat,
                              dry_run=True, compile_cache="off", memory_gib=4096, **where)
-  summary = llama3.run(flags)
+  printed = io.StringIO()
+  try:
+    with contextlib.redirect_stdout(printed):
+      summary = llama3.run(flags)
+  except TorchOnTpuError as e:  # the TPU compiler's own refusal: its temporaries alone exceed HBM
+    needed = re.search(r"needs ([\d.]+) GiB of temporaries", str(e))
+    if needed is None:
+      raise
+    plan = {row: float(n) * GiB for row, n in re.findall(r"^  (params|optimizer state|total) +([\d.]+) GiB$", printed.getvalue(), re.M)}
+    return dict(plan=plan["total"], plan_host=0, arguments=plan["params"] + plan["optimizer state"], host=0,
+                temporaries=float(needed[1]) * GiB, refused=True, hbm=slice_.generation.hbm_bytes)
   plan, report = summary["plan"], summary["compile"]
   return dict(plan=plan.total, plan_host=plan.host_offloaded, arguments=report.argument_bytes, temporaries=report.temp_bytes,
               host=report.host_offloaded_bytes or 0, hbm=slice_.generation.hbm_bytes)
@@ -97,9 +113,10 @@ def table(results: dict) -> str:
     peak = tpu["arguments"] + tpu["temporaries"]
     ratio = tpu["plan"] / peak
     mark = "" if abs(ratio - 1) <= TOLERANCE else " (outside 10%)"
+    refused = " (refused: over HBM; arguments = the plan's params + optimizer state)" if tpu.get("refused") else ""
     lines.append(
       f"| {model} | {target} | {remat} | {tpu['plan'] / GiB:.2f} | {tpu['arguments'] / GiB:.2f} + {tpu['temporaries'] / GiB:.2f} = "
-      f"{peak / GiB:.2f} ({tpu['hbm'] / GiB:.2f}) | {ratio:.2f}{mark} | {tpu['plan_host'] / GiB:.1f} / {tpu['host'] / GiB:.1f} "
+      f"{peak / GiB:.2f} ({tpu['hbm'] / GiB:.2f}){refused} | {ratio:.2f}{mark} | {tpu['plan_host'] / GiB:.1f} / {tpu['host'] / GiB:.1f} "
       f"| {cpu_cell} |"
     )
   return "\n".join(lines)

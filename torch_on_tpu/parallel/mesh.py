@@ -104,7 +104,8 @@ def _multislice_mesh(sizes: tuple, names: tuple, devices: list, slices: int) -> 
     )
   inside = (sizes[0] // slices, *sizes[1:])
   across = (slices, *([1] * (len(sizes) - 1)))
-  grid = mesh_utils.create_hybrid_device_mesh(inside, across, devices)
+  # An axis may split a physical torus axis (cp=2 inside a 16x16 v6e slice), as jax.make_mesh allows.
+  grid = mesh_utils.create_hybrid_device_mesh(inside, across, devices, allow_split_physical_axes=True)
   return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 

@@ -35,9 +35,10 @@ Per device, it counts:
 * the params cast to the compute dtype when it is narrower than theirs (bf16
   compute over fp32 master weights);
 * the backward pass at its busiest, the largest of: the loss head's (the
-  logits kept for it and their gradient, tokens × vocab/tp in the compute
+  output head's weight gathered whole from its fsdp shards, vocab × d/tp in the
+  compute dtype, with the logits kept for it and their gradient, tokens × vocab/tp in the compute
   dtype each: the chunked cross-entropy builds no fp32 copy), just after it
-  (the logits' gradient and the params' gradients) and the layers' (the
+  (that weight, the logits' gradient and the params' gradients) and the layers' (the
   gradients and one layer's `none` figure, its recomputed intermediates);
 * on the CPU with a compute dtype below fp32, what XLA CPU adds by running
   those matmuls in fp32: an fp32 copy of the logits' gradient, and in a
@@ -123,6 +124,7 @@ class MemoryPlan:
   saved_activations: int
   layer_backward: int
   logits: int  # kept for the loss head's backward
+  head_weight: int  # the output head's weight gathered whole for the loss head (0 unsharded)
   logits_grad: int
   cpu_upcasts: int  # what XLA CPU adds widening a scan's bf16 residuals to fp32 (0 elsewhere)
   host_offloaded: int
@@ -141,8 +143,8 @@ class MemoryPlan:
     gradient), just after it (that gradient and the params' gradients) or the
     layers' (the gradients and one layer's recomputed intermediates)."""
     return max(
-      self.logits + self.logits_grad,
-      self.logits_grad + self.grads,
+      self.head_weight + self.logits + self.logits_grad,
+      self.head_weight + self.logits_grad + self.grads,
       self.grads + self.layer_backward,
     )
 
@@ -171,8 +173,8 @@ class MemoryPlan:
       ("+ widened to fp32 (XLA CPU)", self.cpu_upcasts),
       ("params kept across the checked update", self.update_branch),
       ("backward peak, the largest of:", self.backward_peak),
-      ("  logits + their gradient", self.logits + self.logits_grad),
-      ("  logits' gradient + gradients", self.logits_grad + self.grads),
+      ("  head weight, logits and their gradient", self.head_weight + self.logits + self.logits_grad),
+      ("  head weight, logits' gradient, gradients", self.head_weight + self.logits_grad + self.grads),
       ("  gradients + one layer's backward", self.grads + self.layer_backward),
       ("total", self.total),
     ]
@@ -303,6 +305,8 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
     head_tokens = tokens / schedule.stages
     description += f", pipeline {schedule}"
   logits = int(head_tokens * s.vocab * s.predictions / tp * compute)  # multi-token prediction: a logits tensor per depth
+  # The output head's weight gathered whole from its fsdp shards for the loss head's matmuls.
+  head_weight = int(s.vocab * s.dim / tp * compute) if any(v.ndim for v in model.params.values()) and data_ways * cp > 1 else 0
   return MemoryPlan(
     params=params,
     grads=grads,
@@ -311,6 +315,7 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
     saved_activations=saved,
     layer_backward=layer_backward + kv_across,
     logits=logits,
+    head_weight=head_weight,
     logits_grad=logits + (logits * 4 // compute if cpu_upcast else 0),
     cpu_upcasts=saved * (4 - compute) // compute if cpu_upcast and scanned else 0,
     host_offloaded=int(s.layers * offloaded * per_token),
