@@ -22,9 +22,9 @@ Per device, it counts:
 
   | remat policy | kept per layer (elements per token) |
   |---|---|
-  | `none` | every intermediate: `dots` + 4·d + (2·h·dh + hk·dh + 2·f)/tp (norms, RoPE, SwiGLU products) |
+  | `none` | every intermediate: `dots` + 4·d + (2·h·dh + hk·dh + 2·f)/tp (norms, RoPE, SwiGLU products); on TPU in bf16 also (2·d + f/tp) fp32 (the norms' fp32 inputs, SiLU's fp32 gate) and the attention statistics below |
   | `dots_saveable`, `dots_with_no_batch_dims_saveable` | the layer input d plus the matmul outputs (h·dh + 2·hk·dh + 2·f)/tp + 2·d |
-  | `dots_and_attention` (a scan's default) | the same plus the attention kernel's residuals 3·h·dh/tp (q after RoPE, its output, that output as wo's input) |
+  | `dots_and_attention` (a scan's default) | the same plus the attention kernel's residuals 3·h·dh/tp (q after RoPE, its output, that output as wo's input; on TPU also splash's softmax statistics, 128 fp32 lanes per head) |
   | `offload_dots` | the layer input d on the device; the matmul outputs go to host memory |
   | `full` | the layer input d |
 
@@ -270,10 +270,17 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
   dots = (s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim + 2 * s.ffn_dim) / tp + 2 * s.dim
   everything = dots + 4 * s.dim + (2 * s.heads * s.head_dim + s.kv_heads * s.head_dim + 2 * s.ffn_dim) / tp
   policy = remat or "none"
-  # The attention kernel's residuals: q after RoPE, its output, and that output as wo's input.
-  attention_out = 3 * s.heads * s.head_dim / tp
+  # The attention kernel's residuals: q after RoPE, its output, and that output as wo's input;
+  # on TPU also splash's softmax statistics (fp32, a row of 128 lanes per head and token).
+  on_tpu = mesh.devices.flat[0].platform == "tpu"
+  stats = 128 * 4 * s.heads / tp / compute if on_tpu else 0
+  attention_out = 3 * s.heads * s.head_dim / tp + stats
+  # Without remat, a bf16 layer on TPU also keeps the fp32 tensors it makes: both RMSNorms'
+  # fp32 inputs and SiLU's fp32 gate (measured against the TPU compiler: tools/plan_calibration.py).
+  wide = (2 * s.dim + s.ffn_dim / tp) * 4 / compute if on_tpu and compute < 4 else 0
   kept = {
-    "none": everything, "full": s.dim, "offload_dots": s.dim, "dots_and_attention": s.dim + dots + attention_out,
+    "none": everything + stats + wide, "full": s.dim, "offload_dots": s.dim,
+    "dots_and_attention": s.dim + dots + attention_out,
   }.get(policy, s.dim + dots)
   offloaded = dots if policy == "offload_dots" and _can_offload(mesh) else 0
   if policy == "offload_dots" and not offloaded:
