@@ -96,7 +96,7 @@ class Flags:
   ep: int = flag(1, "devices on the expert-parallel mesh axis (MoE experts sharded over it, the batch too; not with --tp)", minimum=1)
   scan: bool = flag(True, "run the layer stack as one lax.scan (compile time flat in depth)")
   unroll: int = flag(1, "layers per scan iteration", minimum=1)
-  remat: str = flag("auto", "per-layer remat: auto (scanned: dots_and_attention; loop: none), none, full, dots_saveable, dots_with_no_batch_dims_saveable, dots_and_attention, offload_dots", choices=_remat_names)
+  remat: str = flag("auto", "per-layer remat: auto (scanned: dots_and_attention; loop: none), none, full, dots_saveable, dots_with_no_batch_dims_saveable, dots_and_attention, offload_dots, offload_inputs (full, the layer inputs in host memory)", choices=_remat_names)
   attention: str = flag("auto", "attention kernel: auto (splash on TPU, cuDNN on GPU, blocked XLA on CPU), xla, splash, cudnn, none (torchax's own SDPA lowering)", choices=ATTENTION)
   dtype: str = flag("float32", "float32; bfloat16 (bf16 compute, fp32 master weights and Adam); bfloat16-all", choices=DTYPES)
   float8: str | None = flag(None, "float8 matmuls (torchao's Float8Linear, torchtitan's filter): rowwise, tensorwise or rowwise_with_gw_hp; weights and checkpoints stay in --dtype (default: off)", choices=_float8_recipes)

@@ -13,11 +13,12 @@ layer stack:
 | `dots_with_no_batch_dims_saveable` | matmul outputs without batch dims (the projections, not attention scores) |
 | `dots_and_attention` | every matmul output and the attention kernels' outputs and softmax statistics: what an unrolled layer loop ends up keeping; cheap elementwise work (norms, activations, dtype converts) is recomputed |
 | `offload_dots` | like the previous, but moved to pinned host memory until the backward pass |
+| `offload_inputs` | like `full`, but each layer's input waits in pinned host memory instead of the device's (MaxText's `decoder_layer_input=offload`): no activation of the layer stack stays on the device |
 
-`offload_dots` needs device memory distinct from host memory (TPU, GPU). On the
-CPU "device" memory already is host memory, so there is nothing to gain: it
-says so once and uses `dots_with_no_batch_dims_saveable`, which keeps the
-same values in place.
+The offloading policies need device memory distinct from host memory (TPU, GPU).
+On the CPU "device" memory already is host memory, so there is nothing to gain:
+each says so once and keeps the same values in place (`offload_dots` as
+`dots_with_no_batch_dims_saveable`, `offload_inputs` as `full`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from torch_on_tpu.lowering import device_checks, target_device
 
 logger = logging.getLogger(__name__)
 
-NAMES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "dots_and_attention", "offload_dots")
+NAMES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "dots_and_attention", "offload_dots",
+         "offload_inputs")
+IN_PLACE = {"offload_dots": "dots_with_no_batch_dims_saveable", "offload_inputs": "full"}  # where nothing can offload
 
 # Matmuls the bridge runs inside a `custom_vjp` (the CPU `F.linear` of
 # `torch_on_tpu.lowering.aten`) are invisible to the dot-based policies; they tag their
@@ -43,6 +46,10 @@ _NAMED_MATMULS = jax.checkpoint_policies.save_only_these_names(MATMUL_NAME)
 # custom_vjp, not a dot) carry this name, so a policy can keep them instead of
 # recomputing the whole attention.
 ATTENTION_NAME = "torch_on_tpu.attention"
+
+# A scanned layer's input (the hidden state it is given) carries this name, so a policy can
+# move it off the device (`offload_inputs`).
+LAYER_INPUT_NAME = "torch_on_tpu.layer_input"
 
 _FIXED = {
   "none": jax.checkpoint_policies.everything_saveable,
@@ -59,7 +66,7 @@ _FIXED = {
   ),
 }
 
-_offload_notice_given = False
+_offload_notices: set[str] = set()
 
 # What a scanned stack's layers keep when no policy is given. A scan has to
 # store every residual jax's autodiff picks as a stacked buffer written per
@@ -97,22 +104,24 @@ def host_offload_supported(device: jax.Device | None = None) -> bool:
 
 def policy(name: str) -> Callable:
   """The `jax.checkpoint` policy for a name in `NAMES`, for the device being traced for."""
-  global _offload_notice_given
   check(name)
   if name in _FIXED:
     return _FIXED[name]
-  if name == "offload_dots":
-    if host_offload_supported():
-      return _offload_dots_and_named_matmuls("device", "pinned_host")
-    if not _offload_notice_given:
-      _offload_notice_given = True
-      logger.warning(
-        "remat='offload_dots': %s has no device memory apart from host memory, so nothing "
-        "would be offloaded; using 'dots_with_no_batch_dims_saveable' (keeps the same values "
-        "in place).",
-        target_device.device().platform.upper(),
+  if host_offload_supported():
+    if name == "offload_inputs":
+      return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT_NAME],
+        offload_src="device", offload_dst="pinned_host",
       )
-  return _FIXED["dots_with_no_batch_dims_saveable"]
+    return _offload_dots_and_named_matmuls("device", "pinned_host")
+  if name not in _offload_notices:
+    _offload_notices.add(name)
+    logger.warning(
+      "remat=%r: %s has no device memory apart from host memory, so nothing would be offloaded; "
+      "using %r (keeps the same values in place).",
+      name, target_device.device().platform.upper(), IN_PLACE[name],
+    )
+  return _FIXED[IN_PLACE[name]]
 
 
 def _offload_dots_and_named_matmuls(src: str, dst: str) -> Callable:

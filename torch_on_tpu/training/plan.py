@@ -27,6 +27,7 @@ Per device, it counts:
   | `dots_and_attention` (a scan's default) | the same plus the attention kernel's residuals 3·h·dh/tp (q after RoPE, its output, that output as wo's input; on TPU also splash's softmax statistics, 128 fp32 lanes per head) |
   | `offload_dots` | the layer input d on the device; the matmul outputs go to host memory |
   | `full` | the layer input d |
+  | `offload_inputs` | nothing on the device; the layer input d goes to host memory |
 
 * with a `cp` axis (context parallelism), the tokens of a device are its share
   of the batch's rows times its 1/cp of their sequence, and one layer's backward
@@ -39,7 +40,9 @@ Per device, it counts:
   compute dtype, with the logits kept for it and their gradient, tokens × vocab/tp in the compute
   dtype each: the chunked cross-entropy builds no fp32 copy), just after it
   (that weight, the logits' gradient and the params' gradients) and the layers' (the
-  gradients and one layer's `none` figure, its recomputed intermediates);
+  gradients, one layer's `none` figure, its recomputed intermediates, and that
+  layer's weights gathered whole from their fsdp shards in the compute dtype,
+  their gradient as large);
 * on the CPU with a compute dtype below fp32, what XLA CPU adds by running
   those matmuls in fp32: an fp32 copy of the logits' gradient, and in a
   scanned stack the saved residuals widened to fp32 (each converted whole
@@ -279,12 +282,12 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
   # fp32 inputs and SiLU's fp32 gate (measured against the TPU compiler: tools/plan_calibration.py).
   wide = (2 * s.dim + s.ffn_dim / tp) * 4 / compute if on_tpu and compute < 4 else 0
   kept = {
-    "none": everything + stats + wide, "full": s.dim, "offload_dots": s.dim,
+    "none": everything + stats + wide, "full": s.dim, "offload_dots": s.dim, "offload_inputs": 0,
     "dots_and_attention": s.dim + dots + attention_out,
   }.get(policy, s.dim + dots)
-  offloaded = dots if policy == "offload_dots" and _can_offload(mesh) else 0
-  if policy == "offload_dots" and not offloaded:
-    kept = s.dim + dots  # no host memory apart from the device's: kept in place
+  offloaded = {"offload_dots": dots, "offload_inputs": s.dim}.get(policy, 0) if _can_offload(mesh) else 0
+  if policy in ("offload_dots", "offload_inputs") and not offloaded:
+    kept = s.dim + (dots if policy == "offload_dots" else 0)  # no host memory apart from the device's: kept in place
   per_token = compute * tokens
   kv_across = 0
   if cp > 1:  # attention's K/V across the sequence split, held during one layer
@@ -320,7 +323,7 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
     optimizer=optimizer,
     compute_params=compute_params,
     saved_activations=saved,
-    layer_backward=layer_backward + kv_across,
+    layer_backward=layer_backward + kv_across + 2 * _layer_weights(model, s, compute, tp, data_ways * cp),
     logits=logits,
     head_weight=head_weight,
     logits_grad=logits + (logits * 4 // compute if cpu_upcast else 0),
@@ -337,7 +340,7 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
 def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
   """The first change under `limit`: remat, then grad_accum, then more devices."""
   policy = remat or "none"
-  if policy not in ("full", "offload_dots"):
+  if policy not in ("full", "offload_dots", "offload_inputs"):
     alternative = _estimate(step, shape, global_batch_size, seqlen, "full", step.grad_accum)
     if alternative.total <= limit:
       return f"use {arg('remat', 'full')} (recompute each layer in the backward pass: about {human_bytes(alternative.total)})"
@@ -457,6 +460,20 @@ def _float_dtype(params) -> np.dtype:
 
 def _dtype_name(step, model) -> str:
   return np.dtype(step.compute_dtype or _float_dtype(model.params)).name
+
+
+def _layer_weights(model, shape: DecoderShape, compute: int, tp: int, shards: int) -> int:
+  """Bytes of one layer's weights gathered whole from their fsdp shards in the compute dtype
+  (their gradient before its reduce-scatter is as large): from the scanned stack's arrays, else
+  the decoder's attention and SwiGLU shapes. 0 where nothing is sharded."""
+  if shards <= 1:
+    return 0
+  stacked = [v for k, v in model.params.items() if f".{scan_lib.SCAN}.{scan_lib.LAYER}." in k and _is_float(v)]
+  if stacked:
+    return int(sum(v.size // v.shape[0] for v in stacked) * compute / tp)
+  s = shape
+  attention = s.dim * (2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim)
+  return int((attention + 3 * s.dim * s.ffn_dim) * compute / tp)
 
 
 def _can_offload(mesh) -> bool:

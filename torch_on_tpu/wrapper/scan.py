@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from torch_on_tpu import models
@@ -172,6 +173,7 @@ class StackedLayers(torch.nn.Module):
     arrays of its other outputs, its buffers' new values by name))."""
     layer = self._layers[index]
     template = self._modules[LAYER]
+    h = jax.tree.map(lambda a: checkpoint_name(a, remat_lib.LAYER_INPUT_NAME), h)  # what `offload_inputs` moves
     # traced by scans, remat and the layer comparison: its index reads are not collected
     # as checks of the whole program (device_checks)
     with torchax.default_env().override_property(prng=key), _swapped(layer, tensors), device_checks.not_collected():
