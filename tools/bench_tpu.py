@@ -155,14 +155,16 @@ def maxtext(row_name: str, remat: str, source: str, python: str) -> dict:
                            collectives=collectives.collective_bytes(text).by_kind, cost=program_cost.program_cost(text)), row, remat)
 
 
-def _in_worker(args) -> dict:
-  """A cell of ours in a fresh process (compiles hold GBs; each row gets its own)."""
+def in_worker(script: str, args: str, what: str = "worker") -> dict:
+  """`script --worker ARGS --out FILE` in a fresh process (a compile holds GBs; each cell gets its
+  own) and the JSON it writes, or {"error": its last line}. tools/plan_calibration.py runs its
+  cells with it too."""
   with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-    command = [sys.executable, __file__, "--worker", args, "--out", out.name]
+    command = [sys.executable, script, "--worker", args, "--out", out.name]
     run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if run.returncode != 0:
       tail = run.stderr.strip().splitlines()[-1:] or ["no output"]
-      return {"error": f"worker failed: {tail[0][:300]}"}
+      return {"error": f"{what} failed: {tail[0][:300]}"}
     return json.load(open(out.name))
 
 
@@ -201,7 +203,7 @@ def main(argv=None) -> int:
   results = {}
   for row in args.rows.split(","):
     for remat in args.remats.split(","):
-      sides = {"torch_on_tpu": _in_worker(f"{row}:{remat}")}
+      sides = {"torch_on_tpu": in_worker(__file__, f"{row}:{remat}")}
       if args.maxtext:
         sides["MaxText"] = maxtext(row, remat, args.maxtext, args.maxtext_python)
       results[(row, remat)] = sides

@@ -23,13 +23,13 @@ import contextlib
 import io
 import json
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # recipes and torch_on_tpu from this checkout, run as a script
+from bench_tpu import in_worker  # noqa: E402 (tools/ is the script's own folder on sys.path)
+
 MODELS, TARGETS, REMATS = ("1B", "8B"), ("v5p-8", "v6e-8"), ("none", "auto", "full", "offload_dots")
 SEQLEN, BATCH = 8192, 8
 TOLERANCE = 0.10  # the plan's promise: within 10% of the TPU compiler's peak
@@ -87,17 +87,6 @@ def cell(model: str, target: str, remat: str, platform: str) -> dict:
               host=report.host_offloaded_bytes or 0, hbm=slice_.generation.hbm_bytes)
 
 
-def in_worker(model: str, target: str, remat: str, platform: str) -> dict:
-  """A cell in a fresh process (a compile holds GBs; a CPU cell needs its device count before jax starts)."""
-  with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-    command = [sys.executable, __file__, "--worker", f"{model}:{target}:{remat}:{platform}", "--out", out.name]
-    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    if run.returncode != 0:
-      tail = run.stderr.strip().splitlines()[-1:] or ["no output"]
-      return {"error": f"{platform} compile failed: {tail[0][:300]}"}
-    return json.load(open(out.name))
-
-
 def table(results: dict) -> str:
   lines = [
     "| model | slice | remat | plan GiB | TPU compiler: args + temps GiB (of HBM) | plan / TPU | host offloaded GiB: plan / TPU "
@@ -136,9 +125,9 @@ def main(argv=None) -> int:
   for model in args.models.split(","):
     for target in args.targets.split(","):
       for remat in args.remats.split(","):
-        sides = {"tpu": in_worker(model, target, remat, "tpu")}
-        if args.cpu == "true":
-          sides["cpu"] = in_worker(model, target, remat, "cpu")
+        sides = {"tpu": in_worker(__file__, f"{model}:{target}:{remat}:tpu", "tpu compile")}
+        if args.cpu == "true":  # a CPU cell needs its device count before jax starts: its own process too
+          sides["cpu"] = in_worker(__file__, f"{model}:{target}:{remat}:cpu", "cpu compile")
         results[(model, target, remat)] = sides
         print(f"{model} {target} {remat}: {json.dumps(sides)}", file=sys.stderr, flush=True)
   print(table(results))

@@ -176,8 +176,8 @@ class MemoryPlan:
       ("+ widened to fp32 (XLA CPU)", self.cpu_upcasts),
       ("params kept across the checked update", self.update_branch),
       ("backward peak, the largest of:", self.backward_peak),
-      ("  head weight, logits and their gradient", self.head_weight + self.logits + self.logits_grad),
-      ("  head weight, logits' gradient, gradients", self.head_weight + self.logits_grad + self.grads),
+      ("  head, logits + their gradient", self.head_weight + self.logits + self.logits_grad),
+      ("  head, logits' gradient, gradients", self.head_weight + self.logits_grad + self.grads),
       ("  gradients + one layer's backward", self.grads + self.layer_backward),
       ("total", self.total),
     ]
