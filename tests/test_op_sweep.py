@@ -10,6 +10,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 _spec = importlib.util.spec_from_file_location("op_sweep", Path(__file__).parent.parent / "tools" / "op_sweep.py")
 op_sweep = importlib.util.module_from_spec(_spec)
@@ -91,3 +92,29 @@ def test_the_sweep_tells_a_wrong_answer_from_rounding():
   assert ok  # as far from float64 as torch's own float32 result
   ok, _ = op_sweep.rounding_only([want * (1 + 3e-4)], [want * (1 + 2e-5)], [want.double()])
   assert not ok
+
+
+class _Strided(torch.nn.Module):
+  def __init__(self, offset):
+    super().__init__()
+    self.offset = offset
+
+  def forward(self, x):
+    return torch.as_strided(x, (2, 2), (1, 2), self.offset)
+
+
+def test_as_strided_within_the_tensor_is_torchs_and_past_it_is_refused():
+  """Within the tensor's own elements, torch's values; past them torch reads the storage the
+  tensor is a view of (or raises), which the program does not hold: one sentence, where
+  torchax clamped the index (a view's elements 10..13 read as four copies of its last)."""
+  import jax
+
+  import torch_on_tpu as tot
+
+  x = torch.arange(20.0)[:10]
+  jm = tot.ShardedModule(_Strided(3), mesh=tot.make_mesh(fsdp=1, devices=jax.devices()[:1]))
+  assert torch.equal(tot.to_cpu(jm(x)), torch.as_strided(x, (2, 2), (1, 2), 3))
+  jm = tot.ShardedModule(_Strided(10), mesh=tot.make_mesh(fsdp=1, devices=jax.devices()[:1]))
+  with pytest.raises(tot.TorchOnTpuError, match=r"reaches element 13 of a tensor of 10") as info:
+    jm(x)
+  assert str(info.value).count(". ") == 0

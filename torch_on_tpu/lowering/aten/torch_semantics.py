@@ -17,7 +17,9 @@ returning a different answer without an error:
   triangle (`UPLO`) on every backend, `pinv` honours `atol`,
   `cholesky_inverse(upper=True)` inverts UᴴU, `lstsq` with the `gels` driver
   solves through QR (the accuracy torch's LAPACK call has);
-- `as_strided_scatter` gets the gradient of a strided write;
+- `as_strided_scatter` gets the gradient of a strided write; it and `as_strided`
+  refuse positions past the tensor's own elements (torch reads the storage a
+  view lives in, or raises; torchax clamped the index);
 - `sum(..., dtype=)` sums in that dtype (torchax ignored it: a bf16 sum asked
   for fp32, as CUDA's autocast asks, came back bf16);
 - `native_layer_norm` / batch norm: the saved mean and inverse deviation
@@ -406,6 +408,30 @@ def _lstsq(a, b, rcond=None, driver=None, *, original=None):
   return x, residuals, jnp.zeros((0,), jnp.int32), empty
 
 
+def _strided_index(op: str, x, size, stride, storage_offset) -> np.ndarray:
+  """The flat positions `op` (as_strided, as_strided_scatter) touches in `x` read contiguously,
+  or one sentence where they leave `x`: torch then reads the storage `x` is a view of (or
+  raises), which the program does not hold."""
+  offset = storage_offset or 0
+  index = np.full(tuple(size), offset, np.int64)
+  for axis, (length, step) in enumerate(zip(size, stride)):
+    shape = [1] * len(size)
+    shape[axis] = length
+    index = index + (np.arange(length) * step).reshape(shape)
+  if index.size and (index.min() < 0 or index.max() >= x.size):
+    raise TorchOnTpuError(
+      f"torch.{op} with size {tuple(size)}, stride {tuple(stride)} and storage_offset {offset} reaches element "
+      f"{int(index.max())} of a tensor of {x.size}: torch would read the storage that tensor is a view of, which the "
+      f"program does not hold; call it on the base tensor, or .clone() the view and stay within it."
+    )
+  return index.reshape(-1)
+
+
+def _as_strided(x, size, stride, storage_offset=None):
+  """`x`'s elements read contiguously at the strided positions (in bounds: see `_strided_index`)."""
+  return jnp.ravel(x)[jnp.asarray(_strided_index("as_strided", x, size, stride, storage_offset))].reshape(tuple(size))
+
+
 def _as_strided_scatter(x, src, size, stride, storage_offset=None):
   """`x` (its storage, read contiguously) with `src` written at the strided positions.
 
@@ -413,13 +439,8 @@ def _as_strided_scatter(x, src, size, stride, storage_offset=None):
   the written slice's gradient to `x`, where the derivative is zero), so a
   gradient with respect to `x` is refused; `src`'s is the strided read.
   """
-  offset = storage_offset or 0
-  index = np.full(tuple(size), offset, np.int64)
-  for axis, (length, step) in enumerate(zip(size, stride)):
-    shape = [1] * len(size)
-    shape[axis] = length
-    index = index + (np.arange(length) * step).reshape(shape)
-  return _strided_write(jnp.asarray(index.reshape(-1)))(x, src.astype(x.dtype))
+  index = _strided_index("as_strided_scatter", x, size, stride, storage_offset)
+  return _strided_write(jnp.asarray(index))(x, src.astype(x.dtype))
 
 
 def _strided_write(index):
@@ -526,6 +547,8 @@ def register(env) -> None:
   previous_lstsq = _compat.registered_op(env, aten.linalg_lstsq)
   jax_op(aten.linalg_lstsq, lambda *a, **k: _lstsq(*a, original=previous_lstsq.func, **k))
   jax_op(aten.as_strided_scatter, _as_strided_scatter)
+  jax_op(aten.as_strided, _as_strided)
+  jax_op(aten.as_strided_copy, _as_strided)
   jax_op(aten.nextafter, _nextafter)
   det = _compat.registered_op(env, torch.linalg.det)
   if det is not None:
