@@ -94,8 +94,9 @@ class Family:
     """The named sharding preset (`"fsdp_tp"`) for this model; None when unknown."""
     return None
 
-  def running(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:
-    """Context around every call of the model's forward the bridge traces."""
+  def running(self, module: torch.nn.Module, mesh=None, data_axes=()) -> contextlib.AbstractContextManager:
+    """Context around every call of the model's forward the bridge traces (on `mesh`, the batch
+    split over `data_axes`)."""
     return contextlib.nullcontext()
 
   def optimizer_pre_step(self, module: torch.nn.Module):

@@ -320,7 +320,7 @@ class HFFamily(Family):
   def sharding_map(self, module, preset):
     return fsdp_tp_map(module) if preset == "fsdp_tp" else None
 
-  def running(self, module):
+  def running(self, module, mesh=None, data_axes=()):
     return torch_reference_kernels(module)
 
   def layer_stack_problem(self, module, layers):

@@ -301,7 +301,7 @@ class ShardedModule:
     kwargs = {**self.family.call_defaults(self.module), **kwargs}
     with env, env.override_property(prng=env.param.prng):
       with self._activation_constraints(), self._sequence_split(args, kwargs), self._attention_kernels(), \
-          aten.cpu_linear(self.mesh), aten.made_on_device(), self.family.running(self.module), \
+          aten.cpu_linear(self.mesh), aten.made_on_device(), self.family.running(self.module, self.mesh, self.data_axes), \
           target_device.compiling_for(self.mesh.devices.flat[0]):
         with _compat.reparametrized(self.module, tensors), _running_wrapped():
           out = self.module(*args, **kwargs)

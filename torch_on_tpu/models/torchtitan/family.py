@@ -108,7 +108,7 @@ class TorchtitanFamily(Family):
     return export.hf_form(module)
 
   @contextlib.contextmanager
-  def running(self, module):
+  def running(self, module, mesh=None, data_axes=()):
     """torchtitan's SPMD type annotations off while the model runs: the bridge runs it
     as single-device code and shards it from outside (its "partial_dtensor" backend,
     which annotates nothing on plain tensors); Qwen3.5's linear-attention kernels
@@ -118,7 +118,7 @@ class TorchtitanFamily(Family):
     before = titan_distributed.get_spmd_backend()
     titan_distributed.set_spmd_backend("partial_dtensor")
     try:
-      with linear_attention.routed():
+      with linear_attention.routed(), moe.experts_per_data_shard(mesh, data_axes):
         yield
     finally:
       titan_distributed.set_spmd_backend(before)

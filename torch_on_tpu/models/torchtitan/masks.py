@@ -45,6 +45,8 @@ class FlexMasks(BlockMask):
       parts.append(f"documents {tuple(self.segment_ids.shape)}")
     return f"FlexMasks({', '.join(parts)})"
 
+  __str__ = __repr__  # BlockMask's own reads its block state, which a FlexMasks has none of
+
 
 def _flatten_masks(m):
   return [m.segment_ids], (m.causal, m.window)
@@ -52,8 +54,6 @@ def _flatten_masks(m):
 
 def _unflatten_masks(children, static):
   return FlexMasks(children[0], causal=static[0], window=static[1])
-
-  __str__ = __repr__  # BlockMask's own reads its block state
 
 
 _compat.torch_pytree.register_pytree_node(

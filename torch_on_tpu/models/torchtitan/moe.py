@@ -1,9 +1,21 @@
-"""torchtitan's MoE layers: what a token passes through (for FLOPs and the decoder shape), and the
-auxiliary-loss-free load balancing its trainer hooks before each optimizer step."""
+"""torchtitan's MoE layers: what a token passes through (for FLOPs and the decoder shape), their
+routed experts run per data shard, and the auxiliary-loss-free load balancing its trainer hooks
+before each optimizer step."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
+import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from torch_on_tpu.core import _compat
+from torch_on_tpu.parallel import mesh as mesh_lib
+
+torchax = _compat.import_torchax()
+from torchax.interop import jax_view, torch_view  # noqa: E402
 
 
 def is_moe(module) -> bool:
@@ -33,6 +45,52 @@ def ffn_width(block) -> int:
       return width
   ff = getattr(block, "feed_forward", None)
   return ff.w1.out_features if ff is not None and hasattr(ff, "w1") else 0
+
+
+@contextlib.contextmanager
+def experts_per_data_shard(mesh, data_axes):
+  """While active, torchtitan's routed experts (dispatch, grouped matmuls, combine) run on each
+  data shard's own tokens under `shard_map`, as torchtitan's `local_map` region runs them on each
+  rank, with the expert weights gathered whole. Traced as one program instead, the dispatch's
+  sort over the batch-sharded tokens makes the partitioner replicate it: every token of the
+  global batch times top-k on every device (26 TiB per chip for DeepSeek-V3 671B on v5p-1024).
+  Each token's output depends on its own routing only, so the result is the same. Meshes with
+  other axes than the data axes (tp, cp, pp) keep the one-program dispatch."""
+  titan_moe = sys.modules.get("torchtitan.models.common.moe")
+  axes = tuple(a for a in data_axes if mesh is not None and mesh.shape[a] > 1)
+  others = mesh is not None and any(size > 1 for a, size in mesh.shape.items() if a not in axes)
+  if titan_moe is None or not axes or others:
+    yield
+    return
+  routed = titan_moe.RoutedExperts
+  original = routed.forward
+  ways = mesh_lib.batch_ways(mesh, axes)
+  spec = mesh_lib.batch_spec(axes, 1)
+
+  def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E):
+    if x_BLD.shape[0] % ways:
+      return original(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
+    names, weights = zip(*((n, jax_view(p)) for n, p in self.named_parameters()))
+    experts = num_local_tokens_per_expert_E.shape[0]
+    count_dtype = jax_view(num_local_tokens_per_expert_E).dtype
+
+    def local(x, scores, ids, *weights):
+      counts = jnp.zeros(experts, count_dtype).at[ids.reshape(-1)].add(1)  # this shard's tokens per expert
+      with _compat.reparametrized(self, dict(zip(names, map(torch_view, weights)))):
+        out = original(self, torch_view(x), torch_view(scores), torch_view(ids), torch_view(counts))
+      return jax_view(out)
+
+    in_specs = (P(*spec, None, None),) * 3 + (P(),) * len(weights)
+    out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(*spec, None, None), check_vma=False)(
+      jax_view(x_BLD), jax_view(topk_scores_BLK), jax_view(topk_expert_ids_BLK), *weights
+    )
+    return torch_view(out)
+
+  routed.forward = forward
+  try:
+    yield
+  finally:
+    routed.forward = original
 
 
 def load_balancing(module):
