@@ -73,16 +73,23 @@ def experts_per_data_shard(mesh, data_axes):
     names, weights = zip(*((n, jax_view(p)) for n, p in self.named_parameters()))
     experts = num_local_tokens_per_expert_E.shape[0]
     count_dtype = jax_view(num_local_tokens_per_expert_E).dtype
+    # Each weight enters split as the preset stores it (gathered inside: its gradient leaves as a
+    # reduce-scatter), else whole (its gradient an all-reduce).
+    split = [_stored_split(w.shape, ways, experts_axis="ep" in axes) for w in weights]
 
-    def local(x, scores, ids, *weights):
+    env = torchax.default_env()
+
+    def local(key, x, scores, ids, *weights):
       counts = jnp.zeros(experts, count_dtype).at[ids.reshape(-1)].add(1)  # this shard's tokens per expert
-      with _compat.reparametrized(self, dict(zip(names, map(torch_view, weights)))):
+      whole = [w if d is None else jax.lax.all_gather(w, axes, axis=d, tiled=True) for w, d in zip(weights, split)]
+      # a key of its own for the env's random draws inside, which must not leak out of the shard_map
+      with _compat.reparametrized(self, dict(zip(names, map(torch_view, whole)))), env.override_property(prng=key):
         out = original(self, torch_view(x), torch_view(scores), torch_view(ids), torch_view(counts))
       return jax_view(out)
 
-    in_specs = (P(*spec, None, None),) * 3 + (P(),) * len(weights)
+    in_specs = (P(), *(P(*spec, None, None),) * 3, *(P() if d is None else P(*[None] * d, *spec) for d in split))
     out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(*spec, None, None), check_vma=False)(
-      jax_view(x_BLD), jax_view(topk_scores_BLK), jax_view(topk_expert_ids_BLK), *weights
+      env.get_and_rotate_prng_key(), jax_view(x_BLD), jax_view(topk_scores_BLK), jax_view(topk_expert_ids_BLK), *weights
     )
     return torch_view(out)
 
@@ -91,6 +98,15 @@ def experts_per_data_shard(mesh, data_axes):
     yield
   finally:
     routed.forward = original
+
+
+def _stored_split(shape, ways: int, experts_axis: bool) -> int | None:
+  """The dim of an expert weight the sharding presets split over the data axes: its experts
+  under "ep", else the largest dim they divide (the "fsdp" preset's rule); None: no dim."""
+  if experts_axis:
+    return 0 if shape and shape[0] % ways == 0 else None
+  candidates = [d for d, n in enumerate(shape) if n % ways == 0]
+  return max(candidates, key=lambda d: (shape[d], -d)) if candidates else None
 
 
 def load_balancing(module):
