@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 from recipes import cli, runner
 from recipes import flags as recipe_flags
@@ -27,7 +28,7 @@ def _local_config(path, flags) -> None:
   if path is None:
     raise TorchOnTpuError("recipes.hf needs it: a config.json or a model directory holding one.")
   if not os.path.exists(path):
-    hub = "" if os.sep in path or path.endswith(".json") else (
+    hub = "" if not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", path) or path.endswith(".json") else (
       f" (recipes.hf reads local files and fetches no hub names: download the model first, e.g. "
       f"`hf download {path} --local-dir models/{path.replace('/', '--')}`, and pass that directory)"
     )

@@ -697,6 +697,8 @@ def test_convert_torchtitan_spec_and_errors(tmp_path, capsys):
   assert "No checkpoint directory at" in capsys.readouterr().err
   assert convert.main(["to_orbax", str(tmp_path), str(tmp_path / "o"), "--model", "gpt9:xl"]) == 1
   assert "'gpt9:xl' is not <family>:<flavor> of torchtitan" in capsys.readouterr().err
+  assert convert.main(["to_orbax", str(tmp_path), str(tmp_path / "o"), "--model", "qwen3:debugmdoel"]) == 1
+  assert "has no flavor 'debugmdoel'; did you mean 'qwen3:debugmodel'?" in capsys.readouterr().err
 
 
 def test_convert_names_every_bad_input_in_one_sentence(tmp_path, capsys):

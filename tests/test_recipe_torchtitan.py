@@ -19,13 +19,15 @@ def flags(tmp_path, model, **kw):
   return titan_recipe.TorchtitanFlags(model=model, log_dir=str(tmp_path / model.replace(":", "-")), **{**TINY, **kw})
 
 
-def test_qwen3_trains_saves_reports_mfu_and_exports_what_transformers_loads(tmp_path):
+def test_qwen3_trains_saves_reports_mfu_and_exports_what_transformers_loads(tmp_path, capsys):
   summary = titan_recipe.run(flags(tmp_path, "qwen3:debugmodel"))
   assert summary["steps"] == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in summary["records"] if "loss" in r)
   assert any("mfu" in r for r in summary["records"])  # FLOPs per token read from the family's shape
   convert = h.load_module("tools/convert.py")
   out = tmp_path / "hf"
+  capsys.readouterr()
   assert convert.main(["to_hf", summary["ckpt_dir"], str(out), "--model", "qwen3:debugmodel"]) == 0
+  assert "no tokenizer written: AutoTokenizer.from_pretrained(" in capsys.readouterr().out  # said, not left to fail later
   assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
   model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
   assert model.config.num_hidden_layers == 8

@@ -90,7 +90,7 @@ def test_a_small_corpus_trains_without_eval_and_a_finished_run_only_samples(tmp_
   monkeypatch.setattr(tot, "Trainer", lambda *a, **k: pytest.fail("ran the Trainer"))
   again = llama3.run(titan_flags(tmp_path, **flags))
   out = capsys.readouterr()
-  assert f"already holds step 1 of --steps=1; sampling from it.\n" in out.out and again["sample"] == first["sample"]
+  assert "already holds step 1 of --steps=1; sampling from it.\n" in out.out and again["sample"] == first["sample"]
   assert "trained" not in out.out and "%|" not in out.err  # no training summary, no progress bar
 
   monkeypatch.setattr(runner, "_run", lambda *args: pytest.fail("built the model"))
@@ -273,6 +273,8 @@ def test_bad_flags_are_one_sentence_naming_the_flag_before_the_model_is_built(tm
     assert str(info.value) == message
   for flags, message in [
     (dict(config="gpt2"), "--config: 'gpt2' does not exist (recipes.hf reads local files and fetches no hub names: download the model first, e.g. `hf download gpt2 --local-dir models/gpt2`, and pass that directory); pass a config.json or a directory holding one."),
+    (dict(config="meta-llama/Llama-3.2-1B"), "--config: 'meta-llama/Llama-3.2-1B' does not exist (recipes.hf reads local files and fetches no hub names: download the model first, e.g. `hf download meta-llama/Llama-3.2-1B --local-dir models/meta-llama--Llama-3.2-1B`, and pass that directory); pass a config.json or a directory holding one."),
+    (dict(config="./models/missing"), "--config: './models/missing' does not exist; pass a config.json or a directory holding one."),
     (dict(), "--config: recipes.hf needs it: a config.json or a model directory holding one."),
     (dict(config=str(tmp_path)), f"--config: directory '{tmp_path}' has no config.json; point at the file or its directory."),
     (dict(config=str(hf_dir), lora_rank=-1), "--lora_rank=-1 is below its minimum of 0; give 0 or more."),

@@ -153,6 +153,11 @@ def to_hf(
     jm, out_dir, mode=mode, tokenizer=tokenizer, max_shard_bytes=int(max_shard_gb * 2**30), overwrite=overwrite
   )
   print(f"wrote step {read} of {checkpoint_dir} to {out} ({mode})")
+  if tokenizer is None and mode != "adapter":
+    print(
+      f"no tokenizer written: AutoTokenizer.from_pretrained({str(out)!r}) needs one; pass --tokenizer=DIR "
+      "(a recipe run keeps its own in <log_dir>/tokenizer)"
+    )
 
 
 def to_orbax(

@@ -4,6 +4,7 @@ the run's sequence length and DeepSeek-V3's multi-token-prediction layers) and L
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 
 import torch
@@ -34,11 +35,16 @@ def registry_config(spec: str, *, max_seq_len: int | None = None, mtp_layers: in
   extras.require("torchtitan", "torchtitan's models")
   family, _, flavor = spec.partition(":")
   if family not in LANGUAGE_FAMILIES or not flavor:
-    raise TorchOnTpuError(f"'{spec}' is not <family>:<flavor> of torchtitan; families: {', '.join(LANGUAGE_FAMILIES)}.")
+    raise TorchOnTpuError(
+      f"'{spec}' is not <family>:<flavor> of torchtitan; {_near(family, LANGUAGE_FAMILIES)}families: "
+      f"{', '.join(LANGUAGE_FAMILIES)}."
+    )
   registry = importlib.import_module(f"torchtitan.models.{family}")
   flavors = sorted({n for k, v in vars(registry).items() if k.endswith("_configs") and isinstance(v, dict) for n in v})
   if flavor not in flavors:
-    raise TorchOnTpuError(f"torchtitan's {family} has no flavor '{flavor}'; choose one of {', '.join(flavors)}.")
+    raise TorchOnTpuError(
+      f"torchtitan's {family} has no flavor '{flavor}'; {_near(flavor, flavors, family + ':')}choose one of {', '.join(flavors)}."
+    )
   mtp = {}
   if mtp_layers:
     if "num_mtp_layers" not in inspect.signature(registry.model_registry).parameters:
@@ -59,6 +65,12 @@ def registry_config(spec: str, *, max_seq_len: int | None = None, mtp_layers: in
       )
     attention.rope = dataclasses.replace(rope, max_seq_len=max_seq_len)
   return config
+
+
+def _near(name: str, names, prefix: str = "") -> str:
+  """'did you mean X? ' for the closest of `names`, or nothing."""
+  near = difflib.get_close_matches(name, list(names), n=1)
+  return f"did you mean '{prefix}{near[0]}'? " if near else ""
 
 
 def llama3_config(flavor: str = "debugmodel", *, attention: str = "flex", max_seq_len: int | None = None):
