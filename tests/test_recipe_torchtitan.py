@@ -27,7 +27,8 @@ def test_qwen3_trains_saves_reports_mfu_and_exports_what_transformers_loads(tmp_
   out = tmp_path / "hf"
   capsys.readouterr()
   assert convert.main(["to_hf", summary["ckpt_dir"], str(out), "--model", "qwen3:debugmodel"]) == 0
-  assert "no tokenizer written: AutoTokenizer.from_pretrained(" in capsys.readouterr().out  # said, not left to fail later
+  said = capsys.readouterr().out  # said, not left to fail later, with the run's own tokenizer to add
+  assert f"no tokenizer written: AutoTokenizer.from_pretrained('{out}') needs one; the run's own is {summary['tokenizer_dir']}" in said
   assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
   model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
   assert model.config.num_hidden_layers == 8

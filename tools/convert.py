@@ -154,10 +154,9 @@ def to_hf(
   )
   print(f"wrote step {read} of {checkpoint_dir} to {out} ({mode})")
   if tokenizer is None and mode != "adapter":
-    print(
-      f"no tokenizer written: AutoTokenizer.from_pretrained({str(out)!r}) needs one; pass --tokenizer=DIR "
-      "(a recipe run keeps its own in <log_dir>/tokenizer)"
-    )
+    kept = Path(checkpoint_dir).parent / "tokenizer"  # where a recipe run keeps its own, beside its ckpt/
+    where = f"the run's own is {kept}: add --tokenizer={kept}" if kept.is_dir() else "pass --tokenizer=DIR"
+    print(f"no tokenizer written: AutoTokenizer.from_pretrained({str(out)!r}) needs one; {where}")
 
 
 def to_orbax(

@@ -316,7 +316,7 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
     description += f", pipeline {schedule}"
   logits = int(head_tokens * s.vocab * s.predictions / tp * compute)  # multi-token prediction: a logits tensor per depth
   # The output head's weight gathered whole from its fsdp shards for the loss head's matmuls.
-  head_weight = int(s.vocab * s.dim / tp * compute) if any(v.ndim for v in model.params.values()) and data_ways * cp > 1 else 0
+  head_weight = int(s.vocab * s.dim / tp * compute) if data_ways * cp > 1 else 0
   return MemoryPlan(
     params=params,
     grads=grads,
