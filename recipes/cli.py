@@ -105,8 +105,12 @@ def parse_argv(argv: list[str], flags_cls) -> list[str]:
     if name not in types and name.startswith("no") and _kind(types.get(name[2:])) is bool and not has_value:
       name, has_value, value = name[2:], True, "false"
     if name not in types:
+      elsewhere = _recipes_taking(name)
       near = difflib.get_close_matches(name, names, n=1)
-      hint = f"did you mean --{near[0]}?" if near else "see --help for the flags."
+      if elsewhere:
+        hint = f"it is a flag of {' and '.join(f'python -m {r}' for r in elsewhere)}, not of this recipe."
+      else:
+        hint = f"did you mean --{near[0]}?" if near else "see --help for the flags."
       raise FlagError(f"Unknown flag --{name}; {hint}")
     kind = _kind(types[name])
     if not has_value:
@@ -118,6 +122,17 @@ def parse_argv(argv: list[str], flags_cls) -> list[str]:
         raise FlagError(f"--{name} needs a value: write --{name}=VALUE.")
     out.append(f"--{name}={_literal(name, value, kind, _optional(types[name]))!r}")
   return out
+
+
+RECIPES = ("recipes.llama3", "recipes.hf", "recipes.torchtitan")
+
+
+def _recipes_taking(name: str) -> list[str]:
+  """The recipes whose flags include `name` (`--lora_rank`, given to recipes.llama3, is recipes.hf's),
+  so a flag of another recipe is not answered with this one's nearest name."""
+  import importlib
+
+  return [r for r in RECIPES if name in {f.name for f in dataclasses.fields(importlib.import_module(r).main.flags_cls)}]
 
 
 def _kind(hint) -> type | None:

@@ -40,9 +40,6 @@ def _local_config(path, flags) -> None:
 @dataclasses.dataclass
 class HFFlags(recipe_flags.Flags):
   config: str | None = recipe_flags.flag(None, "config.json of the model, or a directory holding one (required)", check=_local_config)
-  weights: str | None = recipe_flags.flag(
-    None, "safetensors file or directory to start from (default: the config's init)", check=recipe_flags.existing_path
-  )
   lora_rank: int = recipe_flags.flag(0, "LoRA rank (0: train every parameter)", minimum=0)
   lora_alpha: float | None = recipe_flags.flag(None, "LoRA alpha (default: 2 x rank)")
   lora_targets: str = recipe_flags.flag(

@@ -84,7 +84,8 @@ def recipe(flags: Llama3Flags) -> runner.Recipe:
         return recipe_flags.float8_converted(config, flags).build()  # torchtitan converts its config
 
     return runner.Recipe(
-      name=f"llama3-{flags.model}", build=build, family="titan", convert_model=f"--model=llama3:{flags.model}"
+      name=f"llama3-{flags.model}", build=build, family="titan", weights=flags.weights,
+      convert_model=f"--model=llama3:{flags.model}",
     )
   from torch_on_tpu.models.hf import build_causal_lm
 
@@ -95,7 +96,8 @@ def recipe(flags: Llama3Flags) -> runner.Recipe:
       f"{config.max_position_embeddings} positions; use a shorter --seqlen."
     )
   return runner.Recipe(
-    name=f"llama3-{flags.model}-hf", build=lambda: recipe_flags.float8_converted(build_causal_lm(config), flags), family="hf"
+    name=f"llama3-{flags.model}-hf", build=lambda: recipe_flags.float8_converted(build_causal_lm(config), flags), family="hf",
+    weights=flags.weights,
   )
 
 

@@ -30,7 +30,7 @@ class Recipe:
   name: str  # the run directory under runs/
   build: Callable  # () → a fresh torch model on meta
   family: str  # "titan" or "hf": how the model is called
-  weights: str | None = None  # safetensors to start from
+  weights: str | None = None  # pretrained weights to start from (`checkpoint.import_pretrained`)
   lora: dict | None = None  # lora.wrap keyword arguments (rank, alpha, targets)
   convert_model: str | None = None  # how tools/convert.py names the model (--model=... / --hf_config=...)
   loss: Callable | None = None  # the train step's loss_fn(outputs, labels); None: mean cross-entropy of the logits
@@ -431,9 +431,13 @@ def _compile_for(step, batch, flags: Flags, memory):
     if flags.target is None or "RESOURCE_EXHAUSTED" not in str(e):
       raise
     needed = re.search(r"temporaries \(([\d.]+)([KMGT]?)\)", str(e))
+    if needed:  # the program's peak: these temporaries over the params and optimizer state it takes in
+      temps = float(needed[1]) * 1024 ** " KMGT".index(needed[2] or " ")
+      limit = memory.total * memory.device_bytes / (temps + memory.params + memory.optimizer) * 0.95
     raise TorchOnTpuError(
       f"The step does not fit {flags.target}: the TPU compiler needs {f'{needed[1]} {needed[2]}iB' if needed else 'more'} of "
-      f"temporaries per chip against {memory.device_bytes / 2**30:.2f} GiB of HBM; {memory.suggest(0.75 * memory.total)}."
+      f"temporaries per chip against {memory.device_bytes / 2**30:.2f} GiB of HBM; "
+      f"{memory.suggest(limit if needed else 0.75 * memory.total)}."
     ) from None
 
 
@@ -476,11 +480,11 @@ def _model(flags: Flags, recipe: Recipe, mesh, abstract: bool, microbatches: int
   if not recipe.lora:
     jm = tot.ShardedModule(recipe.build(), abstract=abstract, **common, **layers)
     if recipe.weights and not abstract:
-      checkpoint.import_safetensors(jm, recipe.weights)
+      checkpoint.import_pretrained(jm, recipe.weights)
     return jm
   base = tot.ShardedModule(recipe.build(), abstract=abstract, **common)
   if recipe.weights and not abstract:
-    checkpoint.import_safetensors(base, recipe.weights)
+    checkpoint.import_pretrained(base, recipe.weights)
   return lora.wrap(base, recipe.build(), seed=flags.seed, **recipe.lora, **layers)
 
 

@@ -66,7 +66,8 @@ def recipe(flags: TorchtitanFlags) -> runner.Recipe:
       labels=lambda batch: {"labels": batch["labels"], "positions": batch["positions"]},
     )
   return runner.Recipe(
-    name=flags.model.replace(":", "-"), build=build, family="titan", convert_model=f"--model={flags.model}", **mtp
+    name=flags.model.replace(":", "-"), build=build, family="titan", weights=flags.weights,
+    convert_model=f"--model={flags.model}", **mtp,
   )
 
 

@@ -569,7 +569,8 @@ def test_import_hf_weights_reads_only_each_devices_slice(tmp_path, monkeypatch):
   )
   reads, mapped = [], []
   reader = importlib.import_module("torch_on_tpu.io.checkpoint.safetensors_import")
-  real_pread, real_read_array = reader._SafetensorsFile._pread, reader._read_array
+  loading = importlib.import_module("torch_on_tpu.wrapper.state_loading")
+  real_pread, real_read_array = reader._SafetensorsFile._pread, loading._read_array
 
   def pread(self, offset, count):
     reads.append(count)
@@ -580,7 +581,7 @@ def test_import_hf_weights_reads_only_each_devices_slice(tmp_path, monkeypatch):
     return real_read_array(*args)
 
   monkeypatch.setattr(reader._SafetensorsFile, "_pread", pread)
-  monkeypatch.setattr(reader, "_read_array", read_array)
+  monkeypatch.setattr(loading, "_read_array", read_array)
   checkpoint.import_safetensors(jm, hf_dir)
 
   expected = cpu_model.state_dict()

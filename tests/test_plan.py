@@ -73,6 +73,16 @@ def test_a_plan_that_does_not_fit_names_one_fix(device_mib, remat, fix):
   assert str(info.value).count(". ") == 0
 
 
+def test_grad_accum_suggested_is_any_even_split_of_each_devices_rows():
+  """6 rows per device: 2 microbatches are too many rows, 3 fit; 4 would not split the rows evenly."""
+  by_accum = {k: plan.plan_memory(abstract_step(grad_accum=k), SHAPE, global_batch_size=48, seqlen=64, remat="full").total
+              for k in (2, 3)}
+  memory = plan.plan_memory(abstract_step(), SHAPE, global_batch_size=48, seqlen=64, remat="full",
+                            device_bytes=(by_accum[2] + by_accum[3]) / 2 / plan.USABLE)
+  with pytest.raises(tot.TorchOnTpuError, match=r"use grad_accum=3 .*a global batch 3x smaller"):
+    memory.check()
+
+
 def test_when_the_state_is_too_big_it_asks_for_more_fsdp():
   step = abstract_step()  # one row per device: no room for grad_accum
   fits = plan.plan_memory(step, SHAPE, global_batch_size=8, seqlen=8, remat="full")
@@ -80,7 +90,7 @@ def test_when_the_state_is_too_big_it_asks_for_more_fsdp():
   memory = plan.plan_memory(
     step, SHAPE, global_batch_size=8, seqlen=8, remat="full", device_bytes=(fits.activations + state / 2 + 64) / plan.USABLE
   )
-  with pytest.raises(tot.TorchOnTpuError, match=r"about 2x more devices on fsdp \(fsdp=16 or more\)"):
+  with pytest.raises(tot.TorchOnTpuError, match=r"about 2x more devices on fsdp \(fsdp=16 or more: 16 devices\)"):
     memory.check()
 
 

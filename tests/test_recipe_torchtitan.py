@@ -32,6 +32,12 @@ def test_qwen3_trains_saves_reports_mfu_and_exports_what_transformers_loads(tmp_
   assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
   model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
   assert model.config.num_hidden_layers == 8
+  # and back: a run starting from that HF checkpoint (--weights, read by torchtitan's own
+  # Qwen3StateDictAdapter.from_hf) holds the trained weights exactly (lr=0: the step moves nothing)
+  again = titan_recipe.run(flags(tmp_path / "again", "qwen3:debugmodel", weights=str(out), lr=0.0, steps=1, save_every=1))
+  trained, started = summary["train_step"].model.state_dict(), again["train_step"].model.state_dict()
+  assert sorted(started) == sorted(trained)
+  assert all(torch.equal(started[k], trained[k]) for k in trained), [k for k in trained if not torch.equal(started[k], trained[k])][:3]
 
 
 def test_an_moe_family_trains_two_steps_expert_parallel_with_multi_token_prediction(tmp_path):

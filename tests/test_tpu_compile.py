@@ -6,6 +6,8 @@ budget it reports), and holds the kernels that mode is for on TPU: Mosaic (splas
 `tpu_custom_call`) where attention runs, XLA's ragged matmul for MoE experts. Nothing runs.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -18,7 +20,7 @@ from recipes import llama3 as llama3_recipe
 from tests import helpers as h
 from tests import test_bf16_training as bf16_training
 from torch_on_tpu.lowering import ragged, target_device
-from torch_on_tpu.models.torchtitan import build_llama3
+from torch_on_tpu.models.torchtitan import build_llama3, moe
 from torch_on_tpu.parallel import targets
 from torch_on_tpu.training import lora
 from torch_on_tpu.training.trainer import default_split
@@ -130,9 +132,15 @@ def test_each_torchtitan_familys_debug_flavor_compiles_for_v5p_with_mosaic_atten
   assert report.custom_calls.get(MOSAIC, 0) > 0, (spec, report.custom_calls)
 
 
-def test_expert_parallel_moe_compiles_for_v5p():
+def test_expert_parallel_moe_compiles_for_v5p(monkeypatch):
+  """The experts' outputs are added to their tokens' rows (`moe.combine_by_rows`): torchtitan's
+  scatter by an index expanded to every element holds that int32 index, and its backward a gather
+  by it, as real TPU buffers (DeepSeek-V3 671B on v5p-1024, one sequence per chip: 79.4 → 76.1 GiB)."""
   report = _family_step("qwen3:debugmodel_moe", "v5p-8", ep=4)
   assert report.collective_bytes.total > 0
+  monkeypatch.setattr(moe, "combine_by_rows", contextlib.nullcontext)
+  by_element = _family_step("qwen3:debugmodel_moe", "v5p-8", ep=4)
+  assert report.temp_bytes < by_element.temp_bytes and report.cost.hbm_bytes < by_element.cost.hbm_bytes
 
 
 def test_the_grouped_matmul_compiled_for_a_tpu_is_xlas_ragged_dot():

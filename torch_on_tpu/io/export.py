@@ -39,9 +39,9 @@ from torch_on_tpu import models
 from torch_on_tpu.core import storage
 from torch_on_tpu.errors import TorchOnTpuError, arg
 from torch_on_tpu.io import data
-from torch_on_tpu.io.checkpoint import state_entries
 from torch_on_tpu.models.family import FromSeveral
 from torch_on_tpu.training import lora
+from torch_on_tpu.wrapper import state_entries
 
 MODES = ("full", "merged", "adapter")
 _CHUNK_BYTES = 64 * 2**20  # host memory one exported array chunk may take

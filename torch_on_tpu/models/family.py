@@ -133,6 +133,11 @@ class Family:
     """The model as HF transformers writes it (config, names, layouts); None: not expressible."""
     return None
 
+  def from_hf(self, module: torch.nn.Module, tensors: dict) -> dict:
+    """HF-named tensors of this architecture → the model's own state_dict names (an HF model's
+    are HF's: unchanged)."""
+    return tensors
+
   def decode_cache(self, module: torch.nn.Module, max_len: int):
     """The model's own KV cache for decoding one token at a time inside a jitted loop:
     `(make, None)` where `make()`, called inside the trace, returns a cache carry

@@ -348,13 +348,15 @@ def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
   data_ways = math.prod(mesh.shape[a] for a in step.model.data_axes)
   best = "full" if policy == "none" else policy
   accum = step.grad_accum
-  while global_batch_size % (accum * 2) == 0 and (global_batch_size // (accum * 2)) % data_ways == 0:
-    accum *= 2
+  rows = global_batch_size // accum
+  per_device = rows // data_ways if rows % data_ways == 0 else 0
+  for k in (k for k in range(2, per_device + 1) if per_device % k == 0):  # each device's rows split evenly
+    accum = step.grad_accum * k
     alternative = _estimate(step, shape, global_batch_size, seqlen, best, accum)
     if alternative.total <= limit:
       extra = "" if best == policy else f" with {arg('remat', best)}"
       return (
-        f"use {arg('grad_accum', accum)}{extra} (or a global batch {accum // step.grad_accum}x smaller: "
+        f"use {arg('grad_accum', accum)}{extra} (or a global batch {k}x smaller: "
         f"about {human_bytes(alternative.total)})"
       )
   staged = _pipeline_suggestion(step, shape, global_batch_size, seqlen, limit)
@@ -369,8 +371,8 @@ def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
     factor = math.ceil(state / (limit - floor))
     fsdp = mesh.shape.get("fsdp", 1)
     return (
-      f"shard the params over about {factor}x more devices on fsdp ({arg('fsdp', fsdp * factor)} or more), "
-      f"since params, gradients and optimizer state alone take {human_bytes(state)}"
+      f"shard the params over about {factor}x more devices on fsdp ({arg('fsdp', fsdp * factor)} or more: "
+      f"{mesh.devices.size * factor} devices), since params, gradients and optimizer state alone take {human_bytes(state)}"
     )
   return (
     f"even one sequence per device with {arg('remat', best)} needs {human_bytes(floor)} of activations; "

@@ -39,7 +39,7 @@ from torch_on_tpu.parallel import mesh as mesh_lib
 from torch_on_tpu.parallel import pipeline as pipeline_lib
 from torch_on_tpu.parallel import sharding as sharding_lib
 from torch_on_tpu.runtime import xla_flags
-from torch_on_tpu.wrapper import materialize, module_state
+from torch_on_tpu.wrapper import materialize, module_state, state_loading
 from torch_on_tpu.wrapper import scan as scan_lib
 
 torchax = _compat.import_torchax()
@@ -514,6 +514,19 @@ class ShardedModule:
   def state_dict(self) -> dict[str, torch.Tensor]:
     """Original names → plain CPU torch tensors, each copied to host on access."""
     return LazyStateDict(self)
+
+  def load_state_dict(self, state_dict: Mapping, strict: bool = True):
+    """torch's `Module.load_state_dict`: the tensors of `state_dict` (the names `state_dict()`
+    gives) into the model, each device reading only its block, cast to the dtypes the model
+    holds. Returns torch's `(missing_keys, unexpected_keys)`; with `strict` either raises, and a
+    shape that differs always does, before anything is loaded. Without `strict`, what is missing
+    keeps its values. A train step made before trains the loaded values from its next call
+    (its optimizer state stays as it was, as a torch optimizer's does)."""
+    missing, unexpected = state_loading.load(
+      self, [state_loading.TensorSource(state_dict)], strict=strict, origin="the tensors of the state_dict",
+      fix="pass a state_dict of this architecture and size" + ("" if not strict else ", or strict=False to load the names that match"),
+    )
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
   def sharding_table(self) -> "ShardingTable":
     rows = []

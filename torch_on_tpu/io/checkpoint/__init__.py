@@ -32,7 +32,7 @@ export), `safetensors_import.py` (weights in).
 """
 
 from torch_on_tpu.io.checkpoint.preemption import PreemptionGuard
-from torch_on_tpu.io.checkpoint.safetensors_import import import_safetensors
+from torch_on_tpu.io.checkpoint.safetensors_import import import_pretrained, import_safetensors
 from torch_on_tpu.io.checkpoint.training_state import BUFFERS_KEY, PARAMS_KEY, Checkpointer, Restored, abstract_state
 
-__all__ = ["BUFFERS_KEY", "PARAMS_KEY", "Checkpointer", "PreemptionGuard", "Restored", "abstract_state", "import_safetensors"]
+__all__ = ["BUFFERS_KEY", "PARAMS_KEY", "Checkpointer", "PreemptionGuard", "Restored", "abstract_state", "import_pretrained", "import_safetensors"]

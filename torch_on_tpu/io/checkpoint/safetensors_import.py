@@ -4,8 +4,6 @@ shardings, each device's rows with positioned reads, one tensor at a time."""
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
 import json
 import logging
 import math
@@ -15,15 +13,12 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import torch
 
 from torch_on_tpu.core import _compat
-from torch_on_tpu.errors import TorchOnTpuError, first_line
-from torch_on_tpu.io.checkpoint import state_entries
-from torch_on_tpu.lowering.host import torch_to_numpy
+from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.wrapper import state_entries, state_loading
 
 torchax = _compat.import_torchax()
-from torchax.ops import mappings  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -41,74 +36,36 @@ def import_safetensors(jm, path: str | os.PathLike) -> None:
   model never coexist in memory); a read failing midway says jm is half-loaded.
   """
   files = _safetensors_files(Path(path))
-  entries = {e.name: e for e in state_entries.entries(jm)}
   with contextlib.ExitStack() as stack:
     handles = [stack.enter_context(_SafetensorsFile(f)) for f in files]
-    where = {name: h for h in handles for name in h.keys()}
-    found = {name: h.shape(name) for name, h in where.items()}
-    # A tied group (HF's embed_tokens / lm_head) needs only one of its names stored.
-    names_of: dict[str, list[str]] = {}
-    for e in entries.values():
-      if e.direct:
-        names_of.setdefault(jm.canonical_name(e.name), []).append(e.name)
-    wanted = {e.name: e.shape for e in entries.values() if not e.direct}
-    for names in names_of.values():
-      for n in [n for n in names if n in found] or names[:1]:
-        wanted[n] = entries[n].shape
-    problems = state_entries.mismatches(found, wanted)
-    if problems:
-      raise TorchOnTpuError(
-        f"The safetensors weights at {path} do not match the model ({problems}); "
-        f"load weights saved from this model architecture and size."
+    state_loading.load(
+      jm, handles, strict=True, origin=f"the safetensors weights at {path}",
+      fix="load weights saved from this model architecture and size",
+    )
+
+
+def import_pretrained(jm, path: str | os.PathLike) -> None:
+  """Pretrained weights into `jm`: safetensors under the model's own state_dict names are read by
+  block (`import_safetensors`); an HF checkpoint of the architecture (none of those names) is
+  converted by the model's family (torchtitan's `state_dict_adapter.from_hf`, whole in host
+  memory first), then loaded as `load_state_dict(strict=True)` loads."""
+  files = _safetensors_files(Path(path))
+  own = set(jm.state_dict())
+  with contextlib.ExitStack() as stack:
+    handles = [stack.enter_context(_SafetensorsFile(f)) for f in files]
+    if any(name in own for h in handles for name in h.keys()):
+      state_loading.load(
+        jm, handles, strict=True, origin=f"the safetensors weights at {path}",
+        fix="load weights saved from this model architecture and size",
       )
-
-    readers = {}
-    for canonical, names in names_of.items():
-      name = next(n for n in names if n in found)
-      readers[canonical] = functools.partial(where[name].read, name)
-    merged: dict = {}  # hooked modules' merged tensors, kept while one array is read
-    abstract = state_entries.abstract_shapes(jm)
-    for prefix, mod in jm.hooked_modules:
-      readers.update(_hooked_readers(prefix, state_entries.meta_twin(prefix, mod, abstract), where, merged))
-    shardings = {**jm.param_shardings, **jm.buffer_shardings}
-    likes = {k: jax.ShapeDtypeStruct(a.shape, a.dtype) for k, a in {**jm.params, **jm.buffers}.items()}
-    todo = [(k, o, stacked) for k, (o, stacked) in jm.stored_layout().items() if jm.is_persistent(o[0])]
-    for done, (key, originals, stacked) in enumerate(todo):  # non-persistent buffers: jm keeps its own
-      # jm's own array goes before its replacement is read: two copies of the model never coexist.
-      held = jm.params if key in jm.params else jm.buffers
-      held[key] = likes[key]
-      _return_freed_memory()
-      try:
-        held[key] = _read_array([readers[o] for o in originals], stacked, likes[key], shardings[key])
-      except Exception as e:
-        raise TorchOnTpuError(
-          f"Importing {path} failed at '{originals[0]}' after {done} of {len(todo)} arrays were "
-          f"replaced ({first_line(e)}); the model is half-loaded: build it again."
-        ) from e
-      merged.clear()
-
-
-def _return_freed_memory() -> None:
-  """Hands freed heap pages back to the OS (glibc's `malloc_trim`; elsewhere nothing).
-
-  A replaced array's memory was allocated by the runtime's threads, and glibc
-  keeps what they free in their own arenas, where the next array (allocated
-  from other threads) does not reuse it: without this, an import over an
-  initialised model held both in resident memory.
-  """
-  trim = getattr(_libc(), "malloc_trim", None)
-  if trim is not None:
-    trim(0)
-
-
-@functools.cache
-def _libc():
-  import ctypes
-
-  try:
-    return ctypes.CDLL("libc.so.6")
-  except OSError:
-    return None
+      return
+    tensors = {name: state_loading.as_torch(h.read(name)) for h in handles for name in h.keys()}
+  converted = jm.family.from_hf(jm.module, tensors)
+  del tensors
+  state_loading.load(
+    jm, [state_loading.TensorSource(converted)], strict=True, origin=f"the weights at {path}, converted from HF's names",
+    fix="load an HF checkpoint of this architecture and size, or weights under the model's own state_dict names",
+  )
 
 
 def _open_safetensors(path: Path):
@@ -190,50 +147,6 @@ def _numpy_dtype(code: str, name: str, path: Path) -> np.dtype:
       f"{', '.join(sorted(names))}."
     )
   return np.dtype(jax.numpy.dtype(names[code]))
-
-
-def _hooked_readers(prefix, twin, where, merged: dict) -> dict:
-  """Readers for a hooked module's tensors: its stored ones merged by its own
-  load hook on its meta twin (torchtitan: `wq`/`wk`/`wv` → `wqkv`), into
-  `merged` when first needed."""
-
-  def load():
-    if prefix not in merged:
-      own = {n[len(prefix) + 1 :]: _as_torch(where[n].read(n)) for n in where if n.startswith(prefix + ".")}
-      loaded = copy.deepcopy(twin)  # the twin stays meta; `merged` alone holds the data
-      loaded.load_state_dict(own, strict=True, assign=True)
-      tensors = [*loaded.named_parameters(), *loaded.named_buffers()]
-      merged[prefix] = {f"{prefix}.{n}": t for n, t in tensors}
-    return merged[prefix]
-
-  names = [f"{prefix}.{n}" for n, _ in [*twin.named_parameters(), *twin.named_buffers()]]
-  return {name: (lambda index, name=name: torch_to_numpy(load()[name][index])) for name in names}
-
-
-def _as_torch(x: np.ndarray) -> torch.Tensor:
-  dtype = mappings.j2t_dtype(x.dtype)
-  if x.size == 0:
-    return torch.empty(x.shape, dtype=dtype)
-  return torch.frombuffer(bytearray(x.tobytes()), dtype=dtype).reshape(x.shape)
-
-
-def _read_array(readers, stacked: bool, like, sharding) -> jax.Array:
-  """One stored array, each device's block read from the files (and cast to
-  `like.dtype`); a stacked array's block gathers that block of each layer."""
-
-  def block(reader, index):
-    return np.asarray(reader(index)).astype(like.dtype, copy=False)
-
-  def read(index):
-    if not stacked:
-      return block(readers[0], index)
-    layers = range(len(readers))[index[0]]
-    return np.stack([block(readers[i], index[1:]) for i in layers])
-
-  # Each block goes to its device before the next is read: one block at a time in host memory.
-  blocks = sharding.addressable_devices_indices_map(tuple(like.shape))
-  shards = [jax.device_put(read(index), device) for device, index in blocks.items()]
-  return jax.make_array_from_single_device_arrays(tuple(like.shape), sharding, shards)
 
 
 def _safetensors_files(path: Path) -> list[Path]:

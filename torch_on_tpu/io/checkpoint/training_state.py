@@ -22,9 +22,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from torch_on_tpu.core import _compat, storage
 from torch_on_tpu.errors import TorchOnTpuError, first_line
 from torch_on_tpu.io import integrity
-from torch_on_tpu.io.checkpoint import state_entries
 from torch_on_tpu.runtime import health
 from torch_on_tpu.wrapper import scan as scan_lib
+from torch_on_tpu.wrapper import state_entries
 
 torchax = _compat.import_torchax()
 

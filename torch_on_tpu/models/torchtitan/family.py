@@ -13,6 +13,7 @@ from torch_on_tpu.models.family import DecoderShape, Family
 from torch_on_tpu.models.torchtitan import export, linear_attention, moe
 from torch_on_tpu.models.torchtitan.attention import flex_routed_to, varlen_routed_to
 from torch_on_tpu.models.torchtitan.configs import is_torchtitan
+from torch_on_tpu.models.torchtitan.export import adapter as export_adapter
 from torch_on_tpu.models.torchtitan.masks import attention_masks, document_ids, guard_keyed_masks, uses_masked_attention, with_documents
 from torch_on_tpu.models.torchtitan.mtp import mtp_depths
 from torch_on_tpu.models.torchtitan.plans import fsdp_tp_map, parallel_plan
@@ -107,6 +108,10 @@ class TorchtitanFamily(Family):
     """The family's HF form, from its own export module (`export.hf_form`)."""
     return export.hf_form(module)
 
+  def from_hf(self, module, tensors):
+    """HF weights read by the family's own state_dict_adapter (its `from_hf`)."""
+    return export_adapter.from_hf(module, tensors)
+
   @contextlib.contextmanager
   def running(self, module, mesh=None, data_axes=()):
     """torchtitan's SPMD type annotations off while the model runs: the bridge runs it
@@ -118,7 +123,7 @@ class TorchtitanFamily(Family):
     before = titan_distributed.get_spmd_backend()
     titan_distributed.set_spmd_backend("partial_dtensor")
     try:
-      with linear_attention.routed(), moe.experts_per_data_shard(mesh, data_axes):
+      with linear_attention.routed(), moe.combine_by_rows(), moe.experts_per_data_shard(mesh, data_axes):
         yield
     finally:
       titan_distributed.set_spmd_backend(before)

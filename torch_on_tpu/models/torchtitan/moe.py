@@ -9,10 +9,12 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import torch
 from jax.sharding import PartitionSpec as P
 
 from torch_on_tpu.core import _compat
 from torch_on_tpu.parallel import mesh as mesh_lib
+from torch_on_tpu.parallel import sharding as sharding_lib
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
@@ -48,6 +50,34 @@ def ffn_width(block) -> int:
 
 
 @contextlib.contextmanager
+def combine_by_rows():
+  """While active, torchtitan's dispatcher adds each expert output row into its token's row
+  (`index_add` over the N = tokens x top-k sorted rows), where torchtitan scatters with an index
+  expanded to every element. The same sums, but the expanded index is a real int32 tensor under
+  jax (N x dim, 1.75 GiB per 8192 tokens of DeepSeek-V3) and its backward a gather by it, several
+  such buffers per MoE layer."""
+  dispatcher = sys.modules.get("torchtitan.models.common.token_dispatcher")
+  if dispatcher is None:
+    yield
+    return
+  local = dispatcher.LocalTokenDispatcher
+  original = local.combine
+
+  def combine(self, routed_output_RD, metadata, x_TD):
+    if routed_output_RD.dtype != x_TD.dtype:  # torchtitan's own, which torch refuses as scatter_add
+      return original(self, routed_output_RD, metadata, x_TD)
+    scores = metadata.topk_scores_experts_sorted_N.reshape(-1, 1)
+    weighted = (routed_output_RD.to(torch.float32) * scores).to(routed_output_RD.dtype)
+    return torch.zeros_like(x_TD).index_add(0, metadata.token_indices_experts_sorted_N, weighted)
+
+  local.combine = combine
+  try:
+    yield
+  finally:
+    local.combine = original
+
+
+@contextlib.contextmanager
 def experts_per_data_shard(mesh, data_axes):
   """While active, torchtitan's routed experts (dispatch, grouped matmuls, combine) run on each
   data shard's own tokens under `shard_map`, as torchtitan's `local_map` region runs them on each
@@ -73,21 +103,21 @@ def experts_per_data_shard(mesh, data_axes):
     names, weights = zip(*((n, jax_view(p)) for n, p in self.named_parameters()))
     experts = num_local_tokens_per_expert_E.shape[0]
     count_dtype = jax_view(num_local_tokens_per_expert_E).dtype
-    # Each weight enters split as the preset stores it (gathered inside: its gradient leaves as a
-    # reduce-scatter), else whole (its gradient an all-reduce).
-    split = [_stored_split(w.shape, ways, experts_axis="ep" in axes) for w in weights]
+    # Each weight enters split as the preset stores it and is gathered inside: its gradient
+    # leaves as a reduce-scatter (entered whole, it would be an all-reduce over every device).
+    stored = [_stored_spec(w.shape, mesh, experts_axis="ep" in axes) for w in weights]
 
     env = torchax.default_env()
 
     def local(key, x, scores, ids, *weights):
       counts = jnp.zeros(experts, count_dtype).at[ids.reshape(-1)].add(1)  # this shard's tokens per expert
-      whole = [w if d is None else jax.lax.all_gather(w, axes, axis=d, tiled=True) for w, d in zip(weights, split)]
+      whole = [_gathered(w, parts) for w, parts in zip(weights, stored)]
       # a key of its own for the env's random draws inside, which must not leak out of the shard_map
       with _compat.reparametrized(self, dict(zip(names, map(torch_view, whole)))), env.override_property(prng=key):
         out = original(self, torch_view(x), torch_view(scores), torch_view(ids), torch_view(counts))
       return jax_view(out)
 
-    in_specs = (P(), *(P(*spec, None, None),) * 3, *(P() if d is None else P(*[None] * d, *spec) for d in split))
+    in_specs = (P(), *(P(*spec, None, None),) * 3, *(P(*w) for w in stored))
     out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(*spec, None, None), check_vma=False)(
       env.get_and_rotate_prng_key(), jax_view(x_BLD), jax_view(topk_scores_BLK), jax_view(topk_expert_ids_BLK), *weights
     )
@@ -100,13 +130,20 @@ def experts_per_data_shard(mesh, data_axes):
     routed.forward = original
 
 
-def _stored_split(shape, ways: int, experts_axis: bool) -> int | None:
-  """The dim of an expert weight the sharding presets split over the data axes: its experts
-  under "ep", else the largest dim they divide (the "fsdp" preset's rule); None: no dim."""
-  if experts_axis:
-    return 0 if shape and shape[0] % ways == 0 else None
-  candidates = [d for d, n in enumerate(shape) if n % ways == 0]
-  return max(candidates, key=lambda d: (shape[d], -d)) if candidates else None
+def _stored_spec(shape, mesh, experts_axis: bool) -> tuple:
+  """How the sharding presets store one layer's expert weight: the "ep" preset its experts over
+  `ep` and the rest as "fsdp", else the "fsdp" preset's spec."""
+  if experts_axis and shape and shape[0] % mesh.shape["ep"] == 0:
+    return ("ep", *sharding_lib.fsdp_spec(shape[1:], mesh))
+  return sharding_lib.fsdp_spec(shape, mesh)
+
+
+def _gathered(weight, spec):
+  """Inside the shard_map, `weight` whole from its pieces split as `spec`."""
+  for dim, axes in enumerate(spec):
+    if axes is not None:
+      weight = jax.lax.all_gather(weight, axes, axis=dim, tiled=True)
+  return weight
 
 
 def load_balancing(module):

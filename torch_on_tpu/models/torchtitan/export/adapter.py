@@ -29,15 +29,10 @@ def hf_via_adapter(module: torch.nn.Module, make_config, fix=None) -> HFForm | N
   transformers config, a check of the values or None). None for a model without a config or
   a family without one adapter."""
   family = type(module).__module__.split(".")[2] if is_torchtitan(module) else None
-  if family is None or getattr(module, "config", None) is None:
+  adapter = family_adapter(module)
+  if adapter is None:
     return None
-  adapters = importlib.import_module(f"torchtitan.models.{family}.state_dict_adapter")
-  from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
-
-  classes = [c for c in vars(adapters).values() if isinstance(c, type) and issubclass(c, BaseStateDictAdapter) and c.__module__ == adapters.__name__]
-  if len(classes) != 1:
-    return None
-  adapter = (fix or (lambda a: a))(classes[0](module.config, None))
+  adapter = (fix or (lambda a: a))(adapter)
   config, check = make_config(module.config)
   built = as_built(module)
   # tied aliases (lm_head of tied embeddings) aside; buffers written where the adapter names them
@@ -50,6 +45,35 @@ def hf_via_adapter(module: torch.nn.Module, make_config, fix=None) -> HFForm | N
     make = functools.partial(_hf_tensor, adapter, parts, hf)
     made_at.setdefault(parts[0], []).append((hf, make if len(parts) == 1 else FromSeveral(parts, make)))
   return HFForm(config, lambda name: made_at.get(name, []), check)
+
+
+def family_adapter(module: torch.nn.Module):
+  """The family's own `torchtitan.models.<name>.state_dict_adapter` for `module`'s config; None for
+  a model without a config or a family without exactly one adapter."""
+  family = type(module).__module__.split(".")[2] if is_torchtitan(module) else None
+  if family is None or getattr(module, "config", None) is None:
+    return None
+  try:
+    adapters = importlib.import_module(f"torchtitan.models.{family}.state_dict_adapter")
+  except ModuleNotFoundError:
+    return None
+  from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
+
+  classes = [c for c in vars(adapters).values() if isinstance(c, type) and issubclass(c, BaseStateDictAdapter) and c.__module__ == adapters.__name__]
+  return classes[0](module.config, None) if len(classes) == 1 else None
+
+
+def from_hf(module: torch.nn.Module, tensors: dict) -> dict:
+  """HF-named tensors (a transformers checkpoint of this architecture) → `module`'s own state_dict
+  names and layouts, by the family's adapter's `from_hf`."""
+  adapter = family_adapter(module)
+  family = type(module).__module__.split(".")[2]
+  if adapter is None:
+    raise TorchOnTpuError(
+      f"torchtitan's {family} has no state_dict_adapter to read HF weights with; give weights under the model's "
+      f"own state_dict names (export_safetensors writes them)."
+    )
+  return adapter.from_hf(tensors)
 
 
 def as_built(module: torch.nn.Module) -> torch.nn.Module:
