@@ -32,7 +32,7 @@ setup(
     "torchtitan": ["torchtitan==0.3.0", "triton", "fla-core==0.6.0"],
     "hf": ["transformers>=5", "peft"],  # HF models, LoRA
     "data": ["tokenizers", "datasets", "pyarrow"],  # tokenizer training, HF datasets, parquet
-    "logging": ["tensorboard", "matplotlib"],  # TensorBoard scalars, the training plot
+    "logging": ["tensorboard", "matplotlib", "wandb"],  # TensorBoard scalars, the training plot, Weights & Biases
     "recipes": ["fire"],
     "float8": ["torchao==0.18.0"],  # float8 training (torch_on_tpu.lowering.float8): torchao's Float8Linear
     # compile for a TPU slice without one (torch_on_tpu.parallel.targets): libtpu's compile-only client, the
@@ -40,7 +40,7 @@ setup(
     "targets": ["libtpu==0.0.42.*"],
     "all": [
       "torchtitan==0.3.0", "triton", "fla-core==0.6.0", "transformers>=5", "peft", "tokenizers", "datasets", "pyarrow",
-      "tensorboard", "matplotlib", "fire", "torchao==0.18.0", "libtpu==0.0.42.*",
+      "tensorboard", "matplotlib", "wandb", "fire", "torchao==0.18.0", "libtpu==0.0.42.*",
     ],
     "cpu": ["jax[cpu]"],
     "tpu": ["jax[tpu]"],

@@ -114,6 +114,8 @@ class Flags:
   eval_batches: int = flag(4, "held-out batches per eval", minimum=1)
   profile: str | None = flag(None, "steps to trace with jax.profiler, 'FIRST,LAST' (into <log_dir>/profile)", check=_profile_format)
   log_dir: str | None = flag(None, "metrics.jsonl, TensorBoard and training.png (default: runs/<run>)")
+  wandb_project: str | None = flag(None, "also log every metric to this Weights & Biases project, the run's config beside them (default: off; WANDB_MODE=offline keeps it on disk under --log_dir for `wandb sync`)")
+  wandb_run: str | None = flag(None, "the Weights & Biases run's name (default: the name of --log_dir)")
   cpu_devices: int | None = flag(None, "simulate N CPU devices (sets XLA_FLAGS before jax starts)", minimum=1)
   target: str | None = flag(None, "compile for this TPU slice without having it (v6e-8, v5p-1024, 2xv6e-256: torch_on_tpu.parallel.targets), with --dry_run: the TPU compiler's memory per chip against its HBM", check=_target_name)
   dry_run: bool = flag(False, "plan memory and compile on abstract params, print both, allocate nothing, exit")

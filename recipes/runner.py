@@ -280,6 +280,8 @@ def _train(step, flags: Flags, config: dict, ckpt, restored, source, tokenizer, 
         stop_requested=guard.should_stop,
         max_skips=max(flags.max_skips, 1),
         run_config=config,
+        wandb=dict(project=flags.wandb_project, name=flags.wandb_run or os.path.basename(os.path.normpath(config["log_dir"])), config=config)
+        if flags.wandb_project else None,
       )
       summary = trainer.run()
   except Exception as e:  # noqa: BLE001 (storage faults and device OOM are translated; the rest re-raises)

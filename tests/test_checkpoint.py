@@ -352,9 +352,33 @@ def test_preemption_guard_turns_signals_into_a_stop_request():
     assert not guard.should_stop(1)
     os.kill(os.getpid(), signal.SIGTERM)
     assert guard.requested and guard.should_stop(2) and guard.signal_name == "SIGTERM"
-    with pytest.raises(KeyboardInterrupt):
-      os.kill(os.getpid(), signal.SIGINT)  # a second signal stops at once
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # a second signal is the OS's
   assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_a_second_signal_stops_at_once_inside_a_long_native_call_without_a_traceback():
+  """The first SIGTERM asks for a stop after the step; the second ends the process while it is
+  inside one 30-second native call (a compile, a step), which a Python handler would wait out."""
+  script = (
+    "import os, signal, sys, time, numpy as np\n"
+    "from torch_on_tpu.io import checkpoint\n"
+    "with checkpoint.PreemptionGuard() as guard:\n"
+    "  os.kill(os.getpid(), signal.SIGTERM)\n"
+    "  time.sleep(0.1)\n"
+    "  assert guard.requested\n"
+    "  a = np.ones((9000, 9000), np.float32)\n"
+    "  print('ready', flush=True)\n"
+    "  for _ in range(8): a @ a\n"
+    "print('finished', flush=True)\n"
+  )
+  child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  assert child.stdout.readline().strip() == "ready"
+  time.sleep(1.0)
+  sent = time.monotonic()
+  child.send_signal(signal.SIGTERM)
+  out, err = child.communicate(timeout=60)
+  assert child.returncode == -signal.SIGTERM and time.monotonic() - sent < 5, (child.returncode, out, err)
+  assert "finished" not in out and "Traceback" not in err
 
 
 # ---- real processes: exact resume and preemption --------------------------------------------

@@ -107,6 +107,45 @@ def test_trainer_writes_jsonl_tensorboard_png_and_a_profile(tmp_path, capsys):
   assert "trained 6 steps" in capsys.readouterr().out
 
 
+def test_wandb_gets_every_logged_metric_offline_and_a_resumed_run_continues_its_run(tmp_path, monkeypatch):
+  """Weights & Biases offline (`WANDB_MODE=offline`, as a machine without its login runs it): the run
+  is written under log_dir/wandb, every logged value in its file, and a second Trainer over the same
+  log_dir continues the same run id (its file grows)."""
+  import wandb
+
+  wandb.teardown()  # wandb keeps the settings of an earlier run in this process
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))  # log_dir wins over wandb's own default
+  step = make_step()
+  trainer = tot.Trainer(step, Batches(), steps=3, log_dir=tmp_path, progress=False,
+                        wandb=dict(project="tot-test", config={"lr": 1e-3}))
+  trainer.run()
+  (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+  written = run_file.read_bytes()
+  losses = [r["loss"] for r in trainer.records if "loss" in r]
+  assert len(losses) == 3 and all(json.dumps(v).encode() in written for v in losses), losses
+  assert b"tot-test" in written and b"grad_norm" in written
+  again = tot.Trainer(step, Batches(seed=7), steps=5, log_dir=tmp_path, progress=False, wandb=dict(project="tot-test"))
+  again.run()
+  runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+  assert {r.name for r in runs} == {run_file.name}  # the same run id
+  later = [r["loss"] for r in again.records if "loss" in r]
+  assert all(json.dumps(v).encode() in b"".join(r.read_bytes() for r in runs) for v in later)
+  assert not (tmp_path / "elsewhere").exists()
+
+
+def test_wandb_without_a_login_is_one_sentence_naming_the_two_ways_on(tmp_path, monkeypatch):
+  import wandb
+
+  wandb.teardown()  # wandb keeps the settings of an earlier run in this process (an offline one)
+  for var in ("WANDB_MODE", "WANDB_API_KEY"):
+    monkeypatch.delenv(var, raising=False)
+  monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no login
+  monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+  with pytest.raises(tot.TorchOnTpuError, match=r"could not start .* run `wandb login`, or set WANDB_MODE=offline to keep"):
+    metrics.RunLog(tmp_path / "run", wandb=dict(project="p"))
+
+
 def loss_with_scale(out, labels):
   return ce_loss(out, labels["targets"]) * labels["scale"].mean()
 

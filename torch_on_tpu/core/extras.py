@@ -24,6 +24,7 @@ EXTRA_OF = {
   "pyarrow": "data",
   "matplotlib": "logging",
   "tensorboard": "logging",
+  "wandb": "logging",
   "fire": "recipes",
   "libtpu": "targets",
 }

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import logging
@@ -35,7 +36,7 @@ import torch
 
 from torch_on_tpu import models
 from torch_on_tpu.core import extras, storage
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -281,8 +282,27 @@ def _tensorboard_writer(directory: pathlib.Path):
   return SummaryWriter(str(directory))
 
 
+def _wandb_run(log_dir: pathlib.Path, project: str, name: str | None = None, config: Mapping | None = None):
+  """A Weights & Biases run writing under `log_dir/wandb`, the same run again when the run resumes
+  (its id is the log directory's). wandb's own setting of where it goes: `WANDB_MODE=offline`
+  keeps it on disk for `wandb sync`."""
+  wandb = extras.require("wandb", "--wandb_project (Weights & Biases logging)")
+  run_id = hashlib.sha1(str(log_dir.resolve()).encode()).hexdigest()[:16]
+  try:
+    return wandb.init(
+      project=project, name=name, id=run_id, resume="allow", dir=str(log_dir), config=dict(config or {}),
+      settings=wandb.Settings(silent=True, console="off"),
+    )
+  except Exception as e:  # noqa: BLE001 (wandb's own errors: no API key, no network, a bad project)
+    raise TorchOnTpuError(
+      f"Weights & Biases could not start run {run_id} of project {project!r} ({first_line(e)}); run `wandb login`, "
+      f"or set WANDB_MODE=offline to keep the run under {log_dir / 'wandb'} for `wandb sync`."
+    ) from None
+
+
 class RunLog:
-  """Per-step scalars to `metrics.jsonl` and TensorBoard under `log_dir`, and a PNG plot.
+  """Per-step scalars to `metrics.jsonl`, TensorBoard and (asked for) Weights & Biases under
+  `log_dir`, and a PNG plot.
 
   Create it on process 0 only; every method is cheap and synchronous.
   `start_step` is the step the run starts (or resumed) at: records of later
@@ -291,7 +311,7 @@ class RunLog:
   keeps one record per step.
   """
 
-  def __init__(self, log_dir, start_step: int = 0):
+  def __init__(self, log_dir, start_step: int = 0, wandb: Mapping | None = None):
     self.log_dir = pathlib.Path(log_dir)
     self.jsonl_path = self.log_dir / "metrics.jsonl"
     with self._writing("the metrics log", self.jsonl_path):
@@ -300,6 +320,8 @@ class RunLog:
       self._jsonl = self.jsonl_path.open("a")
     with self._writing("the TensorBoard scalars", self.log_dir / "tensorboard"):
       self._tb = _tensorboard_writer(self.log_dir / "tensorboard")
+    # wandb's keyword arguments: project, and name and config if given
+    self._wandb = _wandb_run(self.log_dir, **wandb) if wandb else None
     storage.quiet_thread_tracebacks()  # the writer thread's copy of a fault
     self.history: list[dict] = []
 
@@ -331,6 +353,8 @@ class RunLog:
         for name, value in record.items():
           if name != "step":
             self._tb.add_scalar(name, value, step)
+    if self._wandb is not None:
+      self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
 
   @contextlib.contextmanager
   def _tensorboard(self):
@@ -384,3 +408,5 @@ class RunLog:
     if self._tb is not None:
       with self._tensorboard():
         self._tb.close()
+    if self._wandb is not None:
+      self._wandb.finish()

@@ -90,6 +90,8 @@ class Trainer:
       accelerator (`metrics.peak_flops_for_kind`). On CPU no MFU is shown unless it is given:
       a CPU has no peak a user could read an MFU against.
     progress: show the progress bar.
+    wandb: `wandb.init`'s `project` (and `name`, `config`): every logged metric also goes to
+      that Weights & Biases run, under `log_dir/wandb` (the same run when a run resumes).
   """
 
   def __init__(
@@ -112,6 +114,7 @@ class Trainer:
     flops_per_token: float | None = None,
     peak_flops: float | None = None,
     progress: bool = True,
+    wandb: dict | None = None,
   ):
     if max_skips < 1:
       raise TorchOnTpuError(f"max_skips must be at least 1, got {max_skips}.")
@@ -134,6 +137,7 @@ class Trainer:
     self.flops_per_token = flops_per_token
     self.peak_flops = peak_flops
     self.progress = progress
+    self.wandb = wandb
     self.is_main = jax.process_index() == 0
     self._vocab = _embedding_rows(getattr(train_step.model, "module", None))
     self.records: list[dict] = []  # what was logged, also on processes that write nothing
@@ -143,7 +147,7 @@ class Trainer:
     step = first_step = self.train_step.step_count
     fingerprint.check_same(config=self.run_config, data=getattr(self.data, "settings", None))
     self._check_start_finite(step)
-    self._log = metrics_lib.RunLog(self.log_dir, start_step=step) if self.is_main and self.log_dir else None
+    self._log = metrics_lib.RunLog(self.log_dir, start_step=step, wandb=self.wandb) if self.is_main and self.log_dir else None
     self._bar = tqdm(
       total=self.steps, initial=step, disable=not (self.is_main and self.progress), dynamic_ncols=True
     )

@@ -20,8 +20,10 @@ class PreemptionGuard:
   """SIGTERM / SIGINT become a request to stop after the current step.
 
   The loop asks `should_stop(step)` after each step; when it says so the loop
-  saves and exits 0, and a relaunch resumes. A second signal stops at once
-  (`KeyboardInterrupt`). On several processes no handler is installed: jax's
+  saves and exits 0, and a relaunch resumes. A second signal stops the process
+  at once, as the signal does by default (no traceback, no waiting for a compile
+  or a step that holds the interpreter; checkpoints are written whole or not at
+  all). On several processes no handler is installed: jax's
   preemption service catches SIGTERM and every process stops at the same step
   (`jax.experimental.multihost_utils.reached_preemption_sync_point`); SIGINT
   then interrupts as usual.
@@ -45,10 +47,10 @@ class PreemptionGuard:
     self._previous.clear()
 
   def _handle(self, signum, frame):
-    if self.requested:
-      raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping now")
     self.requested = True
     self.signal_name = signal.Signals(signum).name
+    for sig in self.signals:  # the next one is the OS's: it ends the process even inside a compile
+      signal.signal(sig, signal.SIG_DFL)
     logger.warning(
       "Got %s: finishing the current step, saving a checkpoint, then exiting "
       "(send it again to stop at once).",
