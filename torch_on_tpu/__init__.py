@@ -2,10 +2,11 @@
 
 Importing the package is quiet: public names load on first access and the
 platform (XLA flags, a multi-process join, torchax's lowerings) starts on first
-use or at `tot.setup()` (see `torch_on_tpu.runtime`). The one thing the import
-does is to put two finders on `sys.meta_path`: one lets a later `import torchax`
-succeed on this stack (`core.torchax_import`), the other keeps the module paths from
-before the package's layout working (`core.old_paths`).
+use or at `tot.setup()` (see `torch_on_tpu.runtime`). The import puts two
+finders on `sys.meta_path`: one lets a later `import torchax` succeed on this stack
+(`core.torchax_import`), the other keeps the module paths from before the package's
+layout working (`core.old_paths`); and it silences our dependencies' messages that
+tell a user nothing, each by its module and text (`core.dependency_noise`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from __future__ import annotations
 import importlib
 import warnings
 
-from torch_on_tpu.core import old_paths, torchax_import
+from torch_on_tpu.core import dependency_noise, old_paths, torchax_import
 
 torchax_import.install()
 old_paths.install()
+dependency_noise.silence()
 
 __version__ = "0.1.0"
 
