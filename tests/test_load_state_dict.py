@@ -77,3 +77,23 @@ def test_values_are_cast_to_the_dtypes_the_model_holds():
   weight = jm.state_dict()["model.layers.0.self_attn.q_proj.weight"]
   assert weight.dtype == torch.bfloat16
   assert np.array_equal(weight.float().numpy(), state["model.layers.0.self_attn.q_proj.weight"].to(torch.bfloat16).float().numpy())
+
+
+def test_an_hf_checkpoint_of_torchtitans_llama3_starts_a_torchtitan_model(tmp_path):
+  """HF's names (an untied `lm_head.weight`, which torchtitan's Llama 3 also has) are read by
+  torchtitan's own Llama3StateDictAdapter.from_hf: every tensor back exactly; weights of another
+  architecture are refused in one sentence before anything loads."""
+  from torch_on_tpu.io import checkpoint, export
+
+  torch.manual_seed(0)
+  source = h.titan(device="cpu")
+  state = _trained_elsewhere(source)
+  source.load_state_dict(state)
+  export.export(_sharded(source, scan=False, fsdp=1), tmp_path / "hf")
+  jm = _sharded(h.titan(device="cpu"), scan=True, fsdp=4)
+  checkpoint.import_pretrained(jm, tmp_path / "hf")
+  loaded = jm.state_dict()
+  assert all(torch.equal(loaded[k], state[k]) for k in state)
+  h.hf(device="cpu").save_pretrained(tmp_path / "other")  # an HF Llama of another size
+  with pytest.raises(tot.TorchOnTpuError, match=r"do not match the model|cannot read these weights"):
+    checkpoint.import_pretrained(jm, tmp_path / "other")

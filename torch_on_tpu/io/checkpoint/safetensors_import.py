@@ -46,14 +46,14 @@ def import_safetensors(jm, path: str | os.PathLike) -> None:
 
 def import_pretrained(jm, path: str | os.PathLike) -> None:
   """Pretrained weights into `jm`: safetensors under the model's own state_dict names are read by
-  block (`import_safetensors`); an HF checkpoint of the architecture (none of those names) is
-  converted by the model's family (torchtitan's `state_dict_adapter.from_hf`, whole in host
+  block (`import_safetensors`); an HF checkpoint of the architecture (names the model does not
+  have: an HF `lm_head.weight` alone may coincide with torchtitan's) is converted by the model's family (torchtitan's `state_dict_adapter.from_hf`, whole in host
   memory first), then loaded as `load_state_dict(strict=True)` loads."""
   files = _safetensors_files(Path(path))
   own = set(jm.state_dict())
   with contextlib.ExitStack() as stack:
     handles = [stack.enter_context(_SafetensorsFile(f)) for f in files]
-    if any(name in own for h in handles for name in h.keys()):
+    if all(name in own for h in handles for name in h.keys()):
       state_loading.load(
         jm, handles, strict=True, origin=f"the safetensors weights at {path}",
         fix="load weights saved from this model architecture and size",

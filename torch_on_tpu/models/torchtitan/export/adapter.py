@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import torch
 
 from torch_on_tpu.core import _compat
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, first_line
 from torch_on_tpu.models.family import FromSeveral, HFForm
 from torch_on_tpu.models.torchtitan.configs import is_torchtitan
 
@@ -73,7 +73,14 @@ def from_hf(module: torch.nn.Module, tensors: dict) -> dict:
       f"torchtitan's {family} has no state_dict_adapter to read HF weights with; give weights under the model's "
       f"own state_dict names (export_safetensors writes them)."
     )
-  return adapter.from_hf(tensors)
+  try:
+    return adapter.from_hf(tensors)
+  except Exception as e:  # noqa: BLE001 (the adapter indexes and reshapes what it expects: another model's names fail there)
+    raise TorchOnTpuError(
+      f"torchtitan's {family} state_dict_adapter cannot read these weights as an HF checkpoint of this model "
+      f"({first_line(e)}); give an HF checkpoint of "
+      f"this architecture and size, or weights under the model's own state_dict names."
+    ) from None
 
 
 def as_built(module: torch.nn.Module) -> torch.nn.Module:
