@@ -82,6 +82,9 @@ def test_kernel_time_is_read_from_torch_and_jax_traces():
     {"ph": "X", "pid": 2, "tid": 3, "name": "PjitFunction(step)", "dur": 9000},
   ]}
   assert bench.kernel_seconds(jax_trace) == pytest.approx({"gemm": 0.004, "attention": 0.001, "other": 0.00025})
+  jax_trace["traceEvents"].append({"ph": "X", "pid": 1, "tid": 7, "name": "loop_multiply_fusion", "dur": 250})
+  assert bench.top_kernels(jax_trace, 2) == [["sm90_xmma_gemm_bf16", 0.004, 1], ["cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 0.001, 1]]
+  assert bench.top_kernels(jax_trace, 3)[2] == ["loop_multiply_fusion", pytest.approx(0.0005), 2]
 
 
 def test_missing_torch_names_get_placeholders_so_torchtitan_imports():

@@ -43,7 +43,8 @@ model, compiling (ours ahead of the step, `torch.compile` inside it) and the fir
 
 `--profile` traces `PROFILE_STEPS` more steps per run after the timed ones (jax.profiler
 for ours, torch.profiler for PyTorch) into `--trace_dir` and prints each run's device
-time per step by kernel class (`kernel_class`: gemm, attention, other). Only GPU
+time per step by kernel class (`kernel_class`: gemm, attention, other) and its
+`--top_kernels` longest kernels by name. Only GPU
 kernels are counted; a CPU run writes its traces and reports no kernels.
 """
 
@@ -87,6 +88,7 @@ def parse_args(argv=None):
   p.add_argument("--timeout", type=float, default=600, help="seconds a run may take before it is stopped")
   p.add_argument("--json", default=None, help="also write every run's numbers here")
   p.add_argument("--profile", action="store_true", help="trace each run and print device time by kernel class")
+  p.add_argument("--top_kernels", type=int, default=15, help="--profile also lists each run's N longest kernels (0: none)")
   p.add_argument("--trace_dir", default="bench_gpu_traces", help="--profile writes its traces under here, one folder a run")
   p.add_argument("--smoke", action="store_true", help="tiny: " + ", ".join(f"--{k}={v}" for k, v in SMOKE.items()))
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # RUNNER:SEQxBATCH
@@ -222,20 +224,36 @@ def kernel_class(name: str) -> str:
   return next((cls for cls, keys in KERNEL_CLASSES if any(k in lower for k in keys)), "other")
 
 
-def kernel_seconds(trace: dict | list) -> dict[str, float]:
-  """Seconds of GPU kernels by class in a Chrome-format trace: torch.profiler's (events
+def kernel_events(trace: dict | list):
+  """(name, seconds) of every GPU kernel in a Chrome-format trace: torch.profiler's (events
   of category `kernel`) or jax.profiler's (events on a `/device:` process's `Stream` lines)."""
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   names = {(e.get("pid"), e.get("tid")): e["args"]["name"] for e in events if e.get("ph") == "M" and "name" in e.get("args", {})}
   device = {pid for (pid, tid), name in names.items() if tid is None and name.startswith("/device:")}
-  seconds = dict.fromkeys(["gemm", "attention", "other"], 0.0)
   for e in events:
     if e.get("ph") != "X":
       continue
     on_stream = e.get("pid") in device and names.get((e.get("pid"), e.get("tid")), "").startswith("Stream")
     if e.get("cat") == "kernel" or on_stream:
-      seconds[kernel_class(e["name"])] += e.get("dur", 0) / 1e6
+      yield e["name"], e.get("dur", 0) / 1e6
+
+
+def kernel_seconds(trace: dict | list) -> dict[str, float]:
+  """Seconds of GPU kernels by class (`kernel_class`) in a trace."""
+  seconds = dict.fromkeys(["gemm", "attention", "other"], 0.0)
+  for name, s in kernel_events(trace):
+    seconds[kernel_class(name)] += s
   return seconds
+
+
+def top_kernels(trace: dict | list, n: int) -> list[list]:
+  """The `n` kernels that took the most time in a trace: [name, seconds, launches], largest first."""
+  totals = {}
+  for name, s in kernel_events(trace):
+    seconds, launches = totals.get(name, (0.0, 0))
+    totals[name] = (seconds + s, launches + 1)
+  ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:n]
+  return [[name, seconds, launches] for name, (seconds, launches) in ranked]
 
 
 def read_trace(path: str) -> dict | list:
@@ -294,7 +312,8 @@ def ours_worker(args, seqlen: int, batch: int, float8: str | None) -> dict:
     import glob
 
     (path,) = glob.glob(os.path.join(where, "**", "perfetto_trace.json.gz"), recursive=True)
-    result.update(trace=path, kernel_s=kernel_seconds(read_trace(path)))
+    trace = read_trace(path)
+    result.update(trace=path, kernel_s=kernel_seconds(trace), top_kernels=top_kernels(trace, args.top_kernels))
   device = jax.devices()[0]
   stats = device.memory_stats() or {}
   peak_memory = stats.get("peak_bytes_in_use", report.peak_bytes)
@@ -359,7 +378,8 @@ def torch_worker(args, seqlen: int, batch: int, float8: str | None, *, compiled:
     os.makedirs(where, exist_ok=True)
     path = os.path.join(where, "trace.json")
     profiler.export_chrome_trace(path)
-    result.update(trace=path, kernel_s=kernel_seconds(read_trace(path)))
+    trace = read_trace(path)
+    result.update(trace=path, kernel_s=kernel_seconds(trace), top_kernels=top_kernels(trace, args.top_kernels))
   return dict(
     result, init_s=init_s, compile_s=None, first_step_total_s=init_s + result["first_step_s"],
     peak_memory=torch.cuda.max_memory_allocated() if cuda else None,
@@ -460,6 +480,14 @@ def kernel_table(rows: list[dict]) -> str:
   return markdown(headers, lines)
 
 
+def top_kernel_table(row: dict) -> str:
+  """One run's longest kernels, per step: what to look at first in its trace."""
+  headers = ["kernel", "class", "ms / step", "launches / step"]
+  lines = [[name if len(name) <= 90 else name[:87] + "...", kernel_class(name), f"{1e3 * s / PROFILE_STEPS:.2f}", f"{n / PROFILE_STEPS:g}"]
+           for name, s, n in row["top_kernels"]]
+  return markdown(headers, lines)
+
+
 def markdown(headers: list[str], lines: list[list]) -> str:
   widths = [max(len(str(x[i])) for x in [headers, *lines]) for i in range(len(headers))]
   fmt = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
@@ -557,6 +585,9 @@ def main(argv=None) -> int:
   if args.profile:
     print(f"\nGPU kernel time per step by class ({PROFILE_STEPS} traced steps after the timed ones)\n", flush=True)
     print(kernel_table(rows), flush=True)
+    for r in rows:
+      if r.get("top_kernels"):
+        print(f"\n{r['runner']} {r['shape']}: its {len(r['top_kernels'])} longest kernels\n\n{top_kernel_table(r)}", flush=True)
   return 1 if any("error" in r for r in rows) else 0
 
 
