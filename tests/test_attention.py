@@ -517,6 +517,30 @@ def test_cudnn_falls_back_for_dropout(mesh, fresh_notices, caplog):
   assert np.array_equal(ours, bridge_sdpa("xla", mesh, t, w, key=key, dropout_p=0.2)[0])
 
 
+@pytest.mark.parametrize("policy, forwards", [("dots_and_attention", 1), ("full", 2)])
+def test_remat_keeping_attention_keeps_cudnns_statistics(policy, forwards, monkeypatch):
+  """jax's cuDNN attention keeps its softmax statistics inside its own custom_vjp, where no
+  checkpoint name reaches them; the scan's default policy keeps its forward kernel's outputs, so the
+  backward does not run the forward again (on an H100, 16 → 32 forward calls per step without it).
+  Traced only: the version checks answer as a cuDNN 9.8 H100 would."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+  from torch_on_tpu.lowering import remat
+
+  monkeypatch.setattr(cudnn_attention, "check_cudnn_version", lambda *a, **k: 90800)
+  monkeypatch.setattr(cudnn_attention, "check_compute_capability", lambda *a, **k: True)
+
+  def loss(q, k, v):
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    return out.astype(jnp.float32).sum()
+
+  q = jax.ShapeDtypeStruct((1, 128, 4, 64), jnp.bfloat16)
+  grad = jax.grad(jax.checkpoint(loss, policy=remat.policy(policy)), argnums=(0, 1, 2))
+  program = str(jax.make_jaxpr(grad)(q, q, q))
+  assert program.count("dot_product_attention_fwd_wrapper") == forwards, program
+  assert program.count("dot_product_attention_bwd_wrapper") == 1
+
+
 # ---- modes, errors ------------------------------------------------------------------------------
 
 
