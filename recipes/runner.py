@@ -18,7 +18,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from recipes.flags import STATE_FLAGS, Flags, check_flags, flag_spelling, layer_remat, mesh_axes, profile_steps
+from recipes.flags import STATE_FLAGS, Flags, check_flags, default_scan, flag_spelling, layer_remat, mesh_axes, profile_steps
 from recipes.startup import initialize_distributed, setup_platform
 from torch_on_tpu.errors import TorchOnTpuError
 
@@ -81,6 +81,8 @@ def run(flags: Flags, recipe_for: Callable[[Flags], Recipe]) -> dict:
     from torch_on_tpu.runtime import fingerprint
 
     mesh = tot.make_mesh(target=flags.target, **mesh_axes(flags))
+    if flags.scan is None:
+      flags = dataclasses.replace(flags, scan=default_scan(mesh.devices.flat[0].platform, pipeline=flags.pp > 1))
     check_flags(flags, mesh)
     recipe = recipe_for(flags)
     config = resolve(flags, recipe)

@@ -15,7 +15,8 @@ clipping at 1.0, random tokens; every runner gets the same batches and, when
 so the losses of the first step agree to bf16 rounding.
 
 - `torch_on_tpu`: the recipe's path at its defaults (`recipes.llama3 --dtype=bfloat16`):
-  ShardedModule with the layer stack as a scan (`--no-scan`: the layer loop) and the
+  ShardedModule with the recipe's layer stack (`recipes.flags.default_scan`: the layer loop
+  on GPU, a scan elsewhere; `--scan` / `--no-scan` choose) and the
   recipe's remat (`--remat=auto`), SDPA on cuDNN flash attention, `make_train_step`.
 - `compile`: torchtitan's model in PyTorch under `torch.autocast(bf16)` (what torchtitan
   uses when there is no FSDP to do mixed precision), each block and the loss
@@ -81,7 +82,7 @@ def parse_args(argv=None):
   p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, allocator)")
   p.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated subset of " + ", ".join(RUNNERS))
   p.add_argument("--remat", default="auto", help="torch_on_tpu per-layer remat: auto (the recipe's) or torch_on_tpu.lowering.remat.NAMES")
-  p.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True, help="torch_on_tpu: the layer stack as a scan (the recipe's default)")
+  p.add_argument("--scan", action=argparse.BooleanOptionalAction, default=None, help="torch_on_tpu: the layer stack as a scan (default: the recipe's, the loop on GPU)")
   p.add_argument("--attention", default="auto", help="torch_on_tpu attention kernel: auto (cuDNN on GPU), cudnn, xla")
   p.add_argument("--float8", default=None, help="also run each runner with float8 linears: rowwise, tensorwise, rowwise_with_gw_hp")
   p.add_argument("--xla_flags", default="", help="extra XLA_FLAGS for the torch_on_tpu runner")
@@ -279,13 +280,16 @@ def ours_worker(args, seqlen: int, batch: int, float8: str | None) -> dict:
 
   import torch_on_tpu as tot  # before jax starts: it adds its XLA flag defaults
 
+  from recipes.flags import default_scan
+
   config = llama3_config(args.model, layers=args.layers, seqlen=seqlen, float8=float8)
   with torch.device("meta"):
     model = config.build()
+  scan = default_scan(jax.devices()[0].platform) if args.scan is None else args.scan
   start = time.perf_counter()
   jm = tot.ShardedModule(
     model, mesh=tot.make_mesh(jax.devices()[:1], fsdp=1), sharding="fsdp", attention=args.attention,
-    scan=args.scan, remat=None if args.remat == "auto" else args.remat,
+    scan=scan, remat=None if args.remat == "auto" else args.remat,
   )
   jax.block_until_ready(jm.params)
   init_s = time.perf_counter() - start
@@ -319,7 +323,7 @@ def ours_worker(args, seqlen: int, batch: int, float8: str | None) -> dict:
   peak_memory = stats.get("peak_bytes_in_use", report.peak_bytes)
   return dict(
     result, init_s=init_s, compile_s=compile_s, first_step_total_s=init_s + compile_s + result["first_step_s"],
-    peak_memory=peak_memory, device=device.device_kind, stack=f"jax {jax.__version__}",
+    peak_memory=peak_memory, device=device.device_kind, stack=f"jax {jax.__version__}", scan=scan,
   )
 
 
@@ -540,6 +544,12 @@ def add_flops(args, rows) -> None:
         r["peak_flops"] = metrics.cpu_matmul_peak() if cpu else metrics.peak_flops_for_kind(r["device"])
 
 
+def layer_stack(args, rows) -> str:
+  """How ours ran its layers: as flagged, else as its runs resolved the recipe's default."""
+  scans = {r["scan"] for r in rows if "scan" in r} if args.scan is None else {args.scan}
+  return " / ".join("scan" if s else "layer loop" for s in sorted(scans)) or "the recipe's layer stack"
+
+
 def save(args, rows) -> None:
   if args.json:
     with open(args.json, "w") as f:
@@ -576,7 +586,7 @@ def main(argv=None) -> int:
   stacks = sorted({r["stack"] for r in rows if "stack" in r})
   print(
     f"\nLlama 3 {args.model}" + (f" (first {args.layers} layers)" if args.layers else "")
-    + f", bf16 compute / fp32 master + AdamW; ours: {'scan' if args.scan else 'layer loop'}, remat {args.remat}, attention {args.attention}"
+    + f", bf16 compute / fp32 master + AdamW; ours: {layer_stack(args, rows)}, remat {args.remat}, attention {args.attention}"
     + (f"; +float8: {args.float8} (torchao Float8Linear, lm_head bf16)" if args.float8 else "")
     + f"; {', '.join(devices)}; {', '.join(stacks)}; {args.steps} timed steps after {args.warmup}\n"
   )
