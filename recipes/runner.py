@@ -241,6 +241,10 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
     summary["sample"] = _sample(step, tokenizer, split, flags, recipe)  # every process runs the program
     if main:
       print(f"Sample: {flags.sample!r} → {summary['sample']!r}", flush=True)
+  if recipe.convert_model:  # on every process: the check may read sharded arrays
+    from torch_on_tpu.io import export
+
+    summary["export_refusal"] = export.hf_refusal(step.model)
   if main:
     print(where_things_are(summary, recipe), flush=True)
   return summary
@@ -361,7 +365,14 @@ def where_things_are(summary: dict, recipe: Recipe) -> str:
   ]
   if summary.get("plot"):
     lines.append(f"Plot: {summary['plot']}")
-  if recipe.convert_model:
+  if recipe.convert_model and summary.get("export_refusal"):
+    out = os.path.join(summary["log_dir"], "export")
+    lines.append(f"No export for transformers: {summary['export_refusal']}")
+    lines.append(
+      f"Export its state_dict (torch's own names): python tools/convert.py to_safetensors {summary['ckpt_dir']} {out} "
+      f"{recipe.convert_model} --step={summary['steps']}"
+    )
+  elif recipe.convert_model:
     out = os.path.join(summary["log_dir"], "export")
     lines.append(
       f"Export for transformers: python tools/convert.py to_hf {summary['ckpt_dir']} {out} "

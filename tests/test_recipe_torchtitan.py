@@ -2,6 +2,7 @@
 the same recipe (flags, data, checkpoints, plan, MFU, export) as Llama 3; 2-step smoke runs."""
 
 import json
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -87,13 +88,22 @@ def test_every_other_language_family_trains_two_steps(model, tmp_path):
   assert summary["steps"] == 2 and len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), model
 
 
-def test_gpt_oss_trains_in_torchtitans_precision_and_its_fp32_forward_is_refused_as_torch_refuses_it(tmp_path):
+def test_gpt_oss_trains_in_torchtitans_precision_and_its_fp32_forward_is_refused_as_torch_refuses_it(tmp_path, capsys):
   """gpt-oss's experts return bf16 into an fp32 scatter-add: torch raises there, so torchtitan
   trains it with bf16 compute (`--dtype=bfloat16`); in fp32 the bridge says so in one sentence
-  instead of casting silently."""
+  instead of casting silently. Trained, its expert bias is nonzero, which HF's GptOss cannot hold:
+  the run prints why and the export command that works (its state_dict), not one that fails."""
   summary = titan_recipe.run(flags(tmp_path, "gpt_oss:debugmodel", dtype="bfloat16"))
   losses = [r["loss"] for r in summary["records"] if "loss" in r]
   assert summary["steps"] == 2 and len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+  printed = capsys.readouterr().out.splitlines()
+  assert "expert_bias_E is nonzero" in summary["export_refusal"] and "GptOss" in summary["export_refusal"]
+  assert f"No export for transformers: {summary['export_refusal']}" in printed
+  (command,) = [x for x in printed if x.startswith("Export its state_dict")]
+  assert command.split(": ", 1)[1].startswith("python tools/convert.py to_safetensors ")
+  convert = h.load_module("tools/convert.py")
+  assert convert.main(command.split(": ", 1)[1].split()[2:]) == 0  # the printed command, pasted
+  assert list((Path(summary["log_dir"]) / "export").glob("*.safetensors"))
   with pytest.raises(tot.TorchOnTpuError, match="scatter_add: self is torch.float32 but src is torch.bfloat16.*--dtype"):
     titan_recipe.run(flags(tmp_path / "fp32", "gpt_oss:debugmodel"))
 

@@ -488,11 +488,10 @@ def _exact_vision_gelu(config):
 
 @pytest.mark.parametrize("make,refusal", [
   (lambda: _softmax_groups(_deepseek()), "DeepSeek: it routes by softmax with group-limited routing"),  # DeepSeek-V3 236B's
-  (lambda: _deepseek(num_mtp_layers=1), "DeepSeek: it has 1 multi-token-prediction layers"),
   # Kimi's text model is refused as above with its vision encoder too; the encoder for what HF's MoonViT cannot express
   (lambda: _softmax_groups(tiny("kimi_k2_7:debugmodel", layers=3)), "DeepSeek: it routes by softmax with group-limited"),
   (lambda: _exact_vision_gelu(tiny("kimi_k2_7:debugmodel", layers=3)), "Kimi-K2.5: its vision GELUs are not HF's"),
-], ids=["softmax_groups", "mtp", "kimi_vision_softmax_groups", "kimi_vision_exact_gelu"])
+], ids=["softmax_groups", "kimi_vision_softmax_groups", "kimi_vision_exact_gelu"])
 def test_a_deepseek_hf_cannot_express_is_refused(make, refusal, tmp_path):
   from torch_on_tpu.io import export
 
@@ -502,6 +501,27 @@ def test_a_deepseek_hf_cannot_express_is_refused(make, refusal, tmp_path):
   with pytest.raises(tot.TorchOnTpuError, match=f"cannot be written as HF {refusal}.*export_safetensors"):
     export.export(jm, tmp_path / "hf")
   assert not (tmp_path / "hf").exists()
+
+
+def test_deepseek_with_multi_token_prediction_exports_its_main_model(tmp_path):
+  """HF's DeepSeek has no multi-token-prediction layers and its logits never read them: the export
+  leaves them out, transformers loads every tensor written and misses none, and its logits are the
+  main model's (what a run with --mtp_layers=1 prints as its export command must work)."""
+  import transformers
+
+  jm = tp.wrap(_deepseek(num_mtp_layers=1), "forward")
+  assert any(name.startswith("mtp_layers.") for name in jm.state_dict())
+  hf = _export_and_load(jm, tmp_path)
+  _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+  assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+  tokens, _, _ = tp.packed_batch(batch=2, seq=tp.SEQ)
+  positions = torch.arange(tp.SEQ).repeat(2, 1)
+  with tp.fp32_experts():
+    jm.module.eval()
+    ours = tot.to_cpu(jm(**jm.family.model_inputs(jm.module, {"input_ids": tokens, "positions": positions})))
+  main = ours[0] if isinstance(ours, (list, tuple)) else ours
+  with torch.no_grad():
+    assert h.rel(main, hf(tokens).logits) < 1e-6
 
 
 def test_a_trained_expert_bias_hf_deepseek_v2_cannot_hold_is_refused(tmp_path):

@@ -279,7 +279,6 @@ def ours_worker(args, seqlen: int, batch: int, float8: str | None) -> dict:
   import torch
 
   import torch_on_tpu as tot  # before jax starts: it adds its XLA flag defaults
-
   from recipes.flags import default_scan
 
   config = llama3_config(args.model, layers=args.layers, seqlen=seqlen, float8=float8)

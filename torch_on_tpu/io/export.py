@@ -129,6 +129,20 @@ def export_safetensors(
   return _write_dir(directory, _state_tensors(jm), "model", max_shard_bytes, overwrite, write_config)
 
 
+def hf_refusal(jm) -> str | None:
+  """The sentence `export` would refuse `jm` with now (its form, or trained values HF's form cannot
+  hold, such as a nonzero expert bias), or None: a run prints the export command that works."""
+  try:
+    peft_model = _peft_model(jm)
+    tensors, model = _state_tensors(jm), jm.module
+    if peft_model is not None:
+      tensors, model = _merged(tensors, peft_model), peft_model.get_base_model()
+    _as_hf(model, tensors)
+  except TorchOnTpuError as e:
+    return str(e)
+  return None
+
+
 def _peft_model(jm):
   """`jm`'s peft model when it carries LoRA adapters (lora.wrap), else None."""
   model = jm.module

@@ -1,5 +1,6 @@
 """torchtitan's DeepSeek-V3 as HF's DeepSeek-V2 or DeepSeek-V3, through torchtitan's adapter with the
-two changes HF's form needs (no expert bias for V2; latent norms at HF's eps)."""
+changes HF's form needs (no expert bias for V2; latent norms at HF's eps; no multi-token-prediction
+layers, which HF's DeepSeek does not have and its logits never read)."""
 
 from __future__ import annotations
 
@@ -52,9 +53,7 @@ def _deepseek_hf_config(config):
   linears = [getattr(a, n) for a in attention for n in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wo") if getattr(a, n) is not None]
   linears += [w for f in dense + [m.shared_experts for m in moes if m.shared_experts] for w in (f.w1, f.w2, f.w3)]
   problem = None
-  if config.mtp_layers:
-    problem = f"it has {len(config.mtp_layers)} multi-token-prediction layers"
-  elif not moes:
+  if not moes:
     problem = "it has no MoE layers"
   elif any(layer.moe is None for layer in layers[first_moe:]):
     problem = "its dense layers do not all come before its MoE layers"
@@ -128,8 +127,8 @@ def hf_deepseek(module: torch.nn.Module, make_config=None) -> HFForm | None:
   latent = {"wkv_a": (first.kv_norm.eps, first.kv_lora_rank), "wq_a": (first.q_norm.eps, None)}
 
   def rename(name):
-    if v2 and name.endswith(".moe.expert_bias_E"):
-      return []
+    if (v2 and name.endswith(".moe.expert_bias_E")) or name.startswith("mtp_layers."):
+      return []  # HF's DeepSeek has no expert bias in V2 and no multi-token prediction; the logits never read them
     pairs = form.rename(name)
     feeds = re.fullmatch(r"layers\.\d+\.attention\.(wkv_a|wq_a)\.weight", name)
     if feeds is None or latent[feeds.group(1)][0] == _HF_LATENT_NORM_EPS:
