@@ -104,7 +104,7 @@ class Flags:
   grad_accum: int = flag(1, "microbatches per step (activations shrink by this factor)", minimum=1)
   data: str | None = flag(None, "text/JSONL/Parquet files, a glob, a directory or a datasets dir (default: built-in corpus)", check=_existing_data)
   data_field: str = flag("text", "the JSONL/Parquet/datasets field holding the text", argument="field")
-  weights: str | None = flag(None, "pretrained weights to start from: safetensors (a file or directory) under the model's own state_dict names, or an HF checkpoint directory of the architecture (torchtitan models read it through their family's state_dict_adapter) (default: the model's init)", check=existing_path)
+  weights: str | None = flag(None, "pretrained weights to start from: safetensors (a file or directory) under the model's own state_dict names, an HF checkpoint directory of the architecture (torchtitan models read it through their family's state_dict_adapter), or a torch.distributed.checkpoint step such as torchtitan's checkpoint/step-N (its checkpoint directory: the latest step) (default: the model's init)", check=existing_path)
   tokenizer: str | None = flag(None, "tokenizer.json or HF tokenizer dir (default: byte-level BPE trained on the data)", check=existing_path)
   ckpt_dir: str | None = flag(None, "checkpoint directory (default: runs/<run>/ckpt)")
   save_every: int = flag(50, "save a checkpoint every N steps (and at the end)", minimum=1)

@@ -16,6 +16,7 @@ import numpy as np
 
 from torch_on_tpu.core import _compat
 from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.io.checkpoint import dcp_import
 from torch_on_tpu.wrapper import state_entries, state_loading
 
 torchax = _compat.import_torchax()
@@ -45,10 +46,16 @@ def import_safetensors(jm, path: str | os.PathLike) -> None:
 
 
 def import_pretrained(jm, path: str | os.PathLike) -> None:
-  """Pretrained weights into `jm`: safetensors under the model's own state_dict names are read by
-  block (`import_safetensors`); an HF checkpoint of the architecture (names the model does not
-  have: an HF `lm_head.weight` alone may coincide with torchtitan's) is converted by the model's family (torchtitan's `state_dict_adapter.from_hf`, whole in host
-  memory first), then loaded as `load_state_dict(strict=True)` loads."""
+  """Pretrained weights into `jm`: a torch.distributed.checkpoint (torchtitan's `checkpoint/step-N`,
+  or its `checkpoint` directory: the latest step) by its model tensors (`dcp_import`); safetensors
+  under the model's own state_dict names are read by block (`import_safetensors`); an HF checkpoint
+  of the architecture (names the model does not have: an HF `lm_head.weight` alone may coincide
+  with torchtitan's) is converted by the model's family (torchtitan's `state_dict_adapter.from_hf`,
+  whole in host memory first), then loaded as `load_state_dict(strict=True)` loads."""
+  dcp = dcp_import.checkpoint_directory(Path(path))
+  if dcp is not None:
+    dcp_import.import_dcp(jm, dcp)
+    return
   files = _safetensors_files(Path(path))
   own = set(jm.state_dict())
   with contextlib.ExitStack() as stack:
