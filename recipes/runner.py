@@ -144,6 +144,12 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   if main:
     devices = mesh.devices.flat[0]
     print(f"Mesh {dict(mesh.shape)} over {mesh.size} {devices.platform} devices ({devices.device_kind})", flush=True)
+  wandb_run = None
+  if main and flags.wandb_project and not flags.dry_run:  # before the model and its compile: a missing login is said now
+    from torch_on_tpu.training import metrics
+
+    name = flags.wandb_run or os.path.basename(os.path.normpath(config["log_dir"]))
+    wandb_run = metrics.start_wandb(config["log_dir"], flags.wandb_project, name=name, config=config)
   schedule = optax.warmup_cosine_decay_schedule(
     0.0, flags.lr, max(flags.warmup_steps, 0), max(flags.steps, flags.warmup_steps + 1), end_value=flags.lr / 10
   )
@@ -232,7 +238,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
     ckpt.close()
     summary = {"steps": first_step, "preempted": False, "records": []}
   else:
-    summary = _train(step, flags, config, ckpt, restored, source, tokenizer, data_kwargs, split, abstract_batch, memory, mesh, main)
+    summary = _train(step, flags, config, ckpt, restored, source, tokenizer, data_kwargs, split, abstract_batch, memory, mesh, main, wandb_run)
   summary.update(
     ckpt_dir=config["ckpt_dir"], log_dir=config["log_dir"], tokenizer_dir=tokenizer_dir, plan=memory, train_step=step,
     last_checkpoint=os.path.join(config["ckpt_dir"], str(summary["steps"])),
@@ -250,7 +256,8 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   return summary
 
 
-def _train(step, flags: Flags, config: dict, ckpt, restored, source, tokenizer, data_kwargs, split, abstract_batch, memory, mesh, main) -> dict:
+def _train(step, flags: Flags, config: dict, ckpt, restored, source, tokenizer, data_kwargs, split, abstract_batch, memory, mesh, main,
+           wandb_run) -> dict:
   """3. Compile ahead (the report comes before the first step), then the Trainer; its summary."""
   import torch_on_tpu as tot
   from torch_on_tpu.io import checkpoint, data
@@ -286,8 +293,7 @@ def _train(step, flags: Flags, config: dict, ckpt, restored, source, tokenizer, 
         stop_requested=guard.should_stop,
         max_skips=max(flags.max_skips, 1),
         run_config=config,
-        wandb=dict(project=flags.wandb_project, name=flags.wandb_run or os.path.basename(os.path.normpath(config["log_dir"])), config=config)
-        if flags.wandb_project else None,
+        wandb=wandb_run,
       )
       summary = trainer.run()
   except Exception as e:  # noqa: BLE001 (storage faults and device OOM are translated; the rest re-raises)

@@ -152,6 +152,29 @@ def test_scan_defaults_to_what_is_faster_on_the_runs_devices(tmp_path, capsys, m
   assert not any(".scan.layer." in name for name in out["plan"]._context[0].model.params)
 
 
+def test_a_missing_wandb_login_stops_the_run_before_the_model_is_built(tmp_path, capsys, monkeypatch):
+  """--wandb_project starts its run right after the mesh: without a login the recipe stops there in
+  one sentence, not after a compile that can take minutes; offline, the run it started is the one
+  the steps log to."""
+  import wandb
+
+  wandb.teardown()  # wandb keeps the settings of an earlier run in this process (an offline one)
+  for var in ("WANDB_MODE", "WANDB_API_KEY"):
+    monkeypatch.delenv(var, raising=False)
+  monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no login
+  monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+  with pytest.raises(tot.TorchOnTpuError, match=r"could not start .* run `wandb login`, or set WANDB_MODE=offline"):
+    llama3.run(titan_flags(tmp_path, wandb_project="p"))
+  printed = capsys.readouterr().out
+  assert "Mesh" in printed and "Memory plan" not in printed and "Compiled" not in printed
+  wandb.teardown()
+  monkeypatch.setenv("WANDB_MODE", "offline")  # the run the recipe started gets every step's loss
+  summary = llama3.run(titan_flags(tmp_path, "offline", wandb_project="p", steps=2, eval_every=0))
+  assert summary["steps"] == 2
+  (run_file,) = (tmp_path / "offline" / "wandb").glob("offline-run-*/run-*.wandb")
+  assert run_file.stat().st_size > 0
+
+
 def test_a_plan_that_does_not_fit_fails_with_one_suggestion(tmp_path):
   with pytest.raises(tot.TorchOnTpuError) as info:
     llama3.run(titan_flags(tmp_path, memory_gib=0.07, seqlen=64, global_batch_size=64))

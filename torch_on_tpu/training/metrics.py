@@ -282,11 +282,13 @@ def _tensorboard_writer(directory: pathlib.Path):
   return SummaryWriter(str(directory))
 
 
-def _wandb_run(log_dir: pathlib.Path, project: str, name: str | None = None, config: Mapping | None = None):
+def start_wandb(log_dir, project: str, name: str | None = None, config: Mapping | None = None):
   """A Weights & Biases run writing under `log_dir/wandb`, the same run again when the run resumes
   (its id is the log directory's). wandb's own setting of where it goes: `WANDB_MODE=offline`
-  keeps it on disk for `wandb sync`."""
+  keeps it on disk for `wandb sync`. Started before a long compile, a missing login is said then."""
   wandb = extras.require("wandb", "--wandb_project (Weights & Biases logging)")
+  log_dir = pathlib.Path(log_dir)
+  log_dir.mkdir(parents=True, exist_ok=True)
   run_id = hashlib.sha1(str(log_dir.resolve()).encode()).hexdigest()[:16]
   try:
     return wandb.init(
@@ -311,7 +313,7 @@ class RunLog:
   keeps one record per step.
   """
 
-  def __init__(self, log_dir, start_step: int = 0, wandb: Mapping | None = None):
+  def __init__(self, log_dir, start_step: int = 0, wandb=None):
     self.log_dir = pathlib.Path(log_dir)
     self.jsonl_path = self.log_dir / "metrics.jsonl"
     with self._writing("the metrics log", self.jsonl_path):
@@ -320,8 +322,8 @@ class RunLog:
       self._jsonl = self.jsonl_path.open("a")
     with self._writing("the TensorBoard scalars", self.log_dir / "tensorboard"):
       self._tb = _tensorboard_writer(self.log_dir / "tensorboard")
-    # wandb's keyword arguments: project, and name and config if given
-    self._wandb = _wandb_run(self.log_dir, **wandb) if wandb else None
+    # wandb's keyword arguments (project, and name and config if given), or a run `start_wandb` started
+    self._wandb = start_wandb(self.log_dir, **wandb) if isinstance(wandb, Mapping) else wandb
     storage.quiet_thread_tracebacks()  # the writer thread's copy of a fault
     self.history: list[dict] = []
 

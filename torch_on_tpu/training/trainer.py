@@ -91,7 +91,8 @@ class Trainer:
       a CPU has no peak a user could read an MFU against.
     progress: show the progress bar.
     wandb: `wandb.init`'s `project` (and `name`, `config`): every logged metric also goes to
-      that Weights & Biases run, under `log_dir/wandb` (the same run when a run resumes).
+      that Weights & Biases run, under `log_dir/wandb` (the same run when a run resumes); or a
+      run `metrics.start_wandb` started (the recipes start it before compiling).
   """
 
   def __init__(
@@ -114,7 +115,7 @@ class Trainer:
     flops_per_token: float | None = None,
     peak_flops: float | None = None,
     progress: bool = True,
-    wandb: dict | None = None,
+    wandb=None,
   ):
     if max_skips < 1:
       raise TorchOnTpuError(f"max_skips must be at least 1, got {max_skips}.")
