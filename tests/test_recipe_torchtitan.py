@@ -1,9 +1,11 @@
 """`python -m recipes.torchtitan --model=<family>:<flavor>`: any torchtitan registry entry through
 the same recipe (flags, data, checkpoints, plan, MFU, export) as Llama 3; 2-step smoke runs."""
 
+import gc
 import json
 from pathlib import Path
 
+import jax
 import pytest
 import safetensors.torch
 import torch
@@ -14,6 +16,18 @@ from recipes import torchtitan as titan_recipe
 from tests import helpers as h
 
 TINY = dict(seqlen=32, global_batch_size=8, lr=1e-2, warmup_steps=1, steps=2, eval_every=0, save_every=2)
+
+
+@pytest.fixture(autouse=True)
+def _a_whole_recipe_each():
+  """Each test runs whole recipes: nothing compiled before it is reused, and Qwen3.5's step alone
+  peaks near 10 GB on CPU, so the worker's earlier programs and arrays go first (two workers share
+  24 GiB; one was killed for memory with them kept)."""
+  gc.collect()
+  jax.clear_caches()
+  yield
+  gc.collect()
+  jax.clear_caches()
 
 
 def flags(tmp_path, model, **kw):
