@@ -46,6 +46,29 @@ def rel(a, b) -> float:
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def assert_holds_and_computes(jm, state: dict, model) -> None:
+  """`jm` holds exactly `state` (every name, every value) and computes what the torch `model`
+  does with it: fp32 logits of a torchtitan Llama 3 on random tokens, ‖Δ‖/‖ref‖ < 1e-5."""
+  loaded = jm.state_dict()
+  assert sorted(loaded) == sorted(state)
+  assert all(torch.equal(loaded[k], state[k]) for k in state), [k for k in state if not torch.equal(loaded[k], state[k])][:3]
+  model.load_state_dict(state)
+  tokens = torch.randint(0, 2048, (2, SEQ), generator=torch.Generator().manual_seed(2))
+  with torch.no_grad():
+    assert rel(jm(tokens), model(tokens)) < 1e-5
+
+
+def no_wandb_login(monkeypatch, home) -> None:
+  """A process where Weights & Biases finds no login: no key, no ~/.netrc, no earlier run's settings."""
+  import wandb
+
+  wandb.teardown()  # wandb keeps the settings of an earlier run in this process (an offline one)
+  for var in ("WANDB_MODE", "WANDB_API_KEY"):
+    monkeypatch.delenv(var, raising=False)
+  monkeypatch.setenv("HOME", str(home))
+  monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / "wandb-config"))
+
+
 def titan(device="meta", **kw):
   """torchtitan's own Llama 3 debugmodel (6 layers, dim 256, vocab 2048), SDPA attention."""
   return build_llama3("debugmodel", attention="sdpa", max_seq_len=SEQ, device=device, **kw)

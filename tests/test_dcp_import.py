@@ -34,13 +34,7 @@ def test_a_torchtitan_checkpoint_starts_the_model_from_its_latest_step(tmp_path,
   latest = _titan_checkpoint(tmp_path / "checkpoint", source, step=10, scale=0.02)
   jm = tot.ShardedModule(h.titan(device="cpu"), mesh=tot.make_mesh(fsdp=4, devices=jax.devices()[:4]), sharding="fsdp", scan=scan)
   checkpoint.import_pretrained(jm, tmp_path / "checkpoint")
-  loaded = jm.state_dict()
-  assert sorted(loaded) == sorted(latest)
-  assert all(torch.equal(loaded[k], latest[k]) for k in latest), "step 10's tensors, exactly"
-  source.load_state_dict(latest)
-  tokens = torch.randint(0, 2048, (2, h.SEQ), generator=torch.Generator().manual_seed(2))
-  with torch.no_grad():
-    assert h.rel(jm(tokens), source(tokens)) < 1e-5  # fp32 logits, ‖Δ‖/‖ref‖
+  h.assert_holds_and_computes(jm, latest, source)  # step 10's tensors, exactly
 
 
 def test_a_named_step_is_read_and_a_damaged_or_foreign_checkpoint_is_one_sentence(tmp_path):

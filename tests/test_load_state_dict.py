@@ -30,14 +30,7 @@ def test_a_torchtitan_state_dict_loads_into_any_layout_and_computes_what_torch_d
   jm = _sharded(h.titan(device="cpu"), scan=scan, fsdp=4 if scan else 8)
   result = jm.load_state_dict(state)
   assert (result.missing_keys, result.unexpected_keys) == ([], [])
-  loaded = jm.state_dict()
-  assert sorted(loaded) == sorted(state)
-  assert all(torch.equal(loaded[k], state[k]) for k in state), "every tensor exactly as given"
-  source.load_state_dict(state)
-  tokens = torch.randint(0, 2048, (2, h.SEQ), generator=torch.Generator().manual_seed(2))
-  with torch.no_grad():
-    want = source(tokens)
-  assert h.rel(jm(tokens), want) < 1e-5  # fp32 logits, ‖Δ‖/‖ref‖
+  h.assert_holds_and_computes(jm, state, source)  # every tensor exactly as given
 
 
 def test_strict_and_non_strict_answer_as_torch_does():

@@ -158,11 +158,7 @@ def test_a_missing_wandb_login_stops_the_run_before_the_model_is_built(tmp_path,
   the steps log to."""
   import wandb
 
-  wandb.teardown()  # wandb keeps the settings of an earlier run in this process (an offline one)
-  for var in ("WANDB_MODE", "WANDB_API_KEY"):
-    monkeypatch.delenv(var, raising=False)
-  monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no login
-  monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+  h.no_wandb_login(monkeypatch, tmp_path)
   with pytest.raises(tot.TorchOnTpuError, match=r"could not start .* run `wandb login`, or set WANDB_MODE=offline"):
     llama3.run(titan_flags(tmp_path, wandb_project="p"))
   printed = capsys.readouterr().out

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torch_on_tpu as tot
+from tests import helpers as h
 from torch_on_tpu.training import metrics
 from torch_on_tpu.training import trainer as trainer_lib
 
@@ -135,13 +136,7 @@ def test_wandb_gets_every_logged_metric_offline_and_a_resumed_run_continues_its_
 
 
 def test_wandb_without_a_login_is_one_sentence_naming_the_two_ways_on(tmp_path, monkeypatch):
-  import wandb
-
-  wandb.teardown()  # wandb keeps the settings of an earlier run in this process (an offline one)
-  for var in ("WANDB_MODE", "WANDB_API_KEY"):
-    monkeypatch.delenv(var, raising=False)
-  monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no login
-  monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+  h.no_wandb_login(monkeypatch, tmp_path)
   with pytest.raises(tot.TorchOnTpuError, match=r"could not start .* run `wandb login`, or set WANDB_MODE=offline to keep"):
     metrics.RunLog(tmp_path / "run", wandb=dict(project="p"))
 
