@@ -37,6 +37,12 @@ def _remat_names() -> tuple[str, ...]:
   return ("auto", *remat_lib.NAMES)
 
 
+def _lr_decays() -> tuple[str, ...]:
+  from torch_on_tpu.training.lr_schedule import DECAYS
+
+  return DECAYS
+
+
 def _float8_recipes() -> tuple[str, ...]:
   from torch_on_tpu.lowering.float8 import RECIPES
 
@@ -82,8 +88,14 @@ class Flags:
   seqlen: int = flag(128, "tokens per sequence", minimum=1)
   global_batch_size: int = flag(8, "sequences per optimizer step, over all devices", minimum=1)
   steps: int = flag(100, "optimizer steps to train to", minimum=1)
-  lr: float = flag(3e-3, "peak learning rate of the warmup-cosine schedule (AdamW)")
-  warmup_steps: int = flag(10, "linear warmup steps; then cosine decay to lr/10 at --steps", minimum=0)
+  lr: float = flag(3e-3, "peak learning rate (AdamW)")
+  warmup_steps: int = flag(10, "linear warmup steps (update k takes lr·(k+1)/warmup_steps)", minimum=0)
+  lr_decay: str = flag("cosine", "the decay to lr·--min_lr_factor after the peak: cosine, linear or sqrt (torchtitan's decay_type)", choices=_lr_decays)
+  decay_ratio: float | None = flag(None, "the share of --steps the decay takes, at the end; the lr holds its peak from warmup until then (default: it decays from the end of warmup)", minimum=0)
+  min_lr_factor: float = flag(0.1, "the decay's floor, as a fraction of --lr", minimum=0)
+  beta1: float = flag(0.9, "AdamW's β1", minimum=0)
+  beta2: float = flag(0.95, "AdamW's β2", minimum=0)
+  eps: float = flag(1e-8, "AdamW's ε", minimum=0)
   weight_decay: float = flag(0.1, "AdamW weight decay", minimum=0)
   clip_norm: float = flag(1.0, "gradient clipping by global norm (0: off)", minimum=0)
   max_skips: int = flag(5, "skip a step whose loss, gradient or update is NaN/Inf (state kept); stop after this many in a row (0: stop at the first)", minimum=0)
@@ -108,6 +120,7 @@ class Flags:
   tokenizer: str | None = flag(None, "tokenizer.json or HF tokenizer dir (default: byte-level BPE trained on the data)", check=existing_path)
   ckpt_dir: str | None = flag(None, "checkpoint directory (default: runs/<run>/ckpt)")
   save_every: int = flag(50, "save a checkpoint every N steps (and at the end)", minimum=1)
+  keep_checkpoints: int = flag(3, "the newest checkpoints kept in --ckpt_dir, older ones deleted (0: keep all)", minimum=0)
   resume: bool = flag(True, "continue from the newest good checkpoint in --ckpt_dir; False: set its checkpoints aside as <step>.replaced (nothing deleted) and start afresh")
   resume_step: int | None = flag(None, "resume from this saved step instead of the newest (newer steps are set aside as <step>.superseded)", minimum=0)
   eval_every: int = flag(25, "eval loss on held-out data every N steps (0: never)", minimum=0)

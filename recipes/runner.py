@@ -138,7 +138,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   from torch_on_tpu.io import checkpoint, data
   from torch_on_tpu.lowering import remat as remat_lib
   from torch_on_tpu.runtime import health
-  from torch_on_tpu.training import lora, plan
+  from torch_on_tpu.training import lora, lr_schedule, plan
   from torch_on_tpu.training.trainer import default_split
 
   if main:
@@ -150,11 +150,12 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
 
     name = flags.wandb_run or os.path.basename(os.path.normpath(config["log_dir"]))
     wandb_run = metrics.start_wandb(config["log_dir"], flags.wandb_project, name=name, config=config)
-  schedule = optax.warmup_cosine_decay_schedule(
-    0.0, flags.lr, max(flags.warmup_steps, 0), max(flags.steps, flags.warmup_steps + 1), end_value=flags.lr / 10
+  schedule = lr_schedule.warmup_stable_decay(
+    flags.lr, flags.steps, warmup_steps=flags.warmup_steps, decay_ratio=flags.decay_ratio, decay=flags.lr_decay,
+    min_lr_factor=flags.min_lr_factor,
   )
   optimizer = optax.inject_hyperparams(optax.adamw)(
-    learning_rate=schedule, b1=0.9, b2=0.95, weight_decay=flags.weight_decay
+    learning_rate=schedule, b1=flags.beta1, b2=flags.beta2, eps=flags.eps, weight_decay=flags.weight_decay
   )
   compute_dtype = None if flags.dtype == "float32" else jnp.bfloat16
   master_dtype = jnp.bfloat16 if flags.dtype == "bfloat16-all" else None
@@ -227,7 +228,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
     with_positions=titan, with_segment_ids=titan, field=flags.data_field,
     process_index=process_index, process_count=process_count,
   )
-  ckpt = checkpoint.Checkpointer(config["ckpt_dir"], save_every=flags.save_every, model=step.model)
+  ckpt = checkpoint.Checkpointer(config["ckpt_dir"], save_every=flags.save_every, keep=flags.keep_checkpoints or None, model=step.model)
   try:
     restored = _resume(ckpt, step, flags, config, main)
   except BaseException:

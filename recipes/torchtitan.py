@@ -5,20 +5,23 @@
     python -m recipes.torchtitan --model=deepseek_v3:debugmodel --mtp_layers=1    # multi-token prediction
     python -m recipes.torchtitan --model=qwen3:8B --seqlen=4096 --dry_run   # plan + compile only
     python -m recipes.torchtitan --help                                     # every flag with its default
+    python -m recipes.torchtitan --module llama3 --config llama3_debugmodel --training.steps=3   # torchtitan's own config
 
 `--model=<family>:<flavor>` names an entry of `torchtitan.models.<family>.model_registry`
 (llama3, qwen3, deepseek_v3, kimi_k2_7, qwen3_5, gpt_oss, muse_glimmer); the model
 is torchtitan's own config for it, unmodified, with RoPE tables sized to `--seqlen`
 as torchtitan's trainer sizes them. Flags, data, checkpoints, the memory plan, MFU
 and export are the Llama 3 recipe's (`python -m recipes.llama3` is this recipe's
-`--model=llama3:<flavor>` with its own flags).
+`--model=llama3:<flavor>` with its own flags). `--module/--config` run torchtitan's own configs
+and overrides (`recipes.titan_config`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 
-from recipes import cli, runner
+from recipes import cli, runner, titan_config
 from recipes import flags as recipe_flags
 from torch_on_tpu.models.torchtitan import LANGUAGE_FAMILIES
 
@@ -78,5 +81,14 @@ def run(flags: TorchtitanFlags) -> dict:
 
 main = cli.cli(TorchtitanFlags, run, "Train any torchtitan registry model with torch_on_tpu.")
 
+
+def command(argv: list[str]) -> None:
+  """The command line: torchtitan's `--module/--config` (then any of our flags), or our flags."""
+  if titan_config.wanted(argv):
+    titan_config.main(argv, main)
+  else:
+    cli.fire_main(main, argv)
+
+
 if __name__ == "__main__":
-  cli.fire_main(main)
+  command(sys.argv[1:])

@@ -19,9 +19,10 @@ import types
 
 import pytest
 
-from recipes import cli
+from recipes import cli, titan_config
 from recipes.flags import check_flags
 from tests import helpers as h
+from torch_on_tpu.parallel import targets
 from torch_on_tpu.runtime import launch
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
@@ -156,6 +157,13 @@ def check_python(args: list[str]) -> None:
 def recipe_flags(module: str, args: list[str], *, read_files: bool = True, mesh=None):
   """The recipe's flags as its command line parses them, through its start-up checks (None for --help)."""
   flags_cls = importlib.import_module(module).main.flags_cls
+  if titan_config.wanted(args):  # torchtitan's own config: its ConfigManager's, mapped onto the flags
+    titan, ours = titan_config.split_argv(args, flags_cls)
+    own = recipe_flags(module, ours, read_files=read_files)
+    target = own.target and targets.parse(own.target)
+    devices = target.chips * target.generation.devices_per_chip if target else own.cpu_devices or 1
+    mapped, _ = titan_config.to_flags(titan_config.parse(titan), devices)
+    args = shlex.split(titan_config.command_line(mapped))[3:] + ours
   parsed = cli.parse_argv(args, flags_cls)
   if any(a in ("-h", "--help") for a in parsed):
     return None

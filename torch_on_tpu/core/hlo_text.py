@@ -28,9 +28,15 @@ class Instruction:
   op: str
   rest: str  # operands and attributes
   root: bool = False  # its computation's result
+  _operands: list[str] | None = dataclasses.field(default=None, repr=False, compare=False)
 
   def operands(self) -> list[str]:
-    """The names of the instruction's operands, in order."""
+    """The names of the instruction's operands, in order (read once: a program's cost asks often)."""
+    if self._operands is None:
+      self._operands = self._read_operands()
+    return self._operands
+
+  def _read_operands(self) -> list[str]:
     depth, args = 0, []
     for i, ch in enumerate(self.rest):
       if ch in "([{":

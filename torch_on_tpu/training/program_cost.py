@@ -74,7 +74,11 @@ def _bytes(inst: hlo_text.Instruction, module: hlo_text.Module, shapes: dict) ->
   (callee, _), *_ = module.callees(inst) or [(None, 0)]
   body = module.computations.get(callee, [])
   params = {re.search(r"^(\d+)", i.rest).group(1): i.name for i in body if i.op == "parameter"}
-  users = {name: [i for i in body if name in i.operands()] for name in params.values()}
+  users = {name: [] for name in params.values()}
+  for i in body:  # one pass: a fusion's body can hold thousands of instructions and parameters
+    for name in dict.fromkeys(i.operands()):
+      if name in users:
+        users[name].append(i)
   root = next((i for i in body if i.root), None)
   written = hlo_text.nbytes(inst.shape)
   in_place = None

@@ -1,0 +1,151 @@
+"""`python -m recipes.torchtitan --module <family> --config <function> --section.key=value`: torchtitan's
+own configs, parsed by its ConfigManager, mapped onto the recipe's flags; every function torchtitan
+0.3.0 ships for its language families either maps or is refused in one sentence naming why."""
+
+import ast
+import dataclasses
+import functools
+import importlib
+import inspect
+import json
+import re
+import shlex
+import types
+
+import pytest
+import torch
+
+from recipes import cli, titan_config
+from recipes import flags as recipe_flags
+from recipes import torchtitan as titan_recipe
+from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.models.torchtitan import LANGUAGE_FAMILIES
+from torch_on_tpu.training.lr_schedule import warmup_stable_decay
+
+# What cannot run here, by config function: the sentence says why.
+REFUSED = {
+  "float8(?!_emulate)|nvfp4|mxfp8|405b": r"torchtitan could not build its config .*(float8|NVFP4|MXFP8)",
+  "flex_flash": r"could not build its config .*Flash backend",
+  "varlen_attn|sft_qwen3|gpt_oss_debugmodel_flex": r"changes .*'s model at model_spec\.model\.layers\[0\]\.attention\.inner_attention",
+  "dist_gemm": r"changes llama3:debugmodel's model at .*attention\.wo",
+  "emulate_lora": r"changes llama3:debugmodel's model at model_spec\.model \(FrozenLlama3Model",
+  "^sft_debugmodel": r"dataloader ChatDataLoader has no counterpart",
+  "moe_param_groups": r"optimizer\.param_groups give 3 different optimizers",
+  "minimal_async_ep": r"parallelism degrees .* do not multiply to the 8 devices here; .*--cpu_devices=N",
+  "_mm$": r"imports 'torchvision'",
+}
+
+
+def config_functions(family):
+  """The functions of torchtitan's `<family>.config_registry` that build a Trainer.Config."""
+  registry = importlib.import_module(f"torchtitan.models.{family}.config_registry")
+  return sorted(
+    name for name, fn in inspect.getmembers(registry, inspect.isfunction)
+    if fn.__module__ == registry.__name__ and not name.startswith("_")
+    and all(p.default is not p.empty for p in inspect.signature(fn).parameters.values())
+  )
+
+
+@pytest.mark.parametrize("family", LANGUAGE_FAMILIES)
+def test_every_config_torchtitan_ships_maps_onto_the_flags_or_is_refused_in_a_sentence(family):
+  try:
+    names = config_functions(family)
+  except ModuleNotFoundError as e:  # its registry imports a multimodal loader's torchvision
+    assert e.name == "torchvision"
+    with pytest.raises(TorchOnTpuError, match=rf"torchtitan's {family} configs imports 'torchvision'.*pip install torchvision --index-url"):
+      titan_config.parse(["--module", family, "--config", "anything"])
+    return
+  mapped = 0
+  for name in names:
+    expected = [why for pattern, why in REFUSED.items() if re.search(pattern, name)]
+    try:
+      config = titan_config.parse(["--module", family, "--config", name])
+      flags, _ = titan_config.to_flags(config, devices=8)
+    except TorchOnTpuError as e:
+      assert expected and re.search(expected[0], str(e)), (name, str(e))
+      assert "\n" not in str(e)
+      continue
+    assert not expected, f"{name} mapped; expected a refusal"
+    run = titan_recipe.TorchtitanFlags(**flags)
+    recipe_flags.check_flags(run, read_files=False)  # every value one the recipe takes
+    group = config.optimizer.param_groups[0].optimizer_kwargs
+    assert (run.model, run.seqlen, run.steps, run.lr) == (f"{family}:{config.model_spec.flavor}", config.training.seq_len, config.training.steps, group["lr"])
+    assert run.fsdp * run.ep * run.tp * run.cp * run.pp == 8
+    assert run.global_batch_size == config.training.local_batch_size * run.fsdp * run.ep * run.grad_accum
+    mapped += 1
+  assert mapped >= 2, names  # each family's own debug and full-size configs
+
+
+def test_llama3_8b_is_torchtitans_run_on_the_recipes_flags():
+  config = titan_config.parse(["--module", "llama3", "--config", "llama3_8b", "--training.steps=3",
+                               "--parallelism.tensor_parallel_degree=2", "--checkpoint.enable", "--checkpoint.interval=2"])
+  flags, notes = titan_config.to_flags(config, devices=8)
+  assert {k: flags[k] for k in ("model", "steps", "seqlen", "fsdp", "tp", "global_batch_size", "dtype", "save_every")} == dict(
+    model="llama3:8B", steps=3, seqlen=8192, fsdp=4, tp=2, global_batch_size=4, dtype="bfloat16", save_every=2,
+  )
+  assert (flags["lr_decay"], flags["warmup_steps"], flags["beta2"], flags["weight_decay"]) == ("linear", 200, 0.95, 0.1)
+  assert any("hf_assets_path './assets/hf/Llama-3.1-8B' holds no tokenizer.json" in n for n in notes), notes
+  with pytest.raises(TorchOnTpuError, match=r"torchtitan's lr_scheduler\.total_steps=100 has no counterpart.*drop it \(its default is None\)"):
+    titan_config.to_flags(titan_config.parse(["--module", "llama3", "--config", "llama3_8b", "--lr_scheduler.total_steps=100"]), devices=8)
+  with pytest.raises(TorchOnTpuError, match=r"fused_opt_states_bf16 keeps Adam's moments in bf16"):
+    titan_config.to_flags(titan_config.parse(["--module", "llama3", "--config", "llama3_8b", "--optimizer.implementation=fused_opt_states_bf16"]), devices=8)
+
+
+@pytest.mark.parametrize("kw", [
+  dict(warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0),
+  dict(warmup_steps=3, decay_ratio=None, decay_type="cosine", min_lr_factor=0.1),
+  dict(warmup_steps=0, decay_ratio=0.5, decay_type="sqrt", min_lr_factor=0.2),
+  dict(warmup_steps=12, decay_ratio=None, decay_type="linear", min_lr_factor=0.0),  # warmup longer than the run
+])
+def test_the_schedule_is_torchtitans_step_for_step(kw):
+  from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+
+  steps, lr = 10, 1e-3
+  config = types.SimpleNamespace(optimizer=default_adamw(lr=lr), lr_scheduler=LRSchedulersContainer.Config(**kw), training=types.SimpleNamespace(steps=steps))
+  ours = warmup_stable_decay(lr, steps, warmup_steps=kw["warmup_steps"], decay_ratio=kw["decay_ratio"], decay=kw["decay_type"], min_lr_factor=kw["min_lr_factor"])
+  assert [float(ours(k)) for k in range(steps)] == pytest.approx(torchtitans_lrs(config), rel=1e-6, abs=1e-12)
+
+
+def torchtitans_lrs(config) -> list[float]:
+  """The learning rate of each step under torchtitan's own optimizer and scheduler for `config`."""
+  model = torch.nn.Linear(2, 2)
+  optimizers = dataclasses.replace(config.optimizer, implementation="for-loop").build(model_parts=[model])
+  schedulers = config.lr_scheduler.build(optimizers=optimizers, training_steps=config.training.steps)
+  lrs = []
+  for _ in range(config.training.steps):
+    lrs.append(optimizers.optimizers[0].param_groups[0]["lr"])
+    optimizers.step()
+    schedulers.step()
+  return lrs
+
+
+def test_torchtitans_debug_config_trains_as_it_is_and_the_printed_flags_are_the_same_run(tmp_path, capsys):
+  dump = tmp_path / "outputs"
+  argv = ["--module", "llama3", "--config", "llama3_debugmodel", "--training.steps=3", "--training.seq_len=64",
+          "--training.local_batch_size=1", f"--dump_folder={dump}", "--metrics.log_freq=5", "--eval_every=0"]
+  titan_recipe.command(argv)
+  said = capsys.readouterr().out
+  assert "torchtitan's hf_assets_path './tests/assets/tokenizer' holds no tokenizer.json here" in said
+  assert "torchtitan's dataset 'c4_test' is a download by name" in said
+  records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+  assert [r["learning_rate"] for r in records if "loss" in r] == pytest.approx(torchtitans_lrs(titan_config.parse(argv[:-1])), rel=1e-6)
+  assert all(torch.isfinite(torch.tensor([r["loss"] for r in records if "loss" in r])))
+  (same,) = [line.split(": ", 1)[1] for line in said.splitlines() if line.startswith("The same run in this recipe's flags: ")]
+  words = shlex.split(same)
+  assert words[:3] == ["python", "-m", "recipes.torchtitan"]
+  pasted = titan_recipe.TorchtitanFlags(**{a[2:].split("=", 1)[0]: ast.literal_eval(a.split("=", 1)[1]) for a in cli.parse_argv(words[3:], titan_recipe.TorchtitanFlags)})
+  assert (pasted.model, pasted.global_batch_size, pasted.lr_decay, pasted.eval_every) == ("llama3:debugmodel", 8, "linear", 0)
+  titan_recipe.command(words[3:])  # pasted: the same run, which is done
+  assert f"Nothing to train: {dump}/checkpoint already holds step 3 of --steps=3" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, said", [
+  (["--parallelism.data_parallel_shard_degree=3"], r"do not multiply to the 8 devices here; .*--cpu_devices=N simulates"),
+  (["--checkpoint.initial_load_path=/nonexistent/step-10"], r"--weights: '/nonexistent/step-10' does not exist"),
+])
+def test_a_config_that_cannot_run_is_one_sentence_and_a_nonzero_status(argv, said, capsys):
+  command = functools.partial(titan_recipe.command, ["--module", "llama3", "--config", "llama3_debugmodel", *argv])
+  with pytest.raises(SystemExit) as stop:
+    command()
+  err = capsys.readouterr().err.strip()
+  assert stop.value.code != 0 and re.search(said, err) and len(err.splitlines()) == 1, err
