@@ -16,6 +16,10 @@ WARNINGS = (
 # logger → texts its records start with: torchax says an init's `param.data.uniform_()` copies
 LOG_RECORDS = {
   "torchax.tensor": ("In-place to .data modifications still results a copy",),
+  # torchao (float8) on import: its optional CUDA extensions (MXFP8, CUTLASS sm90a) have no CPU build
+  "torchao": ("Failed to load ",),
+  # torch on torchao's import: its Enum configs registered as pytree constants, a deprecation for torchao
+  "torch.utils._pytree": ("%s is an Enum subclass and is now natively supported",),
 }
 
 
