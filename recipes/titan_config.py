@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import shlex
+import sys
 
 from torch_on_tpu.errors import TorchOnTpuError
 
@@ -81,6 +82,8 @@ def parse(args: list[str]):
   titan_log = logging.getLogger()  # torchtitan's logger is the root one
   level = titan_log.level
   titan_log.setLevel(logging.ERROR)  # its warnings on what it finds missing: said in our own lines
+  program = sys.argv[0]
+  sys.argv[0] = f"python -m recipes.torchtitan {names}"  # what tyro's help and errors tell one to run
   try:
     return ConfigManager().parse_args(list(args))
   except ModuleNotFoundError as e:
@@ -90,6 +93,7 @@ def parse(args: list[str]):
     raise TorchOnTpuError(f"torchtitan could not build its config ({names}) here: {first_line(e)}{hint}.") from None
   finally:
     titan_log.setLevel(level)
+    sys.argv[0] = program
 
 
 def _not_installed(error: ModuleNotFoundError, what: str) -> TorchOnTpuError:
@@ -383,7 +387,6 @@ def main(argv: list[str], recipe_main) -> None:
   """Runs `recipe_main` (a `cli.cli` function) on torchtitan's config in `argv` and this recipe's flags
   after it; says the lines of `to_flags` and the same run as flags first. A mistake: one sentence, status 2."""
   import ast
-  import sys
 
   from recipes import cli
 

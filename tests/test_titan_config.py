@@ -149,3 +149,11 @@ def test_a_config_that_cannot_run_is_one_sentence_and_a_nonzero_status(argv, sai
     command()
   err = capsys.readouterr().err.strip()
   assert stop.value.code != 0 and re.search(said, err) and len(err.splitlines()) == 1, err
+
+
+def test_a_mistyped_override_is_torchtitans_own_parser_answering_with_the_nearest_field(capsys):
+  with pytest.raises(SystemExit) as stop:
+    titan_recipe.command(["--module", "llama3", "--config", "llama3_debugmodel", "--training.stepz=3"])
+  err = " ".join(re.sub(r"[│╭╮╰╯─]", " ", capsys.readouterr().err).split())  # tyro's panel, its box drawn away
+  assert stop.value.code == 2 and "Unrecognized options: --training.stepz=3" in err and "--training.steps INT" in err, err
+  assert "run python -m recipes.torchtitan --module llama3 --config llama3_debugmodel --help" in err, err  # pastes
