@@ -88,10 +88,24 @@ def test_pipeline_stages_compile_for_v6e():
   assert report.pipeline and report.collective_bytes.by_kind.get("collective-permute", 0) > 0, report
 
 
-def test_hf_llama_step_compiles_for_v5p():
+# The README's HF architectures whose attention is torch's SDPA: gpt-oss runs eager (its sinks),
+# Mamba has no attention, Qwen3-Next's full-attention layers are SDPA beside its linear ones.
+HF_SDPA = sorted(set(bf16_training.HF) - {"gpt_oss", "mamba"})
+
+
+@pytest.mark.parametrize("arch", HF_SDPA)
+def test_each_hf_sdpa_architecture_steps_on_splash_on_v5p(arch):
+  """transformers' mask and attention interfaces hand the model's causal (and padding) mask to the
+  bridge as segment ids, so its attention is splash's Mosaic kernel, not XLA on a dense mask."""
+  config = bf16_training.HF[arch]()
+  config._attn_implementation = "sdpa"
+  if arch == "gpt2":
+    config.attn_pdrop = 0.0  # its default attention dropout (0.1) runs on the XLA kernel: splash has none
   mesh = tot.make_mesh(target="v5p-8", fsdp=-1)
-  jm = tot.ShardedModule(h.build_causal_lm(h.hf_config("llama")), mesh=mesh, abstract=True)
-  compile_step(jm, {"input_ids": tokens(4, 64)}, tokens(4, 64))
+  jm = tot.ShardedModule(h.build_causal_lm(config), mesh=mesh, abstract=True)
+  inputs = {"input_ids": tokens(8, 64), "attention_mask": tokens(8, 64), "use_cache": False}
+  report = compile_step(jm, inputs, tokens(8, 64))
+  assert report.custom_calls.get(MOSAIC, 0) > 0, (arch, report.custom_calls)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "mamba"])

@@ -134,9 +134,12 @@ class Attention:
     )
 
   def flex(self, q, k, v, *, segment_ids, scale, enable_gqa, causal=True, window=None, sinks=None):
-    """A family's masked attention (torchtitan's flex, varlen) on torch tensors (B, N, L, H): causal or not,
-    within documents (`segment_ids` (B, L)), a sliding `window`, per-head `sinks`."""
-    seg = None if segment_ids is None else jax_view(segment_ids)
+    """A family's masked attention (torchtitan's flex, varlen; HF's SDPA) on torch tensors (B, N, L, H): causal
+    or not, within documents (`segment_ids` (B, L), or a (queries', keys') pair), a sliding `window`, per-head `sinks`."""
+    if segment_ids is None or isinstance(segment_ids, tuple):
+      seg = None if segment_ids is None else tuple(jax_view(s) for s in segment_ids)
+    else:
+      seg = (jax_view(segment_ids),) * 2
     out = self(
       jax_view(q),
       jax_view(k),
@@ -144,7 +147,7 @@ class Attention:
       causal=causal,
       window=window,
       sinks=None if sinks is None else jax_view(sinks),
-      segment_ids=None if seg is None else (seg, seg),
+      segment_ids=seg,
       scale=scale,
       enable_gqa=enable_gqa,
     )

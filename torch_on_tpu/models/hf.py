@@ -323,6 +323,13 @@ class HFFamily(Family):
   def running(self, module, mesh=None, data_axes=()):
     return torch_reference_kernels(module)
 
+  def attention_routes(self, attend):
+    if "transformers" not in sys.modules:  # no HF model in this process to route
+      return []
+    from torch_on_tpu.models import hf_attention
+
+    return [hf_attention.routed(attend)]
+
   def layer_stack_problem(self, module, layers):
     return per_layer_inputs_problem(module, layers)
 

@@ -1,0 +1,191 @@
+"""HF transformers' SDPA attention on the bridge's kernels (splash on TPU), through transformers' own
+extension points: while a model is traced, the "sdpa" entries of `AttentionMaskInterface` and
+`AttentionInterface` are ours (`routed`).
+
+transformers builds an SDPA mask as a dense (B, 1, L, S) boolean tensor under jit, which splash
+cannot take. Our mask builder reads the pattern the model asked for instead — causal or
+bidirectional, a sliding window, Llama 4's chunks, the padding of `attention_mask` — from the mask
+functions transformers composes (`and_masks` of its named overlays), and returns `HFMasks`: that
+pattern as segment ids, which every kernel takes. A mask it does not recognise (an `or_masks`
+overlay for image tokens, packed sequences, a bidirectional window, a decode step against a cache)
+is transformers' own dense mask, and its SDPA call runs on the XLA kernel, as before.
+
+Exactness: a query row whose visible keys are all padding is all-False in transformers' mask, for
+which torch's SDPA returns zeros. Here such a row attends the padding it can see (so the kernel has
+something to normalise) and its output is then zeroed: torch's values and gradients."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+from torch_on_tpu.core import _compat
+
+
+class HFMasks:
+  """An SDPA mask as segment ids: query i may see key j when `q_ids[i] == kv_ids[j]` (padding and
+  chunks), `j <= i` if `causal`, `j > i - window` if `window`; rows where `keep` is False (no key
+  to see) give zeros. `q_ids`/`kv_ids`/`keep` (B, L) are None when only the static pattern applies."""
+
+  def __init__(self, q_ids, kv_ids, keep, *, causal: bool, window: int | None):
+    self.q_ids, self.kv_ids, self.keep = q_ids, kv_ids, keep
+    self.causal, self.window = causal, window
+
+  def __repr__(self) -> str:
+    parts = ["causal" if self.causal else "bidirectional"]
+    if self.window is not None:
+      parts.append(f"window {self.window}")
+    if self.q_ids is not None:
+      parts.append(f"segments {tuple(self.q_ids.shape)}")
+    return f"HFMasks({', '.join(parts)})"
+
+  def dense(self, length: int) -> torch.Tensor:
+    """transformers' own (B or 1, 1, L, L) boolean mask for the same pattern."""
+    rows = torch.arange(length)[:, None]
+    cols = torch.arange(length)[None, :]
+    allowed = torch.ones(length, length, dtype=torch.bool)
+    if self.causal:
+      allowed = allowed & (cols <= rows)
+    if self.window is not None:
+      allowed = allowed & (cols > rows - self.window)
+    allowed = allowed[None, None]
+    if self.q_ids is not None:
+      allowed = allowed & (self.q_ids[:, None, :, None] == self.kv_ids[:, None, None, :])
+    if self.keep is not None:
+      allowed = allowed & self.keep[:, None, :, None]
+    return allowed
+
+
+_compat.torch_pytree.register_pytree_node(  # it crosses the scanned layers' boundary as a layer argument
+  HFMasks,
+  lambda m: ([m.q_ids, m.kv_ids, m.keep], (m.causal, m.window)),
+  lambda children, static: HFMasks(*children, causal=static[0], window=static[1]),
+  serialized_type_name="torch_on_tpu.models.hf_attention.HFMasks",
+)
+
+
+def read_pattern(mask_function) -> dict | None:
+  """{causal, window, chunk: (size, left_padding) | None} of a transformers mask function built from
+  its named pieces (`and_masks` of causal/bidirectional, `sliding_window_overlay`,
+  `chunked_overlay`); None for anything else."""
+  from transformers import masking_utils as mu
+
+  parts = _intersected(mask_function)
+  if parts is None:
+    return None
+  causal = window = chunk = None
+  for part in parts:
+    if part is mu.causal_mask_function:
+      causal = True
+    elif part is mu.bidirectional_mask_function:
+      causal = bool(causal)
+    elif part.__qualname__ == "sliding_window_overlay.<locals>.inner_mask":
+      window = inspect.getclosurevars(part).nonlocals["sliding_window"]
+    elif part.__qualname__ == "chunked_overlay.<locals>.inner_mask":
+      found = inspect.getclosurevars(part).nonlocals
+      chunk = (found["chunk_size"], found["left_padding"])
+    else:
+      return None
+  if causal is None or (not causal and (window is not None or chunk is not None)):
+    return None
+  return {"causal": causal, "window": window, "chunk": chunk}
+
+
+def _intersected(fn) -> list | None:
+  """The mask functions `fn` intersects (`and_masks`, nested), or [fn]; None if not a function."""
+  if not callable(fn) or not hasattr(fn, "__qualname__"):
+    return None
+  if fn.__qualname__ != "and_masks.<locals>.and_mask":
+    return [fn]
+  parts = []
+  for inner in inspect.getclosurevars(fn).nonlocals["mask_functions"]:
+    more = _intersected(inner)
+    if more is None:
+      return None
+    parts.extend(more)
+  return parts
+
+
+def build_masks(length: int, padding, *, causal: bool, window: int | None, chunk) -> HFMasks:
+  """`HFMasks` for sequences of `length`, `padding` (B, L) the 2-D attention_mask (1: a token) or None."""
+  positions = torch.arange(length)
+  chunk_ids = None
+  if chunk is not None:
+    size, left = chunk
+    chunk_ids = (positions[None, :] - left[:, None]) // size
+  if padding is None:
+    return HFMasks(chunk_ids, chunk_ids, None, causal=causal, window=window)
+  real = padding.to(torch.bool)
+  counts = torch.nn.functional.pad(real.to(torch.int32).cumsum(1), (1, 0))  # counts[:, i]: real keys before i
+  if causal:
+    low = positions[None, :].expand_as(real)
+    low = torch.zeros_like(low) if window is None else (low - window + 1).clamp(min=0)
+    if chunk is not None:
+      low = torch.maximum(low, (chunk_ids * chunk[0] + chunk[1][:, None]).clamp(min=0))
+    seen = counts[:, 1:] - torch.gather(counts, 1, low)
+  else:
+    seen = counts[:, -1:].expand_as(real)
+  keep = seen > 0
+  kv_ids = real.to(torch.int32)
+  q_ids = keep.to(torch.int32)
+  if chunk_ids is not None:
+    kv_ids, q_ids = kv_ids + 2 * chunk_ids, q_ids + 2 * chunk_ids
+  return HFMasks(q_ids, kv_ids, keep, causal=causal, window=window)
+
+
+def _mask_builder(original):
+  def sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs):
+    from transformers import masking_utils as mu
+
+    mask_function = mu.causal_mask_function if mask_function is None else mask_function
+    same = (q_offset, kv_offset) == (0, 0) and q_length == kv_length
+    padded = attention_mask is not None and (attention_mask.ndim != 2 or attention_mask.shape[-1] != kv_length)
+    pattern = read_pattern(mask_function) if same and not padded else None
+    if pattern is None:
+      return original(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+        mask_function=mask_function, attention_mask=attention_mask, **kwargs,
+      )
+    return build_masks(kv_length, attention_mask, **pattern)
+
+  return sdpa_mask
+
+
+def _attention(original, attend):
+  def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    if not isinstance(attention_mask, HFMasks):
+      return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    masks = attention_mask
+    plain = dropout == 0 and query.shape[2] == key.shape[2] and not any(
+      kwargs.get(k) is not None for k in ("position_bias", "cache", "softcap")
+    )
+    if not plain:  # transformers' SDPA as it is, on its own dense mask
+      return original(module, query, key, value, masks.dense(key.shape[2]), dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    ids = None if masks.q_ids is None else (masks.q_ids, masks.kv_ids)
+    out = attend(
+      query, key, value, segment_ids=ids, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+      causal=masks.causal, window=masks.window,
+    )
+    if masks.keep is not None:
+      out = out * masks.keep[:, None, :, None].to(out.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+  return sdpa_attention_forward
+
+
+@contextlib.contextmanager
+def routed(attend):
+  """While active, HF models configured for "sdpa" build `HFMasks` and run `attend` (the bridge's
+  kernel, `routing.Attention.flex`) wherever their mask is one it takes."""
+  from transformers.masking_utils import AttentionMaskInterface
+  from transformers.modeling_utils import AttentionInterface
+
+  masks, functions = AttentionMaskInterface._global_mapping, AttentionInterface._global_mapping
+  before = masks["sdpa"], functions["sdpa"]
+  masks["sdpa"], functions["sdpa"] = _mask_builder(before[0]), _attention(before[1], attend)
+  try:
+    yield
+  finally:
+    masks["sdpa"], functions["sdpa"] = before
