@@ -42,12 +42,18 @@ PATTERNS = {
   "chunks of 4": lambda pad: mu.chunked_causal_mask_function(4, left_padding(pad)),
   "causal, nested": lambda pad: mu.and_masks(mu.and_masks(mu.causal_mask_function), mu.sliding_window_overlay(5)),
 }
+POSITIONS = torch.tensor([list(range(5)) + list(range(7))] * 3 + [list(range(12))] + [[0] * 12])  # packed: 5 + 7 tokens
+PACKED = {  # as create_causal_mask composes them for position_ids without an attention_mask
+  f"packed, {name}": (lambda pad, name=name: mu.packed_sequence_compatibility_function(
+    PATTERNS[name](pad), POSITIONS, mu.find_packed_sequence_indices(POSITIONS)))
+  for name in ("causal", "sliding window 3", "chunks of 4")
+}
 
 
-@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+@pytest.mark.parametrize("pattern", sorted({**PATTERNS, **PACKED}))
 def test_each_pattern_read_from_transformers_mask_functions_is_its_own_mask(pattern):
-  for padding in paddings():
-    function = PATTERNS[pattern](padding)
+  for padding in paddings()[:1] if pattern in PACKED else paddings():
+    function = {**PATTERNS, **PACKED}[pattern](padding)
     theirs = mu.sdpa_mask(
       batch_size=5, q_length=LENGTH, kv_length=LENGTH, mask_function=function, attention_mask=padding,
       allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
@@ -63,7 +69,7 @@ def test_patterns_it_cannot_express_stay_transformers_dense_masks():
   for function in (
     mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(ids)),  # image tokens seeing each other
     mu.sliding_window_bidirectional_mask_function(3),  # a two-sided window: one-sided in the kernels
-    mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(ids)),
+    mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(ids)),  # documents without their positions
     mu.sliding_window_overlay(3),  # an overlay on no base pattern
   ):
     assert hf_attention.read_pattern(function) is None
@@ -92,22 +98,30 @@ def hf_config(kind):
   return config
 
 
-def loss_and_grads(jm, tokens, labels, padding):
-  """`h.jax_loss_and_grads` with the padding mask an argument of the differentiated call."""
+def loss_and_grads(jm, tokens, labels, extra):
+  """`h.jax_loss_and_grads` with the mask or positions (`extra`, a dict of tensors) arguments of the differentiated call."""
 
-  def loss_fn(params, tokens, labels, padding):
-    out = jm.functional_call(params, jm.buffers, torch_view(tokens), attention_mask=torch_view(padding), use_cache=False)
+  def loss_fn(params, tokens, labels, extra):
+    out = jm.functional_call(params, jm.buffers, torch_view(tokens), **torch_view(extra), use_cache=False)
     with torchax.default_env():
       loss = F.cross_entropy(h.logits_of(out).flatten(0, 1).float(), torch_view(labels).flatten())
     return jax_view(loss)
 
-  return jax.jit(jax.value_and_grad(loss_fn))(jm.params, jm.place(tokens), jm.place(labels), jm.place(padding))
+  placed = {k: jm.place(v) for k, v in extra.items()}
+  return jax.jit(jax.value_and_grad(loss_fn))(jm.params, jm.place(tokens), jm.place(labels), placed)
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama, bidirectional", "mistral, sliding window 4", "llama4, chunks of 4"])
-def test_padded_hf_models_compute_torchs_logits_and_gradients_through_segment_ids(kind, monkeypatch):
-  """Left, right and middle padding and an all-padding row, every position compared (padded rows
-  too: torch's SDPA gives a row that sees nothing zeros, as the bridge does); fp32, ‖Δ‖/‖ref‖ ≤ 1e-5."""
+CASES = [(kind, "padding") for kind in ("llama", "llama, bidirectional", "mistral, sliding window 4", "llama4, chunks of 4")] + [
+  (kind, "packed documents") for kind in ("llama", "mistral, sliding window 4", "llama4, chunks of 4")
+]
+
+
+@pytest.mark.parametrize("kind, inputs", CASES)
+def test_hf_models_compute_torchs_logits_and_gradients_through_segment_ids(kind, inputs, monkeypatch):
+  """Padding: left, right, in the middle and a row of it, every position compared (padded rows too:
+  torch's SDPA gives a row that sees nothing zeros, as the bridge does). Packed documents: position_ids
+  that restart, which transformers turns into document masks (and Llama 4 into chunks by position).
+  fp32, ‖Δ‖/‖ref‖ ≤ 1e-5 for the logits and every gradient."""
   built = []
   build = hf_attention.build_masks
   monkeypatch.setattr(hf_attention, "build_masks", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
@@ -115,13 +129,15 @@ def test_padded_hf_models_compute_torchs_logits_and_gradients_through_segment_id
   config = hf_config(kind)
   jm = tot.ShardedModule(h.build_causal_lm(config), mesh=tot.make_mesh(fsdp=-1))
   ref = h.reference(jm, lambda device: h.build_causal_lm(config, device=device))
-  padding = torch.cat([paddings()[1], torch.ones(3, LENGTH, dtype=torch.long)])  # 8 rows over the 8 devices
+  if inputs == "padding":
+    extra = {"attention_mask": torch.cat([paddings()[1], torch.ones(3, LENGTH, dtype=torch.long)])}  # 8 rows, 8 devices
+  else:
+    extra = {"position_ids": torch.cat([POSITIONS[:3]] * 3)[:8]}
   tokens, labels = h.random_batch(256, batch=8, seq=LENGTH)
-  kwargs = {"attention_mask": padding, "use_cache": False}
-  logits, loss, grads = h.torch_loss_and_grads(ref, tokens, labels, kwargs)
-  our_loss, our_grads = loss_and_grads(jm, tokens, labels, padding)
+  logits, loss, grads = h.torch_loss_and_grads(ref, tokens, labels, {**extra, "use_cache": False})
+  our_loss, our_grads = loss_and_grads(jm, tokens, labels, extra)
   assert built and all(m.q_ids is not None for m in built), built  # the segment-id path, not a dense mask
-  ours = tot.to_cpu(h.logits_of(jm(tokens, **kwargs)))
+  ours = tot.to_cpu(h.logits_of(jm(tokens, **extra, use_cache=False)))
   assert h.rel(ours, logits) < 1e-5 and abs(float(our_loss) - float(loss)) < 1e-5 * abs(float(loss))
   stored = h.per_layer(jm, our_grads)
   assert max(h.rel(torch.as_tensor(stored[n]), g) for n, g in grads.items()) < 1e-5

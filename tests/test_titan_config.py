@@ -157,3 +157,14 @@ def test_a_mistyped_override_is_torchtitans_own_parser_answering_with_the_neares
   err = " ".join(re.sub(r"[│╭╮╰╯─]", " ", capsys.readouterr().err).split())  # tyro's panel, its box drawn away
   assert stop.value.code == 2 and "Unrecognized options: --training.stepz=3" in err and "--training.steps INT" in err, err
   assert "run python -m recipes.torchtitan --module llama3 --config llama3_debugmodel --help" in err, err  # pastes
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_a_familys_own_debug_config_plans_and_compiles_as_it_is(family, tmp_path, capsys):
+  """torchtitan's `<family>_debugmodel` (MLA and MoE; sinks and windows in torchtitan's bf16), only
+  shortened, through the plan and the compile (`--dry_run`); Llama 3's trains above."""
+  titan_recipe.command(["--module", family, "--config", f"{family}_debugmodel", "--training.seq_len=64",
+                        "--training.local_batch_size=1", f"--dump_folder={tmp_path}", "--dry_run"])
+  said = capsys.readouterr().out
+  assert f'"model": "{family}:debugmodel"' in said and '"dtype": "bfloat16"' in said
+  assert "Memory plan per device" in said and "Compiled step: compiled in" in said

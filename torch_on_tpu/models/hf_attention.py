@@ -67,15 +67,31 @@ _compat.torch_pytree.register_pytree_node(  # it crosses the scanned layers' bou
 
 
 def read_pattern(mask_function) -> dict | None:
-  """{causal, window, chunk: (size, left_padding) | None} of a transformers mask function built from
-  its named pieces (`and_masks` of causal/bidirectional, `sliding_window_overlay`,
-  `chunked_overlay`); None for anything else."""
+  """{causal, window, chunk: (size, left_padding) | None, documents, positions} of a transformers mask
+  function built from its named pieces (`and_masks` of causal/bidirectional, `sliding_window_overlay`,
+  `chunked_overlay`; packed sequences' document ids and the positions it remaps indices to); None for
+  anything else."""
   from transformers import masking_utils as mu
 
   parts = _intersected(mask_function)
   if parts is None:
     return None
-  causal = window = chunk = None
+  causal = window = chunk = documents = positions = None
+  for part in list(parts):
+    name = part.__qualname__
+    if name == "packed_sequence_mask_function.<locals>.inner_mask":
+      documents = inspect.getclosurevars(part).nonlocals["packed_sequence_mask"]
+      parts.remove(part)
+    elif name == "remap_positions_for_packed_sequence.<locals>.inner_mask":
+      found = inspect.getclosurevars(part).nonlocals
+      positions = found["position_ids"]  # within a document positions run as indices do, but chunks count positions
+      inner = _intersected(found["mask_function"])
+      if inner is None:
+        return None
+      parts.remove(part)
+      parts.extend(inner)
+  if (documents is None) != (positions is None):
+    return None
   for part in parts:
     if part is mu.causal_mask_function:
       causal = True
@@ -90,7 +106,7 @@ def read_pattern(mask_function) -> dict | None:
       return None
   if causal is None or (not causal and (window is not None or chunk is not None)):
     return None
-  return {"causal": causal, "window": window, "chunk": chunk}
+  return {"causal": causal, "window": window, "chunk": chunk, "documents": documents, "positions": positions}
 
 
 def _intersected(fn) -> list | None:
@@ -108,15 +124,20 @@ def _intersected(fn) -> list | None:
   return parts
 
 
-def build_masks(length: int, padding, *, causal: bool, window: int | None, chunk) -> HFMasks:
-  """`HFMasks` for sequences of `length`, `padding` (B, L) the 2-D attention_mask (1: a token) or None."""
-  positions = torch.arange(length)
+def build_masks(length: int, padding, *, causal: bool, window: int | None, chunk, documents=None, positions=None) -> HFMasks:
+  """`HFMasks` for sequences of `length`: `padding` (B, L) the 2-D attention_mask (1: a token) or None;
+  `documents` (B, L) packed sequences' ids, whose `positions` restart at each (no padding then)."""
   chunk_ids = None
   if chunk is not None:
     size, left = chunk
-    chunk_ids = (positions[None, :] - left[:, None]) // size
+    at = torch.arange(length)[None, :] if positions is None else positions
+    chunk_ids = (at - left[:, None]) // size
   if padding is None:
-    return HFMasks(chunk_ids, chunk_ids, None, causal=causal, window=window)
+    ids = _runs(documents, chunk_ids)
+    return HFMasks(ids, ids, None, causal=causal, window=window)
+  if documents is not None:
+    raise ValueError("packed sequences come without padding (transformers looks for them only without an attention_mask)")
+  positions = torch.arange(length)
   real = padding.to(torch.bool)
   counts = torch.nn.functional.pad(real.to(torch.int32).cumsum(1), (1, 0))  # counts[:, i]: real keys before i
   if causal:
@@ -135,6 +156,17 @@ def build_masks(length: int, padding, *, causal: bool, window: int | None, chunk
   return HFMasks(q_ids, kv_ids, keep, causal=causal, window=window)
 
 
+def _runs(*ids) -> torch.Tensor | None:
+  """One id per run of tokens over which none of `ids` (B, L; None: absent) changes."""
+  ids = [i for i in ids if i is not None]
+  if not ids:
+    return None
+  change = torch.zeros(ids[0].shape, dtype=torch.bool)
+  for i in ids:
+    change = change | torch.nn.functional.pad(i[:, 1:] != i[:, :-1], (1, 0))
+  return change.to(torch.int32).cumsum(1)
+
+
 def _mask_builder(original):
   def sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs):
     from transformers import masking_utils as mu
@@ -143,7 +175,7 @@ def _mask_builder(original):
     same = (q_offset, kv_offset) == (0, 0) and q_length == kv_length
     padded = attention_mask is not None and (attention_mask.ndim != 2 or attention_mask.shape[-1] != kv_length)
     pattern = read_pattern(mask_function) if same and not padded else None
-    if pattern is None:
+    if pattern is None or (pattern["documents"] is not None and attention_mask is not None):
       return original(
         batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
         mask_function=mask_function, attention_mask=attention_mask, **kwargs,
