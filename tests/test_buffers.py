@@ -14,7 +14,6 @@ import torch
 
 import torch_on_tpu as tot
 from tests import helpers as h
-from torch_on_tpu.errors import TorchOnTpuError
 
 STEPS = 4
 LR = 0.1

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
 
 import torch_on_tpu as tot
 from torch_on_tpu.attention import context
@@ -250,7 +249,7 @@ def test_hf_left_padding_at_cp_matches_torch_eager(parity_tool):
   ref = model(**inputs).logits.detach().numpy()
   jm = tot.ShardedModule(model, mesh=tot.make_mesh(**MESHES["fsdp2xtp2xcp2"]), sharding="fsdp_tp", scan=True)
   assert h.rel(tot.to_cpu(jm(**inputs).logits).numpy(), ref) < TOL
-  assert jm.attention_splits() == ("cp=2: K/V all-gathered, contiguous pieces",)
+  assert jm.attention_splits() == ("cp=2: K/V all-gathered, zig-zag causal balance",)  # its mask: causal + segment ids
 
 
 def test_hand_written_attention_is_refused_naming_the_module():

@@ -6,10 +6,9 @@
 Models (tiny, CPU): torchtitan's Llama 3 debugmodel cut to 2 layers with flex
 attention over packed documents (`flex_masks(positions)`); HF Llama and Qwen3
 (SDPA) with left padding (an `attention_mask` with zeros at the start of some
-rows), and Qwen3 without padding (`qwen3_causal`). HF passes SDPA an explicit
-(B, 1, L, L) mask in both cases (under jax tracing transformers does not skip
-its causal mask), so HF calls run as contiguous pieces with K/V gathered; the
-zig-zag and the ring run for torchtitan. Meshes on 8 simulated devices: cp=8, fsdp=2 x cp=4, fsdp=2 x tp=2 x cp=2,
+rows), and Qwen3 without padding (`qwen3_causal`). HF's masks reach the kernel
+as a causal flag with segment ids (transformers' mask interface), so HF calls
+run zig-zag with K/V gathered, as torchtitan's do without the ring. Meshes on 8 simulated devices: cp=8, fsdp=2 x cp=4, fsdp=2 x tp=2 x cp=2,
 each against fsdp=8 (cp=1) from the same initial weights. Measured: the
 forward's logits, the losses of 5 AdamW steps and the trained weights, as
 ‖Δ‖/‖ref‖ (targets: forward 1e-5, losses and weights 1e-4); then the state

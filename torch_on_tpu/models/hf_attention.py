@@ -172,7 +172,8 @@ def _mask_builder(original):
     from transformers import masking_utils as mu
 
     mask_function = mu.causal_mask_function if mask_function is None else mask_function
-    same = (q_offset, kv_offset) == (0, 0) and q_length == kv_length
+    # a cache's offsets can be traced tensors (transformers' StaticLayer): those steps keep its mask
+    same = all(isinstance(o, int) and o == 0 for o in (q_offset, kv_offset)) and q_length == kv_length
     padded = attention_mask is not None and (attention_mask.ndim != 2 or attention_mask.shape[-1] != kv_length)
     pattern = read_pattern(mask_function) if same and not padded else None
     if pattern is None or (pattern["documents"] is not None and attention_mask is not None):
