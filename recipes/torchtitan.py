@@ -79,7 +79,11 @@ def run(flags: TorchtitanFlags) -> dict:
   return runner.run(flags, recipe)
 
 
-main = cli.cli(TorchtitanFlags, run, "Train any torchtitan registry model with torch_on_tpu.")
+main = cli.cli(
+  TorchtitanFlags, run,
+  "Train any torchtitan registry model with torch_on_tpu (or run torchtitan's own config: --module <family> "
+  "--config <config_registry function> [--section.key=value ...], its help: --module llama3 --config llama3_debugmodel --help).",
+)
 
 
 def command(argv: list[str]) -> None:
