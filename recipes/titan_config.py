@@ -132,8 +132,8 @@ def to_flags(config, devices: int) -> tuple[dict, list[str]]:
     return values[path]
 
   flags, notes = {}, []
-  family, flavor, mtp = _model(config)
-  flags.update(model=f"{family}:{flavor}", mtp_layers=mtp)
+  family, flavor, mtp, float8 = _model(config)
+  flags.update(model=f"{family}:{flavor}", mtp_layers=mtp, **float8)
   flags.update(_loss(config, mtp))
   flags.update(_parallelism(take, devices, notes))
   flags.update(seqlen=take("training.seq_len"), steps=take("training.steps"), clip_norm=take("training.max_norm"))
@@ -171,8 +171,9 @@ def _same(a, b) -> bool:
     return repr(a) == repr(b)
 
 
-def _model(config) -> tuple[str, str, int]:
-  """(family, flavor, MTP layers) of the config's model spec, which must be the registry's flavor as is."""
+def _model(config) -> tuple[str, str, int, dict]:
+  """(family, flavor, MTP layers, float8 flags) of the config's model spec, which must be the registry's
+  flavor as is, or with float8 linears that `--float8` and `--float8_skip` make as torchtitan's converter did."""
   from torch_on_tpu.models.torchtitan import LANGUAGE_FAMILIES
 
   spec = config.model_spec
@@ -184,12 +185,52 @@ def _model(config) -> tuple[str, str, int]:
   mtp = len(getattr(spec.model, "mtp_layers", None) or ())
   registry = importlib.import_module(f"torchtitan.models.{spec.name}")
   reference = registry.model_registry(spec.flavor, **({"num_mtp_layers": mtp} if mtp else {})).model
-  for path, ours, theirs in _differences(spec.model, reference, "model_spec.model"):
+  differences = list(_differences(spec.model, reference, "model_spec.model"))
+  float8 = _float8_flags(spec.model, reference, differences) if differences else {}
+  for path, ours, theirs in differences if not float8 else ():
     raise TorchOnTpuError(
       f"torchtitan's config changes {spec.name}:{spec.flavor}'s model at {path} ({_short(ours)} instead of "
       f"{_short(theirs)}); the recipe trains the registry's flavors as they are (float8: --float8=rowwise)."
     )
-  return spec.name, spec.flavor, mtp
+  return spec.name, spec.flavor, mtp, float8
+
+
+def _float8_flags(model, reference, differences) -> dict:
+  """--float8/--float8_skip when every difference is a linear torchtitan's float8 converter made, and
+  the same flags convert the registry's model to exactly this one; {} otherwise."""
+  from torch_on_tpu.lowering import float8
+
+  made = [(path, ours) for path, ours, theirs in differences
+          if type(ours).__qualname__ == "Float8Linear.Config" and type(theirs).__qualname__ == "Linear.Config"]
+  if len(made) != len(differences):
+    return {}
+  torchao = made[0][1]._torchao_config
+  emulate = getattr(torchao, "emulate", False)
+  recipe = next((r for r in float8.RECIPES if float8.torchao_config(r, emulate=emulate) == torchao), None)
+  converted = {path.removeprefix("model_spec.model.") for path, _ in made}
+  linears = [(fqn, c) for fqn, c in _linears(reference) if float8.converts(fqn, c.in_features, c.out_features, skip=())]
+  flags = {"float8": recipe, "float8_skip": ",".join(_module_path(fqn) for fqn, _ in linears if fqn not in converted)}
+  if recipe is None or any(torchao != m._torchao_config for _, m in made):
+    return {}
+  again = float8.convert(reference, recipe, skip=tuple(n for n in flags["float8_skip"].split(",") if n), emulate=emulate)
+  return flags if not list(_differences(model, again, "")) else {}
+
+
+def _linears(config, path: str = ""):
+  """(dotted path, config) of every Linear.Config in a torchtitan model config."""
+  if type(config).__qualname__ == "Linear.Config":
+    yield path.removeprefix("."), config
+  elif dataclasses.is_dataclass(config):
+    for field in dataclasses.fields(config):
+      yield from _linears(getattr(config, field.name), f"{path}.{field.name}")
+  elif isinstance(config, (list, tuple)):
+    for i, item in enumerate(config):
+      yield from _linears(item, f"{path}[{i}]")
+
+
+def _module_path(fqn: str) -> str:
+  """A config path (`layers[0].attention.wo`) as the built module's name (`layers.0.attention.wo`)."""
+  return re.sub(r"\[(\d+)\]", r".\1", fqn)
 
 
 def _differences(a, b, path):

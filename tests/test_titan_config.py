@@ -168,3 +168,23 @@ def test_a_familys_own_debug_config_plans_and_compiles_as_it_is(family, tmp_path
   said = capsys.readouterr().out
   assert f'"model": "{family}:debugmodel"' in said and '"dtype": "bfloat16"' in said
   assert "Memory plan per device" in said and "Compiled step: compiled in" in said
+
+
+def test_a_float8_converted_model_maps_onto_the_float8_flags_that_convert_it_the_same():
+  """torchtitan's float8 converter (emulated: its own check wants an NVIDIA GPU) with a filter: the
+  flags name the torchao recipe its linears hold and the linears it left alone, and converting the
+  registry's model with them gives the config's model exactly (else the config is refused)."""
+  from torchtitan.components.quantization import Float8LinearConverter
+  from torchtitan.models.llama3 import model_registry
+  from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+  from torch_on_tpu.lowering import float8
+
+  config = llama3_debugmodel()
+  converter = Float8LinearConverter.Config(emulate=True, filter_fqns=["feed_forward"])
+  config.model_spec = model_registry("debugmodel", converters=[converter])
+  flags, _ = titan_config.to_flags(config, devices=8)
+  skip = flags["float8_skip"].split(",")
+  assert flags["float8"] in float8.RECIPES and len(skip) == 3 * 6 and all(".feed_forward.w" in n for n in skip), flags
+  held = {type(m).__name__ for m in config.model_spec.model.build().modules()}  # built as torchtitan builds it
+  assert "Float8Linear" in held
