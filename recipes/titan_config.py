@@ -46,8 +46,8 @@ _ADAMW_KWARGS = {"lr", "betas", "eps", "weight_decay", "fused", "foreach", "capt
 
 
 def wanted(argv: list[str]) -> bool:
-  """The command names a torchtitan config (`--module`)."""
-  return any(a == "--module" or a.startswith("--module=") for a in argv)
+  """The command names a torchtitan config (`--module`, `--config`: neither is a flag of this recipe)."""
+  return any(a in ("--module", "--config") or a.startswith(("--module=", "--config=")) for a in argv)
 
 
 def split_argv(argv: list[str], flags_cls) -> tuple[list[str], list[str]]:
