@@ -56,7 +56,12 @@ def main(argv=None):
   config = {"steps": args.steps, "save_every": args.save_every, "lr": 1e-2, "data_seed": 1234}
 
   mesh = tot.make_mesh(fsdp=-1)
-  jm = tot.ShardedModule(build_causal_lm(tiny_llama_config()), mesh=mesh, sharding="fsdp", seed=0)
+  model_config = tiny_llama_config()
+  # Eager attention: with SDPA (the bridge's kernel through transformers' mask interface) one step's
+  # logged loss came out one ulp apart between the pytest process's reference and its workers, the
+  # states after it bitwise equal; not understood yet (2026-11-28 note), and not this test's subject.
+  model_config._attn_implementation = "eager"
+  jm = tot.ShardedModule(build_causal_lm(model_config), mesh=mesh, sharding="fsdp", seed=0)
   optimizer = optax.adamw(config["lr"])
 
   def init_state(params):

@@ -506,7 +506,7 @@ def test_sigkill_sigterm_and_relaunches_match_an_uninterrupted_run_bitwise(
   assert sorted(map(int, runs[3])) == list(range(stopped, STEPS))
   for i, run in enumerate(runs):
     differ = [s for s in run if run[s] != reference_losses[s]]
-    assert not differ, f"run {i} (first kill at {kill_at}): steps {differ} differ from the reference"
+    assert not differ, f"run {i} (first kill at {kill_at}): steps {differ} differ from the reference {[(run[s], reference_losses[s]) for s in differ]}"
 
 
 # ---- safetensors export ---------------------------------------------------------------------
