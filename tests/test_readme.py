@@ -157,7 +157,7 @@ def check_python(args: list[str]) -> None:
 def recipe_flags(module: str, args: list[str], *, read_files: bool = True, mesh=None):
   """The recipe's flags as its command line parses them, through its start-up checks (None for --help)."""
   flags_cls = importlib.import_module(module).main.flags_cls
-  if titan_config.wanted(args):  # torchtitan's own config: its ConfigManager's, mapped onto the flags
+  if module == "recipes.torchtitan" and titan_config.wanted(args):  # torchtitan's own config: its ConfigManager's, mapped onto the flags
     titan, ours = titan_config.split_argv(args, flags_cls)
     own = recipe_flags(module, ours, read_files=read_files)
     target = own.target and targets.parse(own.target)
