@@ -89,7 +89,8 @@ def parse(args: list[str]):
   except ModuleNotFoundError as e:
     raise _not_installed(e, f"config ({names})") from None
   except (ValueError, TypeError, ImportError, AttributeError) as e:
-    hint = "; float8 here is --float8=rowwise on its base config" if re.search(r"float8|MXFP8|NVFP4|SM\d", str(e)) else ""
+    gpu_only = "only supported on" in str(e) and re.search(r"float8|MXFP8|NVFP4", str(e))  # torchao's check for a GPU
+    hint = "; float8 here is --float8=rowwise on its base config" if gpu_only else ""
     raise TorchOnTpuError(f"torchtitan could not build its config ({names}) here: {first_line(e)}{hint}.") from None
   finally:
     titan_log.setLevel(level)
@@ -430,6 +431,7 @@ def main(argv: list[str], recipe_main) -> None:
   import ast
 
   from recipes import cli
+  from recipes.flags import check_flags
 
   titan, ours_argv = split_argv(argv, recipe_main.flags_cls)
   try:
@@ -437,10 +439,11 @@ def main(argv: list[str], recipe_main) -> None:
     ours = {name: ast.literal_eval(text) for name, text in ours.items()}
     config = parse(titan)
     flags, notes = to_flags(config, devices_for(ours))
+    flags.update(ours)
+    check_flags(recipe_main.flags_cls(**flags), read_files=False)  # the command printed below must be one that runs
   except (cli.FlagError, TorchOnTpuError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     raise SystemExit(2) from None
-  flags.update(ours)
   for line in notes:
     print(line, flush=True)
   print(f"The same run in this recipe's flags: {command_line(flags)}", flush=True)

@@ -142,13 +142,16 @@ def test_torchtitans_debug_config_trains_as_it_is_and_the_printed_flags_are_the_
 @pytest.mark.parametrize("argv, said", [
   (["--parallelism.data_parallel_shard_degree=3"], r"do not multiply to the 8 devices here; .*--cpu_devices=N simulates"),
   (["--checkpoint.initial_load_path=/nonexistent/step-10"], r"--weights: '/nonexistent/step-10' does not exist"),
+  (["--lr_decay=cubic"], r"^error: --lr_decay='cubic' is not one of cosine, linear, sqrt"),  # before any command is printed
 ])
 def test_a_config_that_cannot_run_is_one_sentence_and_a_nonzero_status(argv, said, capsys):
   command = functools.partial(titan_recipe.command, ["--module", "llama3", "--config", "llama3_debugmodel", *argv])
   with pytest.raises(SystemExit) as stop:
     command()
-  err = capsys.readouterr().err.strip()
+  said_out = capsys.readouterr()
+  err = said_out.err.strip()
   assert stop.value.code != 0 and re.search(said, err) and len(err.splitlines()) == 1, err
+  assert "--lr_decay=cubic" not in said_out.out  # no printed command carries the bad value
 
 
 def test_a_mistyped_override_is_torchtitans_own_parser_answering_with_the_nearest_field(capsys):
@@ -188,3 +191,9 @@ def test_a_float8_converted_model_maps_onto_the_float8_flags_that_convert_it_the
   assert flags["float8"] in float8.RECIPES and len(skip) == 3 * 6 and all(".feed_forward.w" in n for n in skip), flags
   held = {type(m).__name__ for m in config.model_spec.model.build().modules()}  # built as torchtitan builds it
   assert "Float8Linear" in held
+
+
+def test_a_config_function_that_does_not_exist_is_torchtitans_list_without_a_float8_hint():
+  with pytest.raises(TorchOnTpuError) as err:
+    titan_config.parse(["--module", "llama3", "--config", "llama3_nope"])
+  assert "Config function 'llama3_nope' not found" in str(err.value) and "--float8" not in str(err.value)

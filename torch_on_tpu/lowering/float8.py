@@ -27,9 +27,7 @@ own names: float8 is a compute format, checkpoints and exports do not change.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -209,19 +207,8 @@ def converts(fqn: str, in_features: int, out_features: int, skip=DEFAULT_SKIP) -
   return aligned and not any(name in fqn for name in skip)
 
 
-def _require_quietly(module: str, feature: str):
-  """`extras.require`, without torchao's import-time warnings where torch has no CUDA: its CUDA
-  kernels cannot load there (float8 training does not use them), and torch's pytree notes."""
-  quiet = [] if torch.cuda.is_available() else [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-  with contextlib.ExitStack() as stack:
-    for logger in quiet:
-      stack.callback(logger.setLevel, logger.level)
-      logger.setLevel(logging.ERROR)
-    return extras.require(module, feature)
-
-
 def _torchao_float8():
-  return _require_quietly("torchao.float8", "float8 training")
+  return extras.require("torchao.float8", "float8 training")  # its import-time noise: core.dependency_noise
 
 
 def torchao_config(recipe: str, *, emulate: bool = False):
@@ -241,7 +228,7 @@ def convert(target, recipe: str, skip=DEFAULT_SKIP, *, emulate: bool = False):
   """
   config = torchao_config(recipe, emulate=emulate)
   if hasattr(target, "traverse"):  # a torchtitan config tree
-    quantization = _require_quietly("torchtitan.components.quantization", "float8 training of torchtitan models")
+    quantization = extras.require("torchtitan.components.quantization", "float8 training of torchtitan models")
     # emulate=True only gets past the converter's GPU check; the recipe's config replaces its own.
     converter = quantization.Float8LinearConverter(
       quantization.Float8LinearConverter.Config(emulate=True, filter_fqns=list(skip))
