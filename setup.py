@@ -28,8 +28,10 @@ setup(
   # Heavy libraries only some features use (torch_on_tpu/core/extras.py says which, and
   # names the extra when one is missing). `all` is what the recipes and tests use.
   extras_require={
-    # torchtitan 0.3.0 imports triton unconditionally; its Qwen3.5 imports flash-linear-attention's fla-core
-    "torchtitan": ["torchtitan==0.3.0", "triton", "fla-core==0.6.0"],
+    # torchtitan 0.3.0 imports triton unconditionally. Not fla-core, which its Qwen3.5 imports: wherever it is
+    # installed transformers calls its CUDA kernels for Qwen3.5 and Qwen3-Next, on CPU too, so an export could
+    # not generate here; the bridge runs its own Gated DeltaNet, and core/fla_standins.py lets the import pass.
+    "torchtitan": ["torchtitan==0.3.0", "triton"],
     "hf": ["transformers>=5", "peft"],  # HF models, LoRA
     "data": ["tokenizers", "datasets", "pyarrow"],  # tokenizer training, HF datasets, parquet
     "logging": ["tensorboard", "matplotlib", "wandb"],  # TensorBoard scalars, the training plot, Weights & Biases
@@ -39,7 +41,7 @@ setup(
     # version jax 0.10's own tpu extra pins; quiet and shared where no TPU chips are (torch_on_tpu.runtime.libtpu)
     "targets": ["libtpu==0.0.42.*"],
     "all": [
-      "torchtitan==0.3.0", "triton", "fla-core==0.6.0", "transformers>=5", "peft", "tokenizers", "datasets", "pyarrow",
+      "torchtitan==0.3.0", "triton", "transformers>=5", "peft", "tokenizers", "datasets", "pyarrow",
       "tensorboard", "matplotlib", "wandb", "fire", "torchao==0.18.0", "libtpu==0.0.42.*",
     ],
     "cpu": ["jax[cpu]"],

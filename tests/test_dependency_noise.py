@@ -5,14 +5,12 @@ import subprocess
 import sys
 
 SCRIPT = """
-import logging, warnings
+import logging
 import torch_on_tpu
-import fla.utils  # flash-linear-attention warns at import on a machine without a GPU
 logging.basicConfig()
 torchax_log = logging.getLogger("torchax.tensor")
 torchax_log.warning("In-place to .data modifications still results a copy on TPU")  # as torchax says it
 torchax_log.warning("another torchax message")
-warnings.warn_explicit("another fla warning", UserWarning, "hardware.py", 1, module="fla.utils.hardware")
 import torchao  # its GPU-only extensions fail to load on import, and torch warns of its Enum constants
 logging.getLogger("torchao").warning("another torchao message")
 """
@@ -22,6 +20,6 @@ def test_dependency_noise_is_filtered_by_module_and_text_only():
   done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr
   out = done.stdout + done.stderr
-  assert "Triton is not supported" not in out and "In-place to .data" not in out, out
+  assert "In-place to .data" not in out, out
   assert "Failed to load" not in out and "is an Enum subclass" not in out, out
-  assert "another torchax message" in out and "another fla warning" in out and "another torchao message" in out, out
+  assert "another torchax message" in out and "another torchao message" in out, out

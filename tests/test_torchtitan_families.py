@@ -236,35 +236,25 @@ def test_gpt_oss_exports_as_hf_gpt_oss_with_our_logits(tmp_path):
   assert len(written) == len([n for n in state if n not in buffers])  # every weight (wq, wk, wv apart), no buffer
 
 
-@pytest.fixture
-def hf_gated_deltanet_in_torch(monkeypatch):
-  """transformers' Qwen3.5 runs its Gated DeltaNet through flash-linear-attention when that is
-  installed (as torchtitan needs it), whose Triton kernels have no CPU backend: its own
-  PyTorch path instead."""
-  import importlib
-
-  from torch_on_tpu.models import hf
-
-  for family in ("qwen3_5", "qwen3_5_moe"):
-    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    for name, fn in list(vars(modeling).items()):
-      if hf._calls_kernel_package(fn):  # what the bridge itself swaps while it traces
-        monkeypatch.setattr(modeling, name, fn.__wrapped__)
-
-
 @pytest.mark.parametrize("spec", ["qwen3_5:debugmodel", "qwen3_5:debugmodel_moe"])
-def test_qwen3_5_exports_as_hf_qwen3_5_with_our_logits(spec, tmp_path, hf_gated_deltanet_in_torch):
+def test_qwen3_5_exports_as_hf_qwen3_5_with_our_logits_and_generates_our_tokens(spec, tmp_path):
   """torchtitan's Qwen3.5 adapter fuses a layer's q/k/v and conv entries into one HF tensor
   (the export hands it those entries together) and writes fused experts in a layout
   transformers does not read (they are written per expert, as Qwen3.5-MoE checkpoints are).
-  transformers computes our logits, loads the whole multimodal model with no key missing or
-  left over, and every parameter comes back from the files."""
+  transformers computes our logits, generates our greedy tokens where the project is installed
+  (no flash-linear-attention, whose kernels transformers would call on CPU), loads the whole
+  multimodal model with no key missing or left over, and every parameter comes back from the files."""
   import transformers
   from torchtitan.models.qwen3_5.state_dict_adapter import Qwen35StateDictAdapter
 
   config = tiny(spec, layers=4)  # three Gated DeltaNet layers, then full attention
   jm = tp.wrap(config, "forward")
   written = _export_and_compare_logits(jm, tmp_path, seq=tp.SEQ)
+  text = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+  prompt = tp.packed_batch(batch=2, seq=6)[0]
+  with tp.fp32_experts():
+    ours = tot.generate(jm, prompt, max_new_tokens=4)
+  assert torch.equal(text.generate(prompt, max_new_tokens=4, do_sample=False), ours)
   _, info = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", output_loading_info=True)
   assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
   back = Qwen35StateDictAdapter(config, None).from_hf(written)
@@ -278,7 +268,7 @@ def test_qwen3_5_exports_as_hf_qwen3_5_with_our_logits(spec, tmp_path, hf_gated_
       assert torch.equal(back[name], value), name
 
 
-def test_qwen3_5s_vision_encoder_is_written_in_hf_layout(tmp_path, hf_gated_deltanet_in_torch):
+def test_qwen3_5s_vision_encoder_is_written_in_hf_layout(tmp_path):
   """The vision tower is written too (the bridge runs the text path; its weights are those
   loaded): transformers' Qwen3.5 vision model computes torchtitan's eager one from the files,
   once torchtitan's patch merger uses HF's exact GELU (torchtitan's config has tanh's

@@ -179,18 +179,19 @@ def eager_flex(p_in_fp32=False, lse_gradient=True):
 
 @contextlib.contextmanager
 def eager_linear_attention():
-  """Qwen3.5's Gated DeltaNet on CPU for the eager reference: flash-linear-attention's
-  own pure-torch recurrence (`naive_recurrent_gated_delta_rule`, after its l2norm) and a
+  """Qwen3.5's Gated DeltaNet on CPU for the eager reference: transformers' pure-torch
+  recurrence for Qwen3.5 (`torch_recurrent_gated_delta_rule`, l2-normalising q and k) and a
   plain depthwise `F.conv1d`, each run document by document from torchtitan's offsets
-  (its Triton kernels need CUDA)."""
+  (flash-linear-attention's Triton kernels, which torchtitan calls, need CUDA)."""
   import torch
   import torch.nn.functional as F
+  from transformers.models.qwen3_5 import modeling_qwen3_5
 
   model = sys.modules.get("torchtitan.models.qwen3_5.model")
   if model is None:
     yield
     return
-  from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+  recurrence = modeling_qwen3_5.torch_recurrent_gated_delta_rule.__wrapped__  # its torch code, never a package's kernel
 
   def pieces(cu_seqlens, total):
     bounds = [0, total] if cu_seqlens is None else cu_seqlens.tolist()
@@ -205,12 +206,8 @@ def eager_linear_attention():
     return F.silu(torch.cat(outs, dim=1))
 
   def kernel(self, q, k, v, g, beta, *, cu_seqlens=None, cu_seqlens_cpu=None):
-    if q.shape[2] != v.shape[2]:
-      q, k = (t.repeat_interleave(v.shape[2] // t.shape[2], dim=2) for t in (q, k))
-    l2 = lambda x: (x.float() / torch.sqrt((x.float() ** 2).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)  # noqa: E731
-    q, k = l2(q), l2(k)
     outs = [
-      naive_recurrent_gated_delta_rule(q[:, p], k[:, p], v[:, p], beta[:, p], g[:, p])[0]
+      recurrence(q[:, p], k[:, p], v[:, p], g[:, p], beta[:, p], use_qk_l2norm_in_kernel=True)[0]
       for p in pieces(cu_seqlens, q.shape[1])
     ]
     return torch.cat(outs, dim=1).to(v.dtype)

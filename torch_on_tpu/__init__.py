@@ -2,10 +2,11 @@
 
 Importing the package is quiet: public names load on first access and the
 platform (XLA flags, a multi-process join, torchax's lowerings) starts on first
-use or at `tot.setup()` (see `torch_on_tpu.runtime`). The import puts two
+use or at `tot.setup()` (see `torch_on_tpu.runtime`). The import puts three
 finders on `sys.meta_path`: one lets a later `import torchax` succeed on this stack
-(`core.torchax_import`), the other keeps the module paths from before the package's
-layout working (`core.old_paths`); and it silences our dependencies' messages that
+(`core.torchax_import`), one lets torchtitan's Qwen3.5 import without
+flash-linear-attention (`core.fla_standins`), and one keeps the module paths from
+before the package's layout working (`core.old_paths`); and it silences our dependencies' messages that
 tell a user nothing, each by its module and text (`core.dependency_noise`).
 """
 
@@ -14,9 +15,10 @@ from __future__ import annotations
 import importlib
 import warnings
 
-from torch_on_tpu.core import dependency_noise, old_paths, torchax_import
+from torch_on_tpu.core import dependency_noise, fla_standins, old_paths, torchax_import
 
 torchax_import.install()
+fla_standins.install()
 old_paths.install()
 dependency_noise.silence()
 

@@ -4,14 +4,6 @@ each by the module that emits it and its text, never a whole logger or warning c
 from __future__ import annotations
 
 import logging
-import warnings
-
-# (text, category, emitting module) of Python warnings
-WARNINGS = (
-  # flash-linear-attention (torchtitan's Qwen3.5, transformers' Qwen3-Next) on a machine without a
-  # GPU; the bridge runs its own kernels or the models' torch code, never fla's Triton
-  ("Triton is not supported on current platform", UserWarning, r"fla\.utils\.hardware"),
-)
 
 # logger → texts its records start with: torchax says an init's `param.data.uniform_()` copies
 LOG_RECORDS = {
@@ -34,8 +26,6 @@ class _DropRecords(logging.Filter):
 
 def silence() -> None:
   """Installs the filters (once per process: a filter added twice is one filter)."""
-  for text, category, module in WARNINGS:
-    warnings.filterwarnings("ignore", message=text, category=category, module=module)
   for name, prefixes in LOG_RECORDS.items():
     logger = logging.getLogger(name)
     if not any(isinstance(f, _DropRecords) for f in logger.filters):

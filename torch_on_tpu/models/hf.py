@@ -160,15 +160,16 @@ def replay_output_capture(template: torch.nn.Module, records) -> None:
 @contextlib.contextmanager
 def torch_reference_kernels(module: torch.nn.Module):
   """While the bridge traces, transformers' kernel-or-torch functions in the model's modules
-  (Qwen3-Next's gated delta rule and causal conv, ...) run transformers' torch code.
-  Where a kernel package is installed (flash-linear-attention is, for torchtitan's Qwen3.5)
-  transformers calls it instead, and its Triton/CUDA kernels cannot run on traced tensors.
+  (Qwen3-Next's gated delta rule and causal conv, ...) run transformers' torch code. Where a
+  kernel package is installed (flash-linear-attention, causal-conv1d, mamba-ssm) transformers
+  calls it instead, and its Triton/CUDA kernels cannot run on traced tensors; where none is,
+  its wrapper would log that the slow torch path runs and to install the package.
   A packed-sequence call is refused: the torch code cannot keep the sequences apart."""
   swapped = []
   for name in {type(m).__module__ for m in module.modules()}:
     namespace = vars(sys.modules[name]) if name in sys.modules else {}
     for attr, fn in list(namespace.items()):
-      if _calls_kernel_package(fn):
+      if _kernel_or_torch(fn):
         swapped.append((namespace, attr, fn))
         namespace[attr] = _torch_path(fn)
   try:
@@ -178,13 +179,11 @@ def torch_reference_kernels(module: torch.nn.Module):
       namespace[attr] = fn
 
 
-def _calls_kernel_package(fn) -> bool:
-  """Whether `fn` is transformers' `use_kernel_func_from_hub_with_fallback` wrapper around
-  an installed package's kernel (its closure's `is_new_implementation`)."""
-  code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
-  if code is None or not cells or not hasattr(fn, "__wrapped__") or "is_new_implementation" not in code.co_freevars:
-    return False
-  return cells[code.co_freevars.index("is_new_implementation")].cell_contents is True
+def _kernel_or_torch(fn) -> bool:
+  """Whether `fn` is transformers' `use_kernel_func_from_hub_with_fallback` wrapper (a
+  package's kernel where it is installed, else its torch code)."""
+  code = getattr(fn, "__code__", None)
+  return code is not None and hasattr(fn, "__wrapped__") and "is_new_implementation" in code.co_freevars
 
 
 def _torch_path(fn):

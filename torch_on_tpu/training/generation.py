@@ -42,7 +42,7 @@ from torch_on_tpu.training.step import call_model
 from torch_on_tpu.wrapper.module import ShardedModule
 
 torchax = _compat.import_torchax()
-from torchax.interop import jax_view  # noqa: E402
+from torchax.interop import jax_view, torch_view  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -231,4 +231,11 @@ def _keep(kept, step, logits):
 
 
 def _default_inputs(model: ShardedModule) -> Callable:
-  return lambda ids: model.family.model_inputs(model.module, {"input_ids": ids})
+  """The family's call for the token buffer, built in the torch world as the Trainer's
+  (torch ops on the ids: torchtitan's default positions and document masks)."""
+
+  def inputs(ids):
+    with torchax.default_env():
+      return model.family.model_inputs(model.module, {"input_ids": torch_view(ids)})
+
+  return inputs

@@ -86,6 +86,9 @@ class TorchtitanFamily(Family):
 
   def model_inputs(self, module, batch):
     ids, positions, segments = batch["input_ids"], batch.get("positions"), batch.get("segment_ids")
+    multimodal = "special_tokens" in inspect.signature(module.forward).parameters
+    if positions is None and multimodal:  # Qwen3.5 asserts it is given positions: one document per row
+      positions = torch.arange(ids.shape[-1], dtype=ids.dtype, device=ids.device).expand(ids.shape)
     if positions is None:
       return ids
     inputs = {"tokens": ids, "positions": positions}  # by name: every torchtitan decoder takes them so
@@ -95,7 +98,7 @@ class TorchtitanFamily(Family):
       documents = document_ids(positions).to(torch.int32) if segments is None else segments
       layout = attention_masks(module, torch.zeros(1, 1, dtype=torch.long))
       inputs["attention_masks"] = with_documents(layout, documents)
-    if "special_tokens" in inspect.signature(module.forward).parameters:
+    if multimodal:
       # A multimodal decoder called with text only (Qwen3.5 reads the ids even then): no
       # pixels, and placeholder ids no token has.
       inputs["special_tokens"] = {"image_id": -1, "video_id": -1}
