@@ -12,11 +12,12 @@ sees an `fla`); called in eager torch, a stand-in says what to do in one sentenc
 
 from __future__ import annotations
 
-import importlib.abc
+import contextlib
 import importlib.machinery
-import importlib.util
 import sys
 import types
+
+from torch_on_tpu.core import import_hooks
 
 _MODULE = "torchtitan.models.qwen3_5.model"
 
@@ -69,40 +70,22 @@ def _standin_modules() -> dict[str, types.ModuleType]:
   return modules
 
 
-class _WithStandinsLoader(importlib.abc.Loader):
-  """torchtitan's own loader for its Qwen3.5 module, run with the stand-ins in `sys.modules`."""
-
-  def __init__(self, loader):
-    self._loader = loader
-
-  def create_module(self, spec):
-    return self._loader.create_module(spec)
-
-  def exec_module(self, module):
-    standins = {k: v for k, v in _standin_modules().items() if k not in sys.modules}
-    sys.modules.update(standins)
-    try:
-      self._loader.exec_module(module)
-    finally:
-      for name, standin in standins.items():
-        if sys.modules.get(name) is standin:
-          del sys.modules[name]
-
-  def __getattr__(self, name):
-    return getattr(self._loader, name)
+@contextlib.contextmanager
+def _standins_present(_module):
+  standins = {k: v for k, v in _standin_modules().items() if k not in sys.modules}
+  sys.modules.update(standins)
+  try:
+    yield
+  finally:
+    for name, standin in standins.items():
+      if sys.modules.get(name) is standin:
+        del sys.modules[name]
 
 
-class _Qwen35Finder(importlib.abc.MetaPathFinder):
-  def find_spec(self, name, path=None, target=None):
-    if name != _MODULE or "fla" in sys.modules or importlib.machinery.PathFinder.find_spec("fla") is not None:
-      return None
-    spec = importlib.machinery.PathFinder.find_spec(name, path)
-    if spec is not None and spec.loader is not None:
-      spec.loader = _WithStandinsLoader(spec.loader)
-    return spec
+def _fla_absent() -> bool:
+  return "fla" not in sys.modules and importlib.machinery.PathFinder.find_spec("fla") is None
 
 
 def install() -> None:
   """Puts the finder first on `sys.meta_path` (once)."""
-  if not any(isinstance(f, _Qwen35Finder) for f in sys.meta_path):
-    sys.meta_path.insert(0, _Qwen35Finder())
+  import_hooks.install(import_hooks.ImportInside(_MODULE, _standins_present, _fla_absent))
