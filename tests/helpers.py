@@ -149,16 +149,8 @@ def jax_loss_and_grads(jm, tokens, labels, kwargs):
 
 
 def per_layer(jm, stored: dict) -> dict:
-  """A dict keyed like `jm.params` (maybe stacked) → original per-layer names."""
-  out = {}
-  groups = jm._layout.groups if jm._layout else {}
-  for name, value in stored.items():
-    if name in groups:
-      for i, original in enumerate(groups[name]):
-        out[original] = np.asarray(value[i])
-    else:
-      out[name] = np.asarray(value)
-  return out
+  """A dict keyed like `jm.params` (maybe stacked) → numpy arrays by original per-layer name."""
+  return {n: np.asarray(v) for n, v in titan_parity().per_layer(jm, stored).items()}
 
 
 def random_batch(vocab, batch=BATCH, seq=SEQ, seed=0):

@@ -128,8 +128,9 @@ def run(command: str, directory: Path, timeout: float = 6 * 3600) -> tuple[str, 
 
 
 def render_tables(output: str, seconds: float, directory: Path) -> str:
-  """The Markdown tables the command printed, as printed."""
-  tables = "\n".join(line for line in output.splitlines() if line.startswith("|"))
+  """The Markdown tables the command printed, as printed (each its own table)."""
+  blocks = re.split(r"\n(?!\|)", "\n".join(line if line.startswith("|") else "" for line in output.splitlines()))
+  tables = "\n\n".join(block.strip("\n") for block in blocks if block.strip())
   if not tables:
     raise ValueError("the command printed no Markdown table; name a renderer in the figure's comment")
   return "\n\n" + tables

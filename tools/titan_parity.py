@@ -593,8 +593,8 @@ FORWARD_MODES = ("forward", "scan", "tp", "ep")
 class Run:
   """What one side computed from the same initial state: the forward's outputs (eval mode,
   on `packed_batch()`), then each training step's loss (on `packed_batch(seed=i)`), every
-  parameter and buffer after them and, for an eager reference, the first step's gradients
-  (before Adam's sign-like first updates make small gradient differences large)."""
+  parameter and buffer after them and the first step's gradients (before Adam's sign-like
+  first updates make small gradient differences large)."""
 
   forward: object = None
   losses: list = dataclasses.field(default_factory=list)
@@ -624,9 +624,26 @@ def run_bridge(jm, precision, *, forward: bool, steps: int, mtp: bool) -> Run:
     for i in range(steps):
       tokens, labels, positions = packed_batch(seed=i)
       inputs = jm.family.model_inputs(jm.module, {"input_ids": tokens, "positions": positions})
-      run.losses.append(float(step(inputs, {"labels": labels, "positions": positions} if mtp else labels)))
+      targets = {"labels": labels, "positions": positions} if mtp else labels
+      if i == 0:  # the first step's gradients, from the same weights as the reference's
+        run.grads = per_layer(jm, step.gradients(inputs, targets)[1])
+      run.losses.append(float(step(inputs, targets)))
     run.tensors = all_tensors(jm)
   return run
+
+
+def per_layer(jm, stored: dict) -> dict:
+  """Arrays keyed like `jm.params` (a scanned stack's stacked) → torch tensors by original name."""
+  import torch
+
+  from torch_on_tpu import to_cpu
+
+  groups = jm._layout.groups if jm._layout else {}
+  out = {}
+  for name, value in stored.items():
+    value = to_cpu(value)
+    out.update({n: value[i] for i, n in enumerate(groups[name])} if name in groups else {name: value})
+  return {n: torch.as_tensor(v) for n, v in out.items()}
 
 
 def run_reference(ref: EagerReference, *, forward: bool, steps: int) -> Run:
