@@ -602,9 +602,10 @@ class Run:
   grads: dict = dataclasses.field(default_factory=dict)
 
 
-def run_bridge(jm, precision, *, forward: bool, steps: int, mtp: bool) -> Run:
+def run_bridge(jm, precision, *, forward: bool, steps: int, mtp: bool, grads: bool = False) -> Run:
   """The wrapped model's `Run`: forward in eval mode (parameters cast to bf16 under
-  `precision="bf16"`), then `steps` AdamW steps of `make_train_step`."""
+  `precision="bf16"`), then `steps` AdamW steps of `make_train_step` (with `grads`, the first
+  step's gradients too: one more program to compile)."""
   import jax.numpy as jnp
   import optax
 
@@ -625,7 +626,7 @@ def run_bridge(jm, precision, *, forward: bool, steps: int, mtp: bool) -> Run:
       tokens, labels, positions = packed_batch(seed=i)
       inputs = jm.family.model_inputs(jm.module, {"input_ids": tokens, "positions": positions})
       targets = {"labels": labels, "positions": positions} if mtp else labels
-      if i == 0:  # the first step's gradients, from the same weights as the reference's
+      if i == 0 and grads:  # the first step's gradients, from the same weights as the reference's
         run.grads = per_layer(jm, step.gradients(inputs, targets)[1])
       run.losses.append(float(step(inputs, targets)))
     run.tensors = all_tensors(jm)
@@ -688,10 +689,11 @@ def compare(got: Run, want: Run, params) -> dict:
   return result
 
 
-def check(spec: str, mode: str, *, steps: int = 5, config=None, precision: str | None = None) -> dict:
-  """One family in one mode: {forward | losses, weights, buffers: worst rel error}.
-  Mode `spread` compares two valid eager references instead (`EagerReference(exact=True)`):
-  the noise floor of the computation. `precision` defaults to `precision_of(spec)`."""
+def check(spec: str, mode: str, *, steps: int = 5, config=None, precision: str | None = None, grads: bool = False) -> dict:
+  """One family in one mode: {forward | grads, losses, weights, buffers: worst rel error}
+  (the first step's gradients with `grads`, or in mode `spread`). Mode `spread` compares two
+  valid eager references instead (`EagerReference(exact=True)`): the noise floor of the
+  computation. `precision` defaults to `precision_of(spec)`."""
   from torch_on_tpu.models.torchtitan import mtp_depths
 
   precision = precision or precision_of(spec)
@@ -704,7 +706,7 @@ def check(spec: str, mode: str, *, steps: int = 5, config=None, precision: str |
     exact = EagerReference(flex_config(config), state, precision=precision, exact=True)
     got = run_reference(exact, forward=forward, steps=steps)
   else:
-    got = run_bridge(jm, precision, forward=forward, steps=steps, mtp=mtp_depths(ref.model) > 0)
+    got = run_bridge(jm, precision, forward=forward, steps=steps, mtp=mtp_depths(ref.model) > 0, grads=grads)
   want = run_reference(ref, forward=forward, steps=steps)
   return compare(got, want, {n for n, _ in ref.model.named_parameters()})
 
@@ -733,7 +735,7 @@ def main(argv=None):
       try:
         mtp = {"num_mtp_layers": args.mtp_layers} if args.mtp_layers else {}
         config = shrink(registry_config(spec, **mtp), round_robin=args.round_robin)
-        result = check(spec, mode, config=config, precision=args.precision)
+        result = check(spec, mode, config=config, precision=args.precision, grads=True)
         shown = ", ".join(f"{k} {v:.1e}" for k, v in result.items() if not k.startswith("_"))
       except Exception as e:  # noqa: BLE001 (a table of outcomes: each failure is one row)
         shown = f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
