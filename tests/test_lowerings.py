@@ -163,3 +163,22 @@ def test_cosine_similarity_runs_and_a_traced_tensor_has_a_repr():
   jm = tot.ShardedModule(model, mesh=tot.make_mesh(jax.devices()[:1], fsdp=1))
   assert torch.allclose(tot.to_cpu(jm(x)), want, atol=1e-6)
   assert jm.module.described == "tensor(<traced float32[6, 8]>, device='jax')"
+
+
+def test_and_or_xor_at_the_dispatcher_are_bitwise_and_grid_sampler_reflects():
+  aten = torch.ops.aten
+  t = torch.tensor([0, 1, 2, 3, -3], dtype=torch.int8)
+  with torchax.default_env():
+    v = torch_view(jnp.asarray(t.numpy()))
+    got = [aten.__and__.Scalar(v, 1), aten.__or__.Scalar(v, 4), aten.__xor__.Tensor(v, v + 1), aten.__and__.Tensor(v > 0, v < 3)]
+  for g, want in zip(got, [t & 1, t | 4, t ^ (t + 1), (t > 0) & (t < 3)]):
+    assert torch.equal(torch.from_numpy(np.asarray(jax_view(g))), want)
+
+  class Sample(torch.nn.Module):
+    def forward(self, x, grid):
+      return torch.grid_sampler_3d(x, grid, 0, 2, False)  # bilinear, reflection padding
+
+  gen = torch.Generator().manual_seed(0)
+  x, grid = torch.randn(1, 2, 3, 4, 5, generator=gen), (torch.rand(1, 2, 3, 4, 3, generator=gen) * 2 - 1) * 4
+  jm = tot.ShardedModule(Sample(), mesh=tot.make_mesh(jax.devices()[:1], fsdp=1))
+  assert torch.allclose(tot.to_cpu(jm(x, grid)), Sample()(x, grid), atol=1e-5)

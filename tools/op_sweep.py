@@ -6,8 +6,8 @@
     .venv/bin/python tools/op_sweep.py --shard=0/2 --json=a.json & ...; tools/op_sweep.py --merge a.json b.json
 
 Every op of `torch.testing._internal.common_methods_invocations.op_db` with
-float32 CPU samples runs up to `--samples` of them (the first ones op_db
-generates under a fixed seed):
+float32 CPU samples runs every sample op_db generates for it under a fixed seed
+(`--samples=N` keeps the first N, for a quick look):
 
 - forward: the op inside a module's `forward`, called through `ShardedModule`
   (one simulated device), against eager torch;
@@ -34,14 +34,10 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import dataclasses
 import json
 import math
-import re
 import signal
-import sys
 import time
-import traceback
 import warnings
 
 import numpy as np
@@ -51,13 +47,14 @@ TOLERANCE = 1e-5
 # Ops whose values torch leaves unspecified (uninitialised memory): shape and dtype are compared.
 UNSPECIFIED_VALUES = {"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"}
 VERDICTS = ("exact", "wrong", "refused", "error")
-Outcome = collections.namedtuple("Outcome", "verdict detail")
+# An op's verdict in one mode: its worst sample's, with how many samples were judged.
+Outcome = collections.namedtuple("Outcome", "verdict detail samples", defaults=(1,))
 
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--ops", default=None, help="comma-separated op names (name or name.variant); default all")
-  p.add_argument("--samples", type=int, default=3, help="samples per op")
+  p.add_argument("--samples", type=int, default=0, help="samples per op (0: all of them)")
   p.add_argument("--modes", default="forward,backward")
   p.add_argument("--timeout", type=int, default=120, help="seconds per sample before it counts as an error")
   p.add_argument("--json", default=None, help="write every op's outcome here")
@@ -87,6 +84,7 @@ def float32_ops(names=None):
 
 
 def samples_of(op, count: int, requires_grad: bool):
+  """The first `count` of the op's float32 samples (all of them when `count` is 0)."""
   torch.manual_seed(0)
   out = []
   for sample in op.sample_inputs("cpu", torch.float32, requires_grad=requires_grad):
@@ -413,6 +411,8 @@ def run_forward(bridge, op, sample, timeout) -> Outcome | None:
       got = bridge.forward(op, _clone(leaves), spec)
   except Exception as e:  # noqa: BLE001
     return _error_outcome(e)
+  if op.name in SINGULAR_VECTORS and not want[0].is_complex():
+    got = aligned_singular_vectors(got, want, SINGULAR_VECTORS[op.name])
   def reference64():
     with torch.no_grad():
       torch.manual_seed(0)
@@ -461,6 +461,35 @@ def run_backward(bridge, op, sample, timeout) -> Outcome | None:
   return _verdict([got[i] for i in order], want, reference64)
 
 
+# Ops whose singular vectors are unique only up to sign (torch's docs say so): each of ours is
+# flipped to torch's sign before comparing, with the matching vector of the other side.
+SINGULAR_VECTORS = {"linalg.svd": "Vh", "svd": "V"}
+
+
+def aligned_singular_vectors(got, want, other: str):
+  """(U, S, V or Vh) of ours with every singular pair's sign chosen as torch's; with
+  `full_matrices`, the vectors past the k-th span a complement whose basis is arbitrary: where
+  ours spans torch's (the same projector), torch's basis is taken."""
+  u, s, v = (x.detach().cpu() for x in got)
+  if u.numel() == 0 or s.numel() == 0:
+    return got
+  k = s.shape[-1]
+  flip = torch.sign((u[..., :k] * want[0][..., :k]).sum(-2))
+  flip = torch.where(flip == 0, torch.ones_like(flip), flip)
+  v = v.mT if other == "Vh" else v  # columns are vectors
+  want_v = want[2].mT if other == "Vh" else want[2]
+  u, v = (_with_complement_of(x[..., :k] * flip[..., None, :], x[..., k:], w[..., k:]) for x, w in ((u, want[0]), (v, want_v)))
+  return u, s, v.mT if other == "Vh" else v
+
+
+def _with_complement_of(vectors, complement, torch_complement):
+  if complement.shape[-1] == 0:
+    return vectors
+  projector = lambda basis: basis @ basis.mT  # noqa: E731
+  same = torch.linalg.matrix_norm(projector(complement) - projector(torch_complement)) <= 1e-5 * complement.shape[-1]
+  return torch.cat([vectors, torch.where(same.all(), torch_complement, complement)], dim=-1)
+
+
 def _verdict(got, want, reference64, values=True) -> Outcome:
   """exact / wrong for a result that ran: compared with eager float32 and, where it misses
   by value alone, with `reference64()` (the same call in float64; see `rounding_only`)."""
@@ -486,7 +515,7 @@ def worst(outcomes: list[Outcome]) -> Outcome:
   return outcomes[0]
 
 
-def sweep_op(bridge, op, modes, samples=3, timeout=120) -> dict:
+def sweep_op(bridge, op, modes, samples=0, timeout=120) -> dict:
   """{mode: Outcome or None (nothing to judge)} for one op."""
   result = {}
   forward_samples = samples_of(op, samples, requires_grad=False)
@@ -504,7 +533,7 @@ def sweep_op(bridge, op, modes, samples=3, timeout=120) -> dict:
         outcome = Outcome("error", f"sweep: {type(e).__name__}: {e}"[:300])
       if outcome is not None:
         outcomes.append(outcome)
-    result[mode] = worst(outcomes) if outcomes else None
+    result[mode] = worst(outcomes)._replace(samples=len(outcomes)) if outcomes else None
   return result
 
 
@@ -514,22 +543,26 @@ def sweep_op(bridge, op, modes, samples=3, timeout=120) -> dict:
 def summarize(results: dict, modes) -> dict:
   counts = {}
   for mode in modes:
-    c = collections.Counter(r[mode].verdict for r in results.values() if r.get(mode))
-    counts[mode] = {v: c.get(v, 0) for v in VERDICTS} | {"ops": sum(c.values())}
+    judged = [r[mode] for r in results.values() if r.get(mode)]
+    c = collections.Counter(o.verdict for o in judged)
+    counts[mode] = {v: c.get(v, 0) for v in VERDICTS} | {"ops": len(judged), "samples": sum(o.samples for o in judged)}
   return counts
 
 
-def markdown(results: dict, modes, counts, seconds) -> str:
+def markdown(results: dict, modes, counts, seconds, samples=0) -> str:
+  drawn = "every sample" if samples == 0 else f"up to {samples} samples"
   lines = [
-    f"op_db float32, up to 3 samples per op, {time.strftime('%Y-%m-%d')}, {seconds:.0f} s of sweeping "
+    f"op_db float32, {drawn} per op, {time.strftime('%Y-%m-%d')}, {seconds:.0f} s of sweeping "
     f"(`python tools/op_sweep.py`)",
     "",
-    "| | ops | exact | silently wrong | refused (one sentence) | other error |",
-    "|---|---|---|---|---|---|",
+    "| | ops | samples | exact | silently wrong | refused (one sentence) | other error |",
+    "|---|---|---|---|---|---|---|",
   ]
   for mode in modes:
     c = counts[mode]
-    lines.append(f"| {mode} | {c['ops']} | {c['exact']} | {c['wrong']} | {c['refused']} | {c['error']} |")
+    lines.append(
+      f"| {mode} | {c['ops']} | {c['samples']} | {c['exact']} | {c['wrong']} | {c['refused']} | {c['error']} |"
+    )
   for mode in modes:
     lines += ["", f"### {mode}: not exact", ""]
     for name, r in sorted(results.items()):
@@ -581,7 +614,7 @@ def _merged(args, modes):
 
 def _report(args, modes, results, seconds):
   counts = summarize(results, modes)
-  text = markdown(results, modes, counts, seconds)
+  text = markdown(results, modes, counts, seconds, args.samples)
   print(text)
   if args.markdown:
     with open(args.markdown, "w") as f:

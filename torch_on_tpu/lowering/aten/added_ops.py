@@ -42,7 +42,33 @@ def _ldexp(x, other):
 
 
 def _nonzero_static(x, *, size, fill_value=-1):
+  if x.size == 0:  # jnp.argwhere fills with zeros there, torch with fill_value
+    return jnp.full((size, x.ndim), fill_value, jnp.int32)
   return jnp.argwhere(x, size=size, fill_value=fill_value).astype(jnp.int32)
+
+
+def _repeat_interleave_sized(prior):
+  """`x.repeat_interleave(repeats, dim, output_size=n)`: with the output size given, tensor
+  repeats need no host read (torchax's lowering takes no `output_size`)."""
+
+  def lowered(x, repeats, dim=None, *, output_size=None):
+    if output_size is None or isinstance(repeats, int):
+      return prior(x.reshape(-1) if dim is None else x, repeats, 0 if dim is None else dim)
+    x, dim = (x.reshape(-1), 0) if dim is None else (x, dim)
+    return jnp.repeat(x, jnp.broadcast_to(repeats, (x.shape[dim],)), axis=dim, total_repeat_length=output_size)
+
+  return lowered
+
+
+def _repeat_interleave_indices(prior):
+  """`torch.repeat_interleave(repeats, output_size=n)`: index i repeated repeats[i] times."""
+
+  def lowered(repeats, *, output_size=None):
+    if output_size is None:
+      return prior(repeats)
+    return jnp.repeat(jnp.arange(repeats.shape[0]), repeats, total_repeat_length=output_size)
+
+  return lowered
 
 
 def _narrow(x, dim, start, length):
@@ -137,9 +163,11 @@ def _index_reduce(x, dim, index, source, reduce, *, include_self=True):
   if reduce == "mean":
     counts = jnp.zeros(moved.shape[0], x.dtype).at[index].add(1).reshape(hit.shape)
     total = jnp.where(hit & ~include_self, 0, moved).at[index].add(src)
-    out = jnp.where(hit, total / (counts + (1 if include_self else 0)), moved)
+    # rows no index hits keep x: a divisor of 1 there, not 0, or where's gradient is 0/0 = NaN
+    divisor = jnp.where(hit, counts + (1 if include_self else 0), 1)
+    out = jnp.where(hit, total / divisor, moved)
     if jnp.issubdtype(x.dtype, jnp.integer):
-      out = jnp.floor_divide(total, counts + (1 if include_self else 0)).astype(x.dtype)
+      out = jnp.floor_divide(total, divisor).astype(x.dtype)
       out = jnp.where(hit, out, moved)
   elif reduce == "prod":
     out = jnp.where(hit & ~include_self, 1, moved).at[index].multiply(src)
@@ -187,15 +215,21 @@ def _adaptive_max_pool(x, output_size):
 def _segment_reduce(data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False, initial=None):
   """torch.segment_reduce over 1-D `lengths` or `offsets` along `axis`; an empty segment
   gives `initial` (or torch's: 0 for sum, 1 for prod, NaN for mean, ∓inf for max / min)."""
-  if lengths is None and offsets is not None:
+  if lengths is None and offsets is not None and offsets.ndim == 1:
     lengths = jnp.diff(offsets)
+  elif lengths is not None and lengths.ndim == 1:
+    offsets = jnp.concatenate([jnp.zeros(1, lengths.dtype), jnp.cumsum(lengths)])
   if lengths is None or lengths.ndim != 1:
     raise TorchOnTpuError(
       "segment_reduce is lowered for 1-D lengths or offsets only; reduce each row of a batch separately."
     )
   count = lengths.shape[0]
   moved = jnp.moveaxis(data, axis, 0)
-  segment = jnp.repeat(jnp.arange(count), lengths, total_repeat_length=moved.shape[0])
+  # row r is in segment k where offsets[k] <= r < offsets[k+1]; rows outside [offsets[0],
+  # offsets[-1]) are in none (torch skips them): id `count`, which the segment ops drop
+  rows = jnp.arange(moved.shape[0])
+  segment = jnp.searchsorted(offsets[1:], rows, side="right")
+  segment = jnp.where((rows >= offsets[0]) & (rows < offsets[-1]), segment, count)
   reducer = {
     "sum": jax.ops.segment_sum, "mean": jax.ops.segment_sum, "max": jax.ops.segment_max,
     "min": jax.ops.segment_min, "prod": jax.ops.segment_prod,
@@ -208,8 +242,8 @@ def _segment_reduce(data, reduce, *, lengths=None, indices=None, offsets=None, a
       "sum": lambda: out + start, "mean": lambda: out + start, "prod": lambda: out * start,
       "max": lambda: jnp.maximum(out, start), "min": lambda: jnp.minimum(out, start),
     }[reduce]()
-  if reduce == "mean":
-    out = out / shaped.astype(out.dtype)
+  if reduce == "mean":  # an empty segment divides by 1 (then takes `empty`): 0/0 would NaN the gradient
+    out = out / jnp.maximum(shaped, 1).astype(out.dtype)
   empty = {"sum": 0.0, "prod": 1.0, "max": -jnp.inf, "min": jnp.inf, "mean": jnp.nan}[reduce]
   out = jnp.where(shaped == 0, jnp.asarray(empty if initial is None else initial, out.dtype), out)
   return jnp.moveaxis(out.astype(data.dtype), 0, axis)
@@ -404,6 +438,9 @@ def register(env) -> None:
 
   jax_op(aten.ldexp.Tensor, _ldexp)
   jax_op(aten.nonzero_static, _nonzero_static)
+  for overload in (aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor):
+    jax_op(overload, _repeat_interleave_sized(_compat.registered_op(env, overload).func))
+  jax_op(aten.repeat_interleave.Tensor, _repeat_interleave_indices(_compat.registered_op(env, aten.repeat_interleave.Tensor).func))
   for overload in (aten.searchsorted.Tensor, aten.searchsorted.Scalar):
     jax_op(overload, _searchsorted)
   # composite in torch (decomposed before dispatch, into value reads): lowered as functions

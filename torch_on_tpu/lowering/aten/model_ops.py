@@ -278,8 +278,10 @@ def _batch_norm(input, weight, bias, running_mean, running_var, training=False, 
   """`aten.native_batch_norm` with torch's in-place running-statistics update."""
   x = input.jax()
   view = lambda t: None if t is None else t.jax()  # noqa: E731
+  untracked = running_mean is None  # (training only: torchax's formula wants statistics to update)
   out = _compat.torchax_batch_norm(
-    x, view(weight), view(bias), view(running_mean), view(running_var), training, momentum, eps
+    x, view(weight), view(bias), jnp.zeros(x.shape[1], x.dtype) if untracked else view(running_mean),
+    jnp.ones(x.shape[1], x.dtype) if untracked else view(running_var), training, momentum, eps
   )
   if training and running_mean is not None:
     axes = (0, *range(2, x.ndim))
@@ -292,6 +294,12 @@ def _batch_norm(input, weight, bias, running_mean, running_var, training=False, 
   # the saved mean and inverse deviation carry no gradient in torch's autograd
   out = (out[0], *(None if o is None else jax.lax.stop_gradient(o) for o in out[1:]))
   return tuple(torch_view(o) for o in out)
+
+
+def _batch_norm_without_running_stats(input, weight, bias, training, momentum, eps):
+  """`aten._native_batch_norm_legit.no_stats` (`track_running_stats=False`): the batch norm above,
+  whose saved statistics likewise carry no gradient (torch's decomposition would let them)."""
+  return _batch_norm(input, weight, bias, None, None, training, momentum, eps)
 
 
 def _batch_norm_with_update(input, weight, bias, running_mean, running_var, momentum, eps):
@@ -322,6 +330,8 @@ def register(env) -> list[str]:
     _register_jax_lowering(env, function, _take_along_dim)
   for packet in (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default):
     _compat.set_op(env, packet, _compat.make_operator(packet, _batch_norm, jax_function=False))
+  packet = torch.ops.aten._native_batch_norm_legit.no_stats
+  _compat.set_op(env, packet, _compat.make_operator(packet, _batch_norm_without_running_stats, jax_function=False))
   packet = torch.ops.aten._batch_norm_with_update.default
   _compat.set_op(env, packet, _compat.make_operator(packet, _batch_norm_with_update, jax_function=False))
   TorchaxTensor.cpu = _to_host

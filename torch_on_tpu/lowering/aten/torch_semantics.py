@@ -24,6 +24,10 @@ returning a different answer without an error:
   for fp32, as CUDA's autocast asks, came back bf16);
 - `native_layer_norm` / batch norm: the saved mean and inverse deviation
   outputs carry no gradient (torch's autograd ignores them).
+- `aten.__and__` / `__or__` / `__xor__` (the `&` / `|` / `^` a decomposition
+  run at the dispatcher reaches) are bitwise, as `bitwise_and` & co. are:
+  torchax lowered them as logical ops, so `int8 & 1` came back a bool
+  (`grid_sampler_3d`'s reflection padding flipped every other reflection).
 """
 
 from __future__ import annotations
@@ -388,12 +392,20 @@ def _cholesky_inverse(factor, upper=False):
 
 def _lstsq(a, b, rcond=None, driver=None, *, original=None):
   """torch.linalg.lstsq: the `gels` driver (full rank assumed, as LAPACK's) solves through
-  QR; the rank-revealing drivers keep torchax's SVD solution."""
-  if driver != "gels":
-    return original(a, b, rcond=rcond, driver=driver or "gelsy")
+  QR; the rank-revealing drivers keep torchax's SVD solution, with torch's gradient: that of
+  pinv(A)·B (the SVD's own is inaccurate where singular values are close), the residuals'
+  through it, none through the singular values."""
   m, n = a.shape[-2:]
   vector = b.ndim == a.ndim - 1
   rhs = b[..., None] if vector else b
+  if driver != "gels":
+    x, residuals, rank, singular_values = original(a, b, rcond=rcond, driver=driver or "gelsy")
+    through_pinv = _pinv(a) @ rhs
+    x = jax.lax.stop_gradient(x if not vector else x[..., None]) + through_pinv - jax.lax.stop_gradient(through_pinv)
+    if residuals.size:
+      residuals = jnp.sum(jnp.abs(rhs - a @ x) ** 2, axis=-2)
+    # torch's singular values carry no gradient
+    return x[..., 0] if vector else x, residuals, rank, jax.lax.stop_gradient(singular_values)
   if m >= n:
     q, r = jnp.linalg.qr(a)
     x = jax.scipy.linalg.solve_triangular(r, jnp.conj(jnp.swapaxes(q, -1, -2)) @ rhs, lower=False)
@@ -480,6 +492,34 @@ def _stats_without_gradient(original):
   return lowered
 
 
+def _max_pool_backward_from_indices(spatial_dims):
+  """`max_pool{2,3}d_with_indices_backward`: each output gradient added at the input position
+  its index names (flat within its plane, as torch's indices are); torchax's approximation
+  re-derives the windows and misses dilation."""
+
+  def lowered(grad_output, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    planes = math.prod(x.shape[:-spatial_dims])
+    positions = math.prod(x.shape[-spatial_dims:])
+    grads = grad_output.reshape(planes, -1)
+    rows = jnp.arange(planes)[:, None]
+    out = jnp.zeros((planes, positions), grad_output.dtype).at[rows, indices.reshape(planes, -1)].add(grads)
+    return out.reshape(x.shape)
+
+  return lowered
+
+
+def _group_norm_of_empty(original):
+  """torchax's `native_group_norm`, with torch's statistics for an empty input: [N, group], the
+  mean 0 and the inverse deviation NaN (torchax hands back the input three times)."""
+
+  def lowered(x, weight, bias, n, c, hxw, group, eps):
+    if x.size:
+      return original(x, weight, bias, n, c, hxw, group, eps)
+    return x, jnp.zeros((n, group), x.dtype), jnp.full((n, group), jnp.nan, x.dtype)
+
+  return lowered
+
+
 def _sum_in_dtype(original):
   """torchax's sum, after converting to the `dtype=` it was given (torch's meaning)."""
 
@@ -540,6 +580,7 @@ def register(env) -> None:
   jax_op(aten.linalg_vector_norm, vector_norm)
   jax_op(aten._pdist_forward, _pdist)
   jax_op(aten._cdist_forward, _cdist)
+  jax_op(torch.cdist, _cdist)  # torchax's own `torch.cdist` raises |Δ| to the power p, also for p = ∞
   jax_op(aten._safe_softmax.default, _safe_softmax)
   jax_op(aten._linalg_eigh, _eigh)
   jax_op(aten.linalg_pinv.atol_rtol_tensor, _pinv)
@@ -556,7 +597,13 @@ def register(env) -> None:
   jax_op(aten.sum, _sum_in_dtype(_compat.registered_op(env, aten.sum).func))
   layer_norm = _compat.registered_op(env, aten.native_layer_norm)
   jax_op(aten.native_layer_norm, _stats_without_gradient(layer_norm.func))
+  group_norm = _compat.registered_op(env, aten.native_group_norm)
+  jax_op(aten.native_group_norm, _group_norm_of_empty(group_norm.func))
   jax_op(aten.index_add, _index_add)
+  jax_op(aten.max_pool2d_with_indices_backward, _max_pool_backward_from_indices(2))
+  jax_op(aten.max_pool3d_with_indices_backward, _max_pool_backward_from_indices(3))
+  for dunder, bitwise in ((aten.__and__, aten.bitwise_and), (aten.__or__, aten.bitwise_or), (aten.__xor__, aten.bitwise_xor)):
+    jax_op(dunder, _compat.registered_op(env, bitwise).func)
   for packet in (aten.scatter, aten.scatter_, aten.scatter_add, aten.scatter_add_, aten.scatter_reduce, aten.scatter_reduce_):
     for target in (packet, *(getattr(packet, name) for name in packet.overloads())):
       prior = _compat.registered_op(env, target)
