@@ -28,16 +28,36 @@ one-unit difference, after which trained weights diverge chaotically (docs/torch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import dataclasses
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 STEPS, BATCH, SEQ, VOCAB = 5, 8, 16, 256
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 SPREAD_FACTOR = 3
+
+
+@dataclasses.dataclass
+class Case:
+  """One architecture as both sides train it.
+
+  `data`: per step `(inputs, target)`, inputs a dict (keyword arguments) or a tuple (positional),
+  every tensor's dim 0 the batch; `loss(outputs, target)` reads fp32 outputs; `other_kernel`: B's
+  copy of the model and the context B runs in (another attention kernel where there is one)."""
+
+  model: object
+  data: list
+  loss: object
+  sharding: object = "fsdp"
+  scan: bool = True
+  other_kernel: object = None
 
 
 def hf_architectures() -> dict:
@@ -48,8 +68,6 @@ def hf_architectures() -> dict:
 
 
 def batches(steps: int = STEPS, seed: int = 0):
-  import torch
-
   tokens = torch.randint(0, VOCAB, (steps, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed))
   return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
@@ -58,25 +76,44 @@ def _logits(out):
   return out.logits if hasattr(out, "logits") else out
 
 
-def eager_bf16(model, data, kwargs, ranks: int = 1):
-  """(losses, trained parameters) of eager torch in bf16 mixed precision over `ranks` data-parallel ranks."""
-  import torch
+def _token_loss(out, labels):
   import torch.nn.functional as F
 
+  return F.cross_entropy(_logits(out).float().flatten(0, 1), labels.flatten())
+
+
+def _mse(out, target):
+  import torch.nn.functional as F
+
+  return F.mse_loss(out.float(), target)
+
+
+def _rows(tree, rows):
+  """The batch rows `rows` of every tensor in `tree` (dim 0 is the batch)."""
+  return torch.utils._pytree.tree_map(lambda x: x[rows] if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _call(model, inputs):
+  return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def eager_bf16(case: Case, ranks: int = 1, other_kernel: bool = False):
+  """(losses, trained parameters) of eager torch in bf16 mixed precision over `ranks` data-parallel ranks."""
+  model, context = case.other_kernel(case.model) if other_kernel else (case.model, contextlib.nullcontext)
   master = copy.deepcopy(model).float().train()
   opt = torch.optim.AdamW(master.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
   losses = []
-  for tokens, labels in data:
+  for inputs, target in case.data:
     work = copy.deepcopy(master)
     for p in work.parameters():
       p.data = p.data.to(torch.bfloat16)
     grads = {n: torch.zeros_like(p) for n, p in master.named_parameters()}
     total = 0.0
-    for rows in torch.arange(len(tokens)).chunk(ranks):
+    for rows in torch.arange(len(target)).chunk(ranks):
       work.zero_grad()
-      logits = _logits(work(tokens[rows], **kwargs)).float()
-      loss = F.cross_entropy(logits.flatten(0, 1), labels[rows].flatten())
-      loss.backward()
+      with context():
+        loss = case.loss(_call(work, _rows(inputs, rows)), target[rows])
+        loss.backward()
       for n, p in work.named_parameters():
         if p.grad is not None:
           grads[n] += p.grad.float() / ranks
@@ -88,20 +125,18 @@ def eager_bf16(model, data, kwargs, ranks: int = 1):
   return losses, {n: p.detach().clone() for n, p in master.named_parameters()}
 
 
-def bridge_bf16(model, data, kwargs):
-  """(losses, trained parameters) of the same training through `make_train_step`, fsdp over 8 devices, scanned."""
+def bridge_bf16(case: Case):
+  """(losses, trained parameters) of the same training through `make_train_step`, fsdp over 8 devices."""
   import jax.numpy as jnp
   import optax
-  import torch.nn.functional as F
 
   import torch_on_tpu as tot
 
-  jm = tot.ShardedModule(copy.deepcopy(model), mesh=tot.make_mesh(fsdp=8), scan=True)
-  loss = lambda out, y: F.cross_entropy(_logits(out).flatten(0, 1), y.flatten())  # noqa: E731
+  jm = tot.ShardedModule(copy.deepcopy(case.model), mesh=tot.make_mesh(fsdp=8), sharding=case.sharding, scan=case.scan)
   adamw = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
-  step = tot.make_train_step(jm, loss, adamw, compute_dtype=jnp.bfloat16)
-  losses = [float(step({"input_ids": tokens, **kwargs}, labels)) for tokens, labels in data]
-  names = {n for n, _ in model.named_parameters()}
+  step = tot.make_train_step(jm, case.loss, adamw, compute_dtype=jnp.bfloat16)
+  losses = [float(step(inputs, target)) for inputs, target in case.data]
+  names = {n for n, _ in case.model.named_parameters()}
   return losses, {n: tot.to_cpu(v) for n, v in jm.state_dict().items() if n in names}
 
 
@@ -118,6 +153,14 @@ def judge(ours, a, b, initial) -> dict:
   return result
 
 
+def parity(case: Case) -> dict:
+  """`judge` for one case: ours, A (one process) and B (eight ranks, its other kernel)."""
+  initial = {n: p.detach().clone() for n, p in case.model.named_parameters()}
+  a = eager_bf16(case, ranks=1)
+  b = eager_bf16(case, ranks=8, other_kernel=True)
+  return judge(bridge_bf16(case), a, b, initial)
+
+
 def _eager_attention(model):
   """A copy of `model` whose attention runs HF's "eager" kernel (where it has attention)."""
   other = copy.deepcopy(model)
@@ -125,13 +168,23 @@ def _eager_attention(model):
     config = getattr(module, "config", None)
     if getattr(config, "_attn_implementation", None) == "sdpa":
       config._attn_implementation = "eager"
-  return other
+  return other, contextlib.nullcontext
 
 
-def hf_parity(arch: str, steps: int = STEPS) -> dict:
-  """`judge` for one HF architecture of `hf_architectures()`."""
-  import torch
+def _other_torch_kernels(model):
+  """`model` as it runs on torch's other CPU kernels: SDPA's math kernel (eager CPU's default for
+  bf16 is its flash kernel) and, with oneDNN off, torch's native convolutions and RNNs."""
+  from torch.nn.attention import SDPBackend, sdpa_kernel
 
+  @contextlib.contextmanager
+  def context():
+    with sdpa_kernel([SDPBackend.MATH]), torch.backends.mkldnn.flags(enabled=False):
+      yield
+
+  return model, context
+
+
+def hf_case(arch: str, steps: int = STEPS) -> Case:
   from tests import helpers as h
 
   config = hf_architectures()[arch]()
@@ -141,11 +194,103 @@ def hf_parity(arch: str, steps: int = STEPS) -> dict:
   torch.manual_seed(0)
   model = h.build_causal_lm(config, device="cpu")
   kwargs = h.call_kwargs(model)
-  data = batches(steps)
-  initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-  a = eager_bf16(model, data, kwargs, ranks=1)
-  b = eager_bf16(_eager_attention(model), data, kwargs, ranks=8)
-  return judge(bridge_bf16(model, data, kwargs), a, b, initial)
+  data = [({"input_ids": tokens, **kwargs}, labels) for tokens, labels in batches(steps)]
+  return Case(model, data, _token_loss, other_kernel=_eager_attention)
+
+
+def hf_parity(arch: str, steps: int = STEPS) -> dict:
+  """`judge` for one HF architecture of `hf_architectures()`."""
+  return parity(hf_case(arch, steps))
+
+
+# ---- torchtitan Flux and torch.nn's own modules ------------------------------------------------
+
+
+def _float_case(model, inputs_of, steps, **kw) -> Case:
+  """A model on bf16 floating inputs (as FSDP's `cast_forward_inputs` hands them on), MSE to a random target."""
+  data = []
+  for step in range(steps):
+    inputs = inputs_of(step)
+    inputs = torch.utils._pytree.tree_map(
+      lambda x: x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, inputs
+    )
+    with torch.no_grad():
+      shape = _call(copy.deepcopy(model).to(torch.bfloat16), inputs).shape
+    data.append((inputs, torch.randn(shape, generator=torch.Generator().manual_seed(1000 + step))))
+  return Case(model, data, _mse, **kw)
+
+
+def _randn(*shape, seed):
+  return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _ids(shape, high, seed):
+  return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
+
+
+class _Causal(torch.nn.Module):
+  """`nn.TransformerEncoder` called as a causal stack (its mask is not per example, so it is made here)."""
+
+  def __init__(self, encoder):
+    super().__init__()
+    self.encoder = encoder
+
+  def forward(self, x):
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+    return self.encoder(x, mask=mask, is_causal=True)
+
+
+def module_cases() -> dict:
+  """name → a builder of a `Case`: torchtitan Flux and the README's torch.nn rows."""
+  from tests import test_torch_nn as nn_tests
+  from tests import test_torchtitan_windows as windows
+
+  nn = torch.nn
+
+  def flux(steps):
+    torch.manual_seed(0)
+    model = windows.tiny_flux()
+    return _float_case(model, lambda i: windows.flux_batch(i)[0], steps, other_kernel=_other_torch_kernels)
+
+  def torch_module(name):
+    make, shape = nn_tests.MODULES[name]
+
+    def build(steps):
+      torch.manual_seed(0)
+      model = make()
+      return _float_case(model, lambda i: (_randn(*shape, seed=i),), steps, sharding=nn_tests._split_map(model),
+                         scan=False, other_kernel=_other_torch_kernels)
+    return build
+
+  def encoder(norm_first):
+    def build(steps):
+      torch.manual_seed(0)
+      layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=norm_first)
+      model = _Causal(nn.TransformerEncoder(layer, num_layers=3, norm=nn.LayerNorm(32), enable_nested_tensor=False))
+      return _float_case(model, lambda i: (_randn(BATCH, 10, 32, seed=i),), steps, other_kernel=_other_torch_kernels)
+    return build
+
+  def embedding(steps):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(64, 32, padding_idx=0), nn.Linear(32, 64))
+    data = [((_ids((BATCH, 12), 64, seed=i),), _ids((BATCH, 12), 64, seed=100 + i)) for i in range(steps)]
+    return Case(model, data, _token_loss, sharding=nn_tests._split_map(model), scan=False, other_kernel=_other_torch_kernels)
+
+  def embedding_bag(steps):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(64, 32, mode="mean"), nn.Linear(32, 16))
+    data = [((_ids((BATCH, 6), 64, seed=i),), _ids((BATCH,), 16, seed=100 + i)) for i in range(steps)]
+    loss = lambda out, y: torch.nn.functional.cross_entropy(out.float(), y)  # noqa: E731
+    return Case(model, data, loss, sharding=nn_tests._split_map(model), scan=False, other_kernel=_other_torch_kernels)
+
+  return {
+    "flux": flux,
+    **{f"nn.{name.replace(' + ', '+')}": torch_module(name) for name in nn_tests.MODULES},
+    "nn.TransformerEncoder(post-norm)": encoder(False),
+    "nn.TransformerEncoder(pre-norm)": encoder(True),
+    "nn.Embedding(padding_idx)": embedding,
+    "nn.EmbeddingBag(mean)": embedding_bag,
+  }
 
 
 def titan_parity(spec: str, steps: int = STEPS) -> dict:
@@ -172,20 +317,25 @@ def main(argv=None) -> int:
   xla_flags.simulate_cpu_devices(8, replace=False)
   from tests import helpers as h
 
-  names = args.names or [*sorted(hf_architectures()), *h.titan_parity().SPECS, "muse_glimmer:debugmodel"]
+  modules = module_cases()
+  names = args.names or [*sorted(hf_architectures()), *h.titan_parity().SPECS, "muse_glimmer:debugmodel", *modules]
   headers = {
-    False: "| HF architecture | largest loss Δ (spread) | ‖ΔW‖/‖W_A − W_0‖ (spread) | within 3× | s |",
-    True: "| torchtitan family | largest relative loss Δ (spread) | worst tensor's ‖ΔW‖/‖W‖ (spread) | within 3× | s |",
+    "hf": "| HF architecture | largest loss Δ (spread) | ‖ΔW‖/‖W_A − W_0‖ (spread) | within 3× | s |",
+    "titan": "| torchtitan family | largest relative loss Δ (spread) | worst tensor's ‖ΔW‖/‖W‖ (spread) | within 3× | s |",
+    "module": "| torchtitan Flux, torch.nn modules | largest loss Δ (spread) | ‖ΔW‖/‖W_A − W_0‖ (spread) | within 3× | s |",
   }
   failed, shown_header = 0, None
   for name in names:
-    titan = ":" in name
-    if shown_header is not titan:
-      print(("\n" if shown_header is not None else "") + headers[titan] + "\n|---|---|---|---|---|")
-      shown_header = titan
+    kind = "titan" if ":" in name else "module" if name in modules else "hf"
+    if shown_header != kind:
+      print(("\n" if shown_header is not None else "") + headers[kind] + "\n|---|---|---|---|---|")
+      shown_header = kind
     start = time.perf_counter()
     try:
-      r = titan_parity(name, args.steps) if titan else hf_parity(name, args.steps)
+      if kind == "titan":
+        r = titan_parity(name, args.steps)
+      else:
+        r = parity(modules[name](args.steps) if kind == "module" else hf_case(name, args.steps))
       shown = (f"{r['loss']:.1e} ({r['loss_spread']:.1e}) | {r['weights']:.1e} ({r['weights_spread']:.1e}) | "
                f"{'yes' if r['ok'] else 'NO'}")
       failed += not r["ok"]

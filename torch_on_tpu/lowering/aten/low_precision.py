@@ -172,7 +172,76 @@ def _native_layer_norm32(x, normalized_shape, weight=None, bias=None, eps=1e-5):
   return out.astype(x.dtype), mean.astype(x.dtype), rstd.astype(x.dtype)
 
 
-def _rounded_like_torch(prior, rounded):
+def _convolution_rounded_once(prior):
+  """`convolution` / `conv2d` with a bias on low-precision inputs as torch's kernels compute it
+  (oneDNN, cuDNN): the bias joins the fp32 accumulator and the sum is rounded once (the prior
+  lowering adds the bias to the rounded convolution: two roundings). The forward convolves the
+  bf16 values in fp32 (exact products, fp32 sums); the backward is torch's too: dX and dW
+  convolutions of the bf16 tensors, each rounded once, the bias's gradient summed in fp32."""
+
+  def lowering(x, weight, bias=None, *static):
+    if bias is None or not (_low_precision(x) and x.dtype == weight.dtype == bias.dtype):
+      return prior(x, weight, bias, *static)
+    return _conv_with_bias(prior, _frozen(static))(x, weight, bias)
+
+  return lowering
+
+
+def _frozen(value):
+  return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _conv_with_bias(prior, static):
+  conv = lambda x, weight: prior(x, weight, None, *static)  # noqa: E731
+
+  def channel_and_others(out, weight):  # the output's channel axis: before the spatial ones
+    channel = out.ndim - (weight.ndim - 1)
+    return channel, tuple(i for i in range(out.ndim) if i != channel)
+
+  @jax.custom_vjp
+  def op(x, weight, bias):
+    out = conv(x.astype(jnp.float32), weight.astype(jnp.float32))
+    channel, _ = channel_and_others(out, weight)
+    shape = [1] * out.ndim
+    shape[channel] = bias.shape[0]
+    return (out + bias.astype(jnp.float32).reshape(shape)).astype(x.dtype)
+
+  def op_fwd(x, weight, bias):
+    return op(x, weight, bias), (x, weight)
+
+  def op_bwd(saved, g):
+    x, weight = saved
+    _, vjp = jax.vjp(conv, x, weight)
+    dx, dweight = vjp(g)
+    _, others = channel_and_others(g, weight)
+    return dx, dweight, g.astype(jnp.float32).sum(others).astype(g.dtype)
+
+  op.defvjp(op_fwd, op_bwd)
+  return op
+
+
+def _group_norm_rounded_once(prior):
+  """`native_group_norm` of a low-precision input as torch computes it: statistics and affine
+  in fp32, each output rounded once (as layer norm above)."""
+
+  def lowering(x, weight, bias, n, c, hxw, group, eps):
+    if not _low_precision(x) or x.size == 0:
+      return prior(x, weight, bias, n, c, hxw, group, eps)
+    grouped = x.astype(jnp.float32).reshape(n, group, -1)
+    mean = jnp.mean(grouped, axis=-1, keepdims=True)
+    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(grouped - mean), axis=-1, keepdims=True) + eps)
+    out = ((grouped - mean) * rstd).reshape(x.shape)
+    affine = (1, c) + (1,) * (x.ndim - 2)
+    if weight is not None:
+      out = out * weight.astype(jnp.float32).reshape(affine)
+    if bias is not None:
+      out = out + bias.astype(jnp.float32).reshape(affine)
+    return out.astype(x.dtype), mean.reshape(n, group).astype(x.dtype), rstd.reshape(n, group).astype(x.dtype)
+
+  return lowering
+
+
+def _rounded_like_torch(prior, *, rounded):
   """`rounded(x, *args)` for a bf16/fp16 first argument, else the lowering registered before."""
 
   def lowering(x, *args, **kwargs):
@@ -204,12 +273,21 @@ def _low_precision_lowerings() -> dict:
   }
 
 
+# packet → lowering built from the prior one (which it calls for other dtypes and forms).
+_WRAPPING_THE_PRIOR = {
+  torch.ops.aten.convolution: _convolution_rounded_once,
+  torch.ops.aten.conv2d: _convolution_rounded_once,
+  torch.ops.aten.native_group_norm: _group_norm_rounded_once,
+}
+
+
 def register(env) -> None:
   """Installs the bf16/fp16 lowerings over the registered ones (each keeps the prior one for other dtypes)."""
-  for packet, rounded in _low_precision_lowerings().items():
+  wrappers = {packet: functools.partial(_rounded_like_torch, rounded=rounded) for packet, rounded in _low_precision_lowerings().items()}
+  for packet, wrap in {**wrappers, **_WRAPPING_THE_PRIOR}.items():
     overloads = packet.overloads() if hasattr(packet, "overloads") else ()
     for target in (packet, *(getattr(packet, name) for name in overloads)):
       prior = _compat.registered_op(env, target)
       if prior is None or not prior.is_jax_function or prior.is_user_defined:
         continue  # nothing to keep for other dtypes, or a user's override_op
-      _compat.set_op(env, target, _compat.make_operator(target, _rounded_like_torch(prior.func, rounded), jax_function=True))
+      _compat.set_op(env, target, _compat.make_operator(target, wrap(prior.func), jax_function=True))

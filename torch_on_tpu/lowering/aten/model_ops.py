@@ -187,10 +187,11 @@ def _embedding_bag(
       jnp.where(is_max, indices[:, None], -1), bag, num_segments=num_bags
     )
     max_indices = jnp.where(empty, -1, max_indices)
-  else:
+  else:  # a bf16 table's bags summed in fp32 and rounded, then averaged and rounded, as torch's kernel
+    accumulated = rows.astype(low_precision.accumulator(rows))
     if per_sample_weights is not None:
-      rows = rows * per_sample_weights[:, None].astype(rows.dtype)
-    output = jax.ops.segment_sum(rows, bag, num_segments=num_bags)
+      accumulated = accumulated * per_sample_weights[:, None].astype(accumulated.dtype)
+    output = jax.ops.segment_sum(accumulated, bag, num_segments=num_bags).astype(rows.dtype)
     if mode == _BAG_MEAN:
       output = output / jnp.maximum(bag_size, 1)[:, None].astype(output.dtype)
     max_indices = jnp.zeros_like(bag_size)
