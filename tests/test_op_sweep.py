@@ -81,11 +81,15 @@ LATER_SAMPLES = [
   ("cdist", "forward", [242, 246]),  # p = ∞ (torchax's torch.cdist raised |Δ| to the power p)
   ("cdist", "backward", [242]),
   ("grid_sampler_3d", "forward", [21]),  # reflection padding: `&` at the dispatcher is bitwise
+  ("grid_sampler_3d", "backward", [21]),
   ("index_reduce.mean", "backward", [5, 7]),  # rows no index hits: no 0/0 in the gradient
   ("_segment_reduce.offsets", "backward", [42, 43]),  # empty segments, rows outside every segment
   ("_segment_reduce.lengths", "backward", [42]),
   ("linalg.lstsq", "backward", [31, 33]),  # torch's gradient (pinv's), none through the singular values
   ("linalg.svd", "forward", [185, 188]),  # singular vectors compared up to sign (and complement basis)
+  ("linalg.svd", "backward", [202]),  # full_matrices: the vectors past the k-th carry no gradient (torch's)
+  ("svd", "backward", [206]),
+  ("searchsorted", "forward", [221]),  # empty sequence and values
   ("native_group_norm", "forward", [13]),  # empty input: [N, group] statistics
   ("nonzero_static", "forward", [57]),  # empty input: all fill_value
   ("repeat_interleave", "forward", [4]),  # output_size=

@@ -419,6 +419,8 @@ def _searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side
   row by row (torchax's lowering took none of them and searched 1-d only)."""
   side = side or ("right" if right else "left")
   values = jnp.asarray(values)
+  if values.size == 0 or sorted_sequence.size == 0:  # nothing to search, or every value lands at 0
+    return jnp.zeros(values.shape, jnp.int32 if out_int32 else mappings.t2j_dtype(torch.int64))
   if sorter is not None:
     sorted_sequence = jnp.take_along_axis(sorted_sequence, sorter, axis=-1)
   if sorted_sequence.ndim <= 1:

@@ -508,6 +508,29 @@ def _max_pool_backward_from_indices(spatial_dims):
   return lowered
 
 
+def _svd(a, full_matrices=True, **kwargs):
+  """torch.linalg.svd. With `full_matrices`, torch's gradient ignores the vectors past the k-th
+  (its docs say so); jax defines none: the first k come from the reduced, differentiable SVD,
+  the rest (an orthonormal basis of the complement) carry no gradient."""
+  if not full_matrices or min(a.shape[-2:]) == max(a.shape[-2:]):
+    return jnp.linalg.svd(a, full_matrices=bool(full_matrices))
+  u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+  full_u, _, full_vh = jnp.linalg.svd(jax.lax.stop_gradient(a), full_matrices=True)
+  k = s.shape[-1]
+  return jnp.concatenate([u, full_u[..., k:]], axis=-1), s, jnp.concatenate([vh, full_vh[..., k:, :]], axis=-2)
+
+
+def _torch_svd(a, some=True, compute_uv=True):
+  """torch.svd: (U, S, V) of `_svd`; without `compute_uv`, U and V zero-filled [..., m, m] and
+  [..., n, n] as torch's docs say."""
+  if not compute_uv:
+    m, n = a.shape[-2:]
+    batch = a.shape[:-2]
+    return jnp.zeros((*batch, m, m), a.dtype), jnp.linalg.svd(a, compute_uv=False), jnp.zeros((*batch, n, n), a.dtype)
+  u, s, vh = _svd(a, full_matrices=not some)
+  return u, s, _mh(vh)
+
+
 def _group_norm_of_empty(original):
   """torchax's `native_group_norm`, with torch's statistics for an empty input: [N, group], the
   mean 0 and the inverse deviation NaN (torchax hands back the input three times)."""
@@ -600,6 +623,9 @@ def register(env) -> None:
   group_norm = _compat.registered_op(env, aten.native_group_norm)
   jax_op(aten.native_group_norm, _group_norm_of_empty(group_norm.func))
   jax_op(aten.index_add, _index_add)
+  jax_op(aten._linalg_svd, _svd)
+  jax_op(torch.linalg.svd, _svd)
+  jax_op(torch.svd, _torch_svd)
   jax_op(aten.max_pool2d_with_indices_backward, _max_pool_backward_from_indices(2))
   jax_op(aten.max_pool3d_with_indices_backward, _max_pool_backward_from_indices(3))
   for dunder, bitwise in ((aten.__and__, aten.bitwise_and), (aten.__or__, aten.bitwise_or), (aten.__xor__, aten.bitwise_xor)):
