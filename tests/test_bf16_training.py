@@ -118,3 +118,14 @@ def test_five_bf16_adamw_steps_are_within_3x_the_spread_of_two_eager_bf16_runs()
   result = h.load_module("tools/bf16_parity.py").hf_parity("llama")
   assert result["ok"], result
   assert result["weights_spread"] > 1e-3, result  # bf16's spread: in fp32 two valid runs differ by ~1e-6
+
+
+@pytest.mark.parametrize("name", ["nn.GRU", "nn.EmbeddingBag(mean)"])
+def test_a_torch_nn_module_trains_in_bf16_within_3x_the_spread_of_two_eager_bf16_runs(name):
+  """torch.nn's own modules against eager torch (A) and the correctly rounded eager run (B: every
+  bf16 op in fp64, rounded once; eight ranks): the slice of tools/bf16_parity.py's third table."""
+  tool = h.load_module("tools/bf16_parity.py")
+  result = tool.parity(tool.module_cases()[name](tool.STEPS))
+  assert result["ok"], result
+  assert result["weights_spread"] > 1e-3, result
+
