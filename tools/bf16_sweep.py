@@ -78,6 +78,8 @@ OPS = {
   "layer_norm": (lambda x, w: F.layer_norm(x, (ROW,), w[0], w[1]), 2),
   "rms_norm": (lambda x, w: F.rms_norm(x, (ROW,), w[0], 1e-6), 2),
   "swiglu": (lambda x, y: F.silu(x) * y, 2),
+  "group_norm": (lambda x, w: F.group_norm(x.view(x.shape[0], 16, ROW // 16), 4, w[0, :16], w[1, :16]), 2),
+  "conv1d_bias": (lambda x, w: F.conv1d(x.view(x.shape[0], 16, ROW // 16), w[:32, :48].reshape(32, 16, 3), w[32, :32], padding=1), 2),
   "linear_bias": (lambda x, w: F.linear(x, w[:ROW], w[ROW]), 2),
   "addmm": (lambda x, w: torch.addmm(w[ROW], x, w[:ROW]), 2),
 }

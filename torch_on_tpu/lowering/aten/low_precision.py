@@ -222,23 +222,66 @@ def _conv_with_bias(prior, static):
 
 def _group_norm_rounded_once(prior):
   """`native_group_norm` of a low-precision input as torch computes it: statistics and affine
-  in fp32, each output rounded once (as layer norm above)."""
+  in fp32, each output rounded once; its backward is torch's kernel's, which reads the saved
+  statistics as they were rounded (`_group_norm_low_precision`)."""
 
   def lowering(x, weight, bias, n, c, hxw, group, eps):
     if not _low_precision(x) or x.size == 0:
       return prior(x, weight, bias, n, c, hxw, group, eps)
-    grouped = x.astype(jnp.float32).reshape(n, group, -1)
-    mean = jnp.mean(grouped, axis=-1, keepdims=True)
-    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(grouped - mean), axis=-1, keepdims=True) + eps)
-    out = ((grouped - mean) * rstd).reshape(x.shape)
-    affine = (1, c) + (1,) * (x.ndim - 2)
-    if weight is not None:
-      out = out * weight.astype(jnp.float32).reshape(affine)
-    if bias is not None:
-      out = out + bias.astype(jnp.float32).reshape(affine)
-    return out.astype(x.dtype), mean.reshape(n, group).astype(x.dtype), rstd.reshape(n, group).astype(x.dtype)
+    return _group_norm_low_precision(x, weight, bias, int(n), int(c), int(hxw), int(group), float(eps))
 
   return lowering
+
+
+def _group_statistics(x32, n, group, eps):
+  grouped = x32.reshape(n, group, -1)
+  mean = jnp.mean(grouped, axis=-1)
+  return mean, jax.lax.rsqrt(jnp.mean(jnp.square(grouped - mean[..., None]), axis=-1) + eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _group_norm_low_precision(x, weight, bias, n, c, hxw, group, eps):
+  mean, rstd = _group_statistics(x.astype(jnp.float32), n, group, eps)
+  out = ((x.astype(jnp.float32).reshape(n, group, -1) - mean[..., None]) * rstd[..., None]).reshape(n, c, -1)
+  if weight is not None:
+    out = out * weight.astype(jnp.float32)[:, None]
+  if bias is not None:
+    out = out + bias.astype(jnp.float32)[:, None]
+  return out.reshape(x.shape).astype(x.dtype), mean.astype(x.dtype), rstd.astype(x.dtype)
+
+
+def _group_norm_low_precision_fwd(x, weight, bias, n, c, hxw, group, eps):
+  out, mean, rstd = _group_norm_low_precision(x, weight, bias, n, c, hxw, group, eps)
+  return (out, mean, rstd), (x, weight, bias is not None, mean, rstd)
+
+
+def _group_norm_low_precision_bwd(n, c, hxw, group, eps, saved, cotangents):
+  """torch's `native_group_norm_backward` (its CPU kernel's formula, in fp32): from the input and
+  the statistics rounded as saved; a gradient of the statistics themselves goes through their
+  fp32 formula."""
+  x, weight, has_bias, mean, rstd = saved
+  dy, dmean, drstd = cotangents
+  per_group = c // group
+  x32 = x.astype(jnp.float32).reshape(n, c, -1)
+  dy32 = dy.astype(jnp.float32).reshape(n, c, -1)
+  mean, rstd = mean.astype(jnp.float32), rstd.astype(jnp.float32)
+  gamma = jnp.ones((c,), jnp.float32) if weight is None else weight.astype(jnp.float32)
+  ds, db = jnp.sum(dy32 * x32, axis=-1), jnp.sum(dy32, axis=-1)  # [n, c]
+  ds_group = jnp.sum((ds * gamma).reshape(n, group, per_group), axis=-1)
+  db_group = jnp.sum((db * gamma).reshape(n, group, per_group), axis=-1)
+  scale = 1.0 / (per_group * x32.shape[-1])
+  c2 = (db_group * mean - ds_group) * rstd * rstd * rstd * scale
+  c3 = -c2 * mean - db_group * rstd * scale
+  by_channel = lambda t: jnp.repeat(t, per_group, axis=1)  # noqa: E731  [n, group] → [n, c]
+  dx = (by_channel(rstd) * gamma)[..., None] * dy32 + by_channel(c2)[..., None] * x32 + by_channel(c3)[..., None]
+  _, statistics_vjp = jax.vjp(lambda v: _group_statistics(v, n, group, eps), x.astype(jnp.float32))
+  dx = dx.reshape(x.shape) + statistics_vjp((dmean.astype(jnp.float32), drstd.astype(jnp.float32)))[0]
+  dweight = None if weight is None else jnp.sum((ds - db * by_channel(mean)) * by_channel(rstd), axis=0).astype(weight.dtype)
+  dbias = jnp.sum(db, axis=0).astype(dy.dtype) if has_bias else None
+  return dx.astype(x.dtype), dweight, dbias
+
+
+_group_norm_low_precision.defvjp(_group_norm_low_precision_fwd, _group_norm_low_precision_bwd)
 
 
 def _rounded_like_torch(prior, *, rounded):
