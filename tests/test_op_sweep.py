@@ -152,3 +152,30 @@ def test_as_strided_within_the_tensor_is_torchs_and_past_it_is_refused():
   with pytest.raises(tot.TorchOnTpuError, match=r"reaches element 13 of a tensor of 10") as info:
     jm(x)
   assert str(info.value).count(". ") == 0
+
+
+def test_repeat_interleave_with_an_output_size_that_is_not_the_sum_raises_as_torch_does():
+  import jax
+
+  import torch_on_tpu as tot
+
+  class Repeat(torch.nn.Module):
+    def forward(self, x, repeats):
+      return x.repeat_interleave(repeats, dim=0, output_size=5)
+
+  x, repeats = torch.arange(3.0), torch.tensor([1, 2, 3])
+  with pytest.raises(RuntimeError):
+    Repeat()(x, repeats)  # torch: the sum is 6
+  jm = tot.ShardedModule(Repeat(), mesh=tot.make_mesh(jax.devices()[:1], fsdp=1))
+  with pytest.raises(tot.TorchOnTpuError, match="output_size=5, which is not the sum of its repeats"):
+    tot.to_cpu(jm(x, repeats))
+  assert torch.equal(tot.to_cpu(jm(x, torch.tensor([1, 2, 2]))), Repeat()(x, torch.tensor([1, 2, 2])))
+
+  class Function(torch.nn.Module):
+    def forward(self, x, repeats):
+      return torch.repeat_interleave(x, repeats, dim=0, output_size=5)
+
+  jm = tot.ShardedModule(Function(), mesh=tot.make_mesh(jax.devices()[:1], fsdp=1))
+  with pytest.raises(tot.TorchOnTpuError, match="output_size=5, which is not the sum of its repeats"):
+    tot.to_cpu(jm(x, repeats))
+

@@ -55,9 +55,20 @@ def _repeat_interleave_sized(prior):
     if output_size is None or isinstance(repeats, int):
       return prior(x.reshape(-1) if dim is None else x, repeats, 0 if dim is None else dim)
     x, dim = (x.reshape(-1), 0) if dim is None else (x, dim)
-    return jnp.repeat(x, jnp.broadcast_to(repeats, (x.shape[dim],)), axis=dim, total_repeat_length=output_size)
+    repeats = jnp.broadcast_to(repeats, (x.shape[dim],))
+    _check_output_size(repeats, output_size)
+    return jnp.repeat(x, repeats, axis=dim, total_repeat_length=output_size)
 
   return lowered
+
+
+def _check_output_size(repeats, output_size):
+  """torch raises where `output_size` is not the repeats' sum (jnp.repeat would cut or pad)."""
+  device_checks.all_true(
+    jnp.sum(repeats) == output_size,
+    f"repeat_interleave was given output_size={output_size}, which is not the sum of its repeats; "
+    f"pass the sum (or leave output_size out).",
+  )
 
 
 def _repeat_interleave_indices(prior):
@@ -66,6 +77,7 @@ def _repeat_interleave_indices(prior):
   def lowered(repeats, *, output_size=None):
     if output_size is None:
       return prior(repeats)
+    _check_output_size(repeats, output_size)
     return jnp.repeat(jnp.arange(repeats.shape[0]), repeats, total_repeat_length=output_size)
 
   return lowered
@@ -440,9 +452,15 @@ def register(env) -> None:
 
   jax_op(aten.ldexp.Tensor, _ldexp)
   jax_op(aten.nonzero_static, _nonzero_static)
+  sized = _repeat_interleave_sized(_compat.registered_op(env, aten.repeat_interleave.self_Tensor).func)
+  indices = _repeat_interleave_indices(_compat.registered_op(env, aten.repeat_interleave.Tensor).func)
   for overload in (aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor):
-    jax_op(overload, _repeat_interleave_sized(_compat.registered_op(env, overload).func))
-  jax_op(aten.repeat_interleave.Tensor, _repeat_interleave_indices(_compat.registered_op(env, aten.repeat_interleave.Tensor).func))
+    jax_op(overload, sized)
+  method = _compat.registered_op(env, torch.Tensor.repeat_interleave).func  # cut or padded to any output_size
+  jax_op(torch.Tensor.repeat_interleave, lambda x, repeats, dim=None, *, output_size=None: (
+    method(x, repeats, dim) if output_size is None else sized(x, repeats, dim, output_size=output_size)
+  ))
+  jax_op(aten.repeat_interleave.Tensor, indices)
   for overload in (aten.searchsorted.Tensor, aten.searchsorted.Scalar):
     jax_op(overload, _searchsorted)
   # composite in torch (decomposed before dispatch, into value reads): lowered as functions
