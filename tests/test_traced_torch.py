@@ -8,9 +8,11 @@ import optax
 import pytest
 import torch
 import torch.nn.functional as F
+from jax.sharding import PartitionSpec as P
 
 import torch_on_tpu as tot
 from tests import helpers as h
+from torch_on_tpu.lowering import device_checks
 
 
 def _one_device():
@@ -86,6 +88,33 @@ def test_a_bad_step_is_not_applied_and_raises_before_the_next(grad_accum):
   assert all(np.array_equal(np.asarray(jm.params[k]), v) for k, v in before.items())
   step(x, y)
   assert step.step_count == 2
+
+
+def test_a_check_inside_a_shard_map_region_reaches_the_caller_with_the_first_devices_value():
+  """Checks made per device (torchtitan's MoE experts run under `shard_map`) leave the region
+  combined: failed on any device, the bad value of the first failing one."""
+  mesh = tot.make_mesh(fsdp=-1)
+
+  def local(ids):
+    device_checks.index_in_range(ids, 10, what="a table of 10 rows")
+    return ids * 2
+
+  collectors = []
+
+  @jax.jit
+  def program(ids):
+    with device_checks.collecting() as collector:
+      out = device_checks.shard_map(local, mesh=mesh, in_specs=P("fsdp"), out_specs=P("fsdp"))(ids)
+    collectors.append(collector)
+    return out, collector.checks()
+
+  ids = np.arange(16, dtype=np.int32).reshape(8, 2) % 10
+  out, checks = program(ids)
+  assert np.array_equal(out, ids * 2) and not checks.flags.any()
+  ids[6, 0], ids[5, 1] = 11, 13  # rows 5 and 6 live on devices 5 and 6
+  _, checks = program(ids)
+  assert checks.flags.tolist() == [True] and checks.values.tolist() == [13]
+  assert "a table of 10 rows is {value}" in collectors[-1].messages[0][0]
 
 
 # ---- data-dependent shapes ----------------------------------------------------------------

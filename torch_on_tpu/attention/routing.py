@@ -21,7 +21,7 @@ from torch_on_tpu import models
 from torch_on_tpu.attention import context, splash, xla_flash
 from torch_on_tpu.core import _compat
 from torch_on_tpu.errors import TorchOnTpuError
-from torch_on_tpu.lowering import op_table
+from torch_on_tpu.lowering import device_checks, op_table
 from torch_on_tpu.lowering import remat as remat_lib
 from torch_on_tpu.parallel import mesh as mesh_lib
 
@@ -401,7 +401,7 @@ class Attention:
       q_seg, kv_seg = seg if seg is not None else (None, None)
       return context.attend(kernel, backward, split, q, k, v, m, q_seg, kv_seg, fixed=fixed)
 
-    return jax.shard_map(
+    return device_checks.shard_map(
       body, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec, check_vma=False
     )(*args)
 

@@ -13,7 +13,9 @@ raises one sentence naming the op, the bad value and the valid range, when a
 result is read (`.item()`, `float()`, `.cpu()`, `tot.to_cpu`) or, for a
 train step, before the next step is dispatched.
 
-Index reads inside a `StackedLayers` layer (scanned, looped or
+Checks made inside a `shard_map` region (`shard_map` here: MoE experts per data shard,
+attention) leave it as outputs, combined over the devices: failed on any, the value of the
+first failing device. Index reads inside a `StackedLayers` layer (scanned, looped or
 rematerialised) or under `remat.checkpoint` are not checked (`not_collected`,
 `unchecked`): their values live in that transform's own trace. Outside the bridge's traces a concrete
 index is checked at once, and a traced one (a user's own `jax.jit`) is not.
@@ -32,6 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from torch_on_tpu.errors import TorchOnTpuError
 
@@ -117,6 +120,37 @@ def unchecked(fn):
   def run(*args, **kwargs):
     with not_collected():
       return fn(*args, **kwargs)
+
+  return run
+
+
+def shard_map(fn, *, mesh, in_specs, out_specs, **kwargs):
+  """`jax.shard_map` whose body's checks join the caller's collector: each device's checks come
+  out combined over the mesh (a device-local value cannot leave the region by itself)."""
+  outer = _COLLECTOR.get()
+  if outer is None:
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kwargs)
+  axes = tuple(mesh.axis_names)
+  inner = []
+
+  def body(*args):
+    with collecting() as collector:
+      out = fn(*args)
+    inner[:] = [collector]
+    checks = collector.checks()
+    device = jax.lax.axis_index(axes)
+    first = jax.lax.pmin(jnp.where(checks.flags, device, mesh.size), axes)
+    value = jax.lax.psum(jnp.where(device == first, checks.values, 0), axes)
+    return out, Checks(first < mesh.size, value)
+
+  mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(out_specs, Checks(P(), P())), **kwargs)
+
+  def run(*args):
+    out, checks = mapped(*args)
+    outer.flags.extend(checks.flags)
+    outer.values.extend(checks.values)
+    outer.messages.extend(inner[0].messages)
+    return out
 
   return run
 

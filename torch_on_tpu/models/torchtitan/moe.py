@@ -13,6 +13,7 @@ import torch
 from jax.sharding import PartitionSpec as P
 
 from torch_on_tpu.core import _compat
+from torch_on_tpu.lowering import device_checks
 from torch_on_tpu.parallel import mesh as mesh_lib
 from torch_on_tpu.parallel import sharding as sharding_lib
 
@@ -118,7 +119,7 @@ def experts_per_data_shard(mesh, data_axes):
       return jax_view(out)
 
     in_specs = (P(), *(P(*spec, None, None),) * 3, *(P(*w) for w in stored))
-    out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(*spec, None, None), check_vma=False)(
+    out = device_checks.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(*spec, None, None), check_vma=False)(
       env.get_and_rotate_prng_key(), jax_view(x_BLD), jax_view(topk_scores_BLK), jax_view(topk_expert_ids_BLK), *weights
     )
     return torch_view(out)
