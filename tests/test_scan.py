@@ -245,6 +245,49 @@ def test_a_loop_steered_by_per_layer_attributes_or_arguments_runs_as_written(cap
   assert any("run one at a time" in m for m in caplog.messages)
 
 
+def _mixed_attention_model(device="cpu"):
+  """HF Gemma 3 with sliding and full attention alternating over 7 layers: each kind gets its
+  own mask (a window of 8 < 16 tokens) and its own RoPE tables."""
+  import transformers
+
+  config = transformers.Gemma3TextConfig(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=7, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=8,
+    layer_types=["sliding_attention", "full_attention"] * 3 + ["sliding_attention"], tie_word_embeddings=False,
+  )
+  config._attn_implementation = "sdpa"
+  torch.manual_seed(0)
+  model = h.build_causal_lm(config, device=device)
+  model.eval()
+  return model
+
+
+def test_hf_layers_of_alternating_kinds_scan_in_groups_each_with_its_own_mask(caplog):
+  """`config.layer_types` repeating every 2 layers: layers 0-1 run one at a time and show which
+  mask and RoPE tables each kind gets, layers 2-5 run as one scan over 2 groups of (sliding, full),
+  layer 6 (past the last whole group) runs alone; logits and gradients as eager torch's (a
+  layer given the other kind's mask would be off by far more)."""
+  ref = _mixed_attention_model()
+  tokens, labels = h.random_batch(256)
+  kwargs = {"use_cache": False}
+  ref_logits, ref_loss, ref_grads = h.torch_loss_and_grads(ref, tokens, labels, kwargs)
+  mesh = tot.make_mesh(fsdp=8)
+  scanned = tot.ShardedModule(copy.deepcopy(ref), mesh=mesh, scan=True)
+  assert scanned._layout is not None and scanned._layout.inputs_period == 2
+  logits = tot.to_cpu(scanned(tokens, **kwargs).logits)
+  assert h.rel(logits, ref_logits) < 1e-5
+  loss, grads = h.jax_loss_and_grads(scanned, tokens, labels, kwargs)
+  grads = h.per_layer(scanned, grads)
+  assert h.rel(loss, ref_loss) < 1e-5
+  worst = max((h.rel(grads[n], ref_grads[n]), n) for n in ref_grads)
+  assert worst[0] < 1e-4, worst
+  assert not any("one at a time" in m or "as a loop" in m or "cannot scan" in m for m in caplog.messages)
+  text = jax.jit(lambda p, b, t: jax_view(scanned.functional_call(p, b, torch_view(t), **kwargs).logits)).lower(
+    scanned.params, scanned.buffers, scanned.place(tokens)
+  ).as_text()
+  assert text.count("stablehlo.while") == 1  # the two groups, one loop
+
+
 class AuxBlock(torch.nn.Module):
   """A layer returning (hidden, aux loss, None): the aux output is carried out of the scan."""
 

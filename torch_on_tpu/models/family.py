@@ -120,6 +120,11 @@ class Family:
     """Why the layers of this model must not be stacked into one scanned step, or None."""
     return None
 
+  def layer_inputs_period(self, module: torch.nn.Module, layers) -> int:
+    """p where the model's loop hands layer i the inputs it hands layer i mod p (masks
+    picked per layer kind); the scan then runs groups of p layers."""
+    return 1
+
   def deferred_layer_outputs(self, layer: torch.nn.Module, template: torch.nn.Module):
     """Context around one scanned layer's trace that records what the family's hooks
     would capture from it (HF's `output_hidden_states`, router logits); yields the

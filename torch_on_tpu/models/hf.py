@@ -89,17 +89,26 @@ def use_jittable_experts(module: torch.nn.Module) -> None:
     )
 
 
-def per_layer_inputs_problem(module: torch.nn.Module, layers) -> str | None:
-  """Why an HF model's loop feeds its layers different inputs by index, or None.
+def layer_types_period(module: torch.nn.Module, layers) -> int:
+  """How often an HF model's loop repeats its layers' inputs: the period of `config.layer_types`
+  over the stacked layers (1 when every layer has the same kind).
 
-  HF models with mixed attention (`config.layer_types`: sliding and full) pick
-  each layer's mask by its index in the loop: the scan's per-layer views would
-  see the arguments change and run every layer unrolled anyway, so such a
-  stack is not stacked at all."""
+  HF models with mixed attention (sliding and full, chunked and full, linear and full) pick
+  each layer's mask by its kind, so the scan runs groups of one period, each position with
+  its own mask (`StackedLayers.call_layer`)."""
   for owner in (module, layers[0]):
-    types = getattr(getattr(owner, "config", None), "layer_types", None)
-    if types and len(set(types[: len(layers)])) > 1:
-      return f"the config's layer_types differ across layers ({sorted(set(types))})"
+    types = list(getattr(getattr(owner, "config", None), "layer_types", None) or ())[: len(layers)]
+    if len(set(types)) > 1:
+      return next(p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types)))
+  return 1
+
+
+def per_layer_inputs_problem(module: torch.nn.Module, layers) -> str | None:
+  """Why an HF model's layers, whose inputs repeat every `layer_types_period` layers, are not
+  worth stacking (fewer than two whole periods after the first), or None."""
+  period = layer_types_period(module, layers)
+  if period > 1 and (len(layers) - period) // period < 2:
+    return f"the config's layer_types repeat every {period} of its {len(layers)} layers, too seldom to scan"
   return None
 
 
@@ -331,6 +340,9 @@ class HFFamily(Family):
 
   def layer_stack_problem(self, module, layers):
     return per_layer_inputs_problem(module, layers)
+
+  def layer_inputs_period(self, module, layers):
+    return layer_types_period(module, layers)
 
   def deferred_layer_outputs(self, layer, template):
     return deferred_output_capture(layer, template)

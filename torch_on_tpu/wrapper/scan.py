@@ -101,6 +101,8 @@ class StackedLayers(torch.nn.Module):
       batch sharding): the scan's carry is pinned to it on every layer, so the partitioner
       keeps the activations split over the batch rather than choosing a layout that
       reshards them in every layer.
+    inputs_period: the model's loop hands layer i the inputs it hands layer i mod p (HF's
+      `layer_types`: a mask per attention kind); see `call_layer`.
   """
 
   def __init__(
@@ -112,6 +114,7 @@ class StackedLayers(torch.nn.Module):
     scan: bool = True,
     pipeline=None,
     carry_sharding=None,
+    inputs_period: int = 1,
   ):
     super().__init__()
     layers = list(layers)
@@ -129,6 +132,8 @@ class StackedLayers(torch.nn.Module):
     self.scanned = scan
     self.pipeline = pipeline
     self.carry_sharding = carry_sharding
+    self.inputs_period = inputs_period
+    self._seen_inputs: list[tuple] = []  # this pass's inputs of the layers run before a periodic scan
     if pipeline is not None and not scan:
       raise TorchOnTpuError(
         "Pipeline stages split a scanned layer stack, but StackedLayers got scan=False; use scan=True."
@@ -205,30 +210,35 @@ class StackedLayers(torch.nn.Module):
     records = _rebuild_records(extras["records"][index], record_leaves) if record_leaves else []
     return out, records
 
-  def _stack(self, hidden, args, kwargs) -> list[tuple]:
-    """Every layer in order from `hidden`: each layer's (output, recorded capture calls)."""
-    _refuse_caches(kwargs)
+  def _stack(self, hidden, inputs: list[tuple], start: int = 0, count: int | None = None) -> list[tuple]:
+    """Layers `start` to `start + count` (default: to the last) in order from `hidden`, layer i
+    given `inputs[(i - start) % len(inputs)]` (its `(args, kwargs)`): each layer's (output,
+    recorded capture calls)."""
+    count = self.num_layers - start if count is None else count
+    for _, kwargs in inputs:
+      _refuse_caches(kwargs)
     if self.pipeline is not None:
-      return self._pipelined(hidden, args, kwargs)
-    stacked = self._stacked()
+      return self._pipelined(hidden, *inputs[0])
+    every = self._stacked()
     env = torchax.default_env()
-    keys = jax.random.split(env.get_and_rotate_prng_key(), self.num_layers)
+    keys = jax.random.split(env.get_and_rotate_prng_key(), self.num_layers)[start : start + count]
+    stacked = every if count == self.num_layers else jax.tree.map(lambda a: a[start : start + count], every)
     extras = {}
     h = jax_view(hidden)
-    period = self._period(extras, args, kwargs, h, stacked, keys) if self.scanned else self.num_layers
+    period = self._period(extras, inputs, start, h, stacked, keys) if self.scanned else count
     run = [
-      remat_lib.checkpoint(functools.partial(self._run_one, j, extras, args, kwargs), self.remat)
+      remat_lib.checkpoint(functools.partial(self._run_one, start + j, extras, *inputs[j % len(inputs)]), self.remat)
       for j in range(period)
     ]
-    outputs, updates = [], []
-    if period == self.num_layers:
-      for i in range(self.num_layers):
+    outputs, updates = [], {}
+    if period == count:
+      for i in range(count):
         h, produced = run[i](h, jax.tree.map(lambda a, i=i: a[i], stacked), keys[i])
-        outputs.append(self._layer_output(extras, i, h, produced))
-        updates.append(produced[2])
-      self._write_buffers(stacked, dict(enumerate(updates)))
+        outputs.append(self._layer_output(extras, start + i, h, produced))
+        updates[start + i] = produced[2]
+      self._write_buffers(every, updates)
       return outputs
-    groups = self.num_layers // period
+    groups = count // period
     last, per_layer = self._scan_groups(run, h, stacked, keys)
     for g in range(groups):
       for j in range(period):
@@ -238,9 +248,9 @@ class StackedLayers(torch.nn.Module):
           # where nothing reads an earlier layer's output, the program then drops that stacked
           # [layers, ...] buffer and its cotangent (two copies of every layer's hidden state)
           h_g = last
-        outputs.append(self._layer_output(extras, j, h_g, produced))
-        updates.append(produced[2])
-    self._write_buffers(stacked, dict(enumerate(updates)))
+        outputs.append(self._layer_output(extras, start + j, h_g, produced))
+        updates[start + g * period + j] = produced[2]
+    self._write_buffers(every, updates)
     return outputs
 
   def _scan_groups(self, run, h, stacked, keys):
@@ -312,7 +322,7 @@ class StackedLayers(torch.nn.Module):
     h = jax_view(hidden)
     extras = {}
     name = type(self._layers[0]).__name__
-    period = self._period(extras, args, kwargs, h, stacked, keys, loop_ok=False)
+    period = self._period(extras, [(args, kwargs)], 0, h, stacked, keys, loop_ok=False)
     per_block = n // (schedule.stages * schedule.virtual_stages)
     if per_block % period:
       raise TorchOnTpuError(
@@ -373,36 +383,38 @@ class StackedLayers(torch.nn.Module):
 
   def forward(self, hidden, *args, **kwargs):
     """Every layer in order; returns the last layer's output."""
-    outputs = self._stack(hidden, args, kwargs)
+    outputs = self._stack(hidden, [(args, kwargs)])
     for _, records in outputs:
       self._family.replay_layer_outputs(self._modules[LAYER], records)
     return outputs[-1][0]
 
-  def _period(self, extras, args, kwargs, h, stacked, keys, *, loop_ok: bool = True) -> int:
-    """The smallest p dividing N such that layer i computes the same function as layer i mod p
-    (`loop_ok=False`: no such p < N is refused, not run as a loop)."""
+  def _period(self, extras, inputs, start, h, stacked, keys, *, loop_ok: bool = True) -> int:
+    """The smallest p, a multiple of the inputs' period, dividing the n layers of `stacked`
+    (from layer `start`) such that layer i computes the same function as layer i mod p
+    (`loop_ok=False`: no such p < n is refused, not run as a loop)."""
     abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
     per_layer = {n: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for n, a in stacked.items()}
+    n, m = keys.shape[0], len(inputs)
     signatures = [
       _jaxpr_signature(
-        jax.make_jaxpr(functools.partial(self._run_one, i, extras, args, kwargs))(
+        jax.make_jaxpr(functools.partial(self._run_one, start + i, extras, *inputs[i % m]))(
           jax.tree.map(abstract, h), per_layer, abstract(keys[i])
         )
       )
-      for i in range(self.num_layers)
+      for i in range(n)
     ]
-    n = self.num_layers
-    period = next(p for p in range(1, n + 1) if not n % p and all(signatures[i] == signatures[i % p] for i in range(n)))
+    period = next(p for p in range(m, n + 1, m) if not n % p and all(signatures[i] == signatures[i % p] for i in range(n)))
     if period == n and n > 1 and not loop_ok:
       raise TorchOnTpuError(
         f"The {n} {type(self._layers[0]).__name__} layers do not all compute the same function (layer "
         f"{next(i for i in range(n) if signatures[i] != signatures[0])} differs from layer 0), so they "
         f"cannot be split into pipeline stages; train this model without pp."
       )
-    if period == n and n > 1:
+    if period == n and n > m:
       self._say_unrolled(
         f"the {n} {type(self._layers[0]).__name__} layers do not all compute the same function (layer "
-        f"{next(i for i in range(n) if signatures[i] != signatures[0])} differs from layer 0), so they "
+        f"{start + next(i for i in range(n) if signatures[i] != signatures[i % m])} differs from layer "
+        f"{start + next(i for i in range(n) if signatures[i] != signatures[i % m]) % m}), so they "
         f"run as a loop, one layer after another, exactly as unscanned"
       )
     return period
@@ -449,12 +461,20 @@ class StackedLayers(torch.nn.Module):
     arguments. A model that changes the hidden state or the arguments between
     layers (per-layer masks, skipped layers) gets those layers run one at a time,
     unrolled, on what it passes: its own loop, computed as written.
+
+    With an `inputs_period` p > 1 (the loop hands layer i what it handed layer i mod p),
+    layers 0 to p - 1 run one at a time and what each got is kept; layer p's call, given
+    what layer 0 got, runs the whole groups of p after them as one scan over groups, each
+    position with its own inputs, and the layers past the last whole group run one at a
+    time again.
     """
+    if self.inputs_period > 1:
+      return self._call_periodic(index, hidden, args, kwargs)
     cache = self._stack_cache
     if index == 0 or cache is None or not cache.serves(index, hidden, args, kwargs):
       if index == 0:
-        outputs = self._stack(hidden, args, kwargs)
-        self._stack_cache = _StackCache(args, kwargs, outputs)
+        outputs = self._stack(hidden, [(args, kwargs)])
+        self._stack_cache = _StackCache([(args, kwargs)], outputs)
         return self._serve(0)
       self._stack_cache = None
       if self.pipeline is not None:
@@ -469,17 +489,41 @@ class StackedLayers(torch.nn.Module):
       return self.run_layer(index, hidden, *args, **kwargs)
     return self._serve(index)
 
+  def _call_periodic(self, index: int, hidden, args, kwargs):
+    """`call_layer` for a loop whose inputs repeat every `inputs_period` layers."""
+    p = self.inputs_period
+    cache = self._stack_cache
+    if index == 0:
+      self._seen_inputs, self._stack_cache = [], None
+    elif cache is not None:
+      if cache.serves(index, hidden, args, kwargs):
+        return self._serve(index)
+      self._stack_cache = None
+      self._say_unrolled(
+        f"the model's inputs to its {type(self._layers[0]).__name__} layers stop repeating every {p} "
+        f"layers at layer {index}, so from there on they run one at a time, unrolled"
+      )
+    groups = (self.num_layers - p) // p
+    if index < p and index == len(self._seen_inputs):
+      self._seen_inputs.append((args, kwargs))
+    elif index == p and len(self._seen_inputs) == p and groups and _same_arguments((args, kwargs), self._seen_inputs[0]):
+      outputs = self._stack(hidden, self._seen_inputs, start=p, count=groups * p)
+      self._stack_cache = _StackCache(self._seen_inputs, outputs, start=p)
+      return self._serve(index)
+    return self.run_layer(index, hidden, *args, **kwargs)
+
   def _serve(self, index: int):
     cache = self._stack_cache
-    out, records = cache.outputs[index]
+    out, records = cache.outputs[index - cache.start]
     self._family.replay_layer_outputs(self._modules[LAYER], records)
     states = len(self._state_names)
     if states:
       cache.returned[index] = tuple(out[:states])
     else:
       cache.returned[index] = out[0] if isinstance(out, tuple) else out
-    if index == self.num_layers - 1:
-      self._stack_cache = None  # the pass is over; keep no traced values
+    if index == cache.start + len(cache.outputs) - 1:
+      self._stack_cache = None  # the stack's pass is over; keep no traced values
+      self._seen_inputs = []
     return out
 
   def run_layer(self, index: int, hidden, *args, **kwargs):
@@ -498,21 +542,24 @@ class StackedLayers(torch.nn.Module):
 
 
 class _StackCache:
-  """One pass of the model's loop over a scanned stack: the outputs of every layer,
-  and what was handed out, to check the model passes them on unchanged."""
+  """One pass of the model's loop over a scanned stack: the outputs of the layers from
+  `start`, the inputs each got (by position, repeating), and what was handed out, to check
+  the model passes them on unchanged."""
 
-  def __init__(self, args, kwargs, outputs):
-    self.args, self.kwargs = args, kwargs
+  def __init__(self, inputs: list[tuple], outputs, start: int = 0):
+    self.inputs, self.start = inputs, start
     self.outputs = outputs
     self.returned: dict[int, object] = {}
 
   def serves(self, index: int, hidden, args, kwargs) -> bool:
+    if not self.start < index < self.start + len(self.outputs):
+      return False
     before = self.returned.get(index - 1)
     if isinstance(hidden, tuple):  # several states, by keyword
       same = isinstance(before, tuple) and len(before) == len(hidden) and all(a is b for a, b in zip(hidden, before))
     else:
       same = hidden is before
-    return same and _same_arguments((args, kwargs), (self.args, self.kwargs))
+    return same and _same_arguments((args, kwargs), self.inputs[(index - self.start) % len(self.inputs)])
 
 
 def _same_arguments(a, b) -> bool:
@@ -705,9 +752,10 @@ class ScanLayout:
   `apply` swaps the container afterwards.
   """
 
-  def __init__(self, stack: LayerStack, entries, *, pipeline=None):
+  def __init__(self, stack: LayerStack, entries, *, pipeline=None, inputs_period: int = 1):
     self.stack = stack
     self.pipeline = pipeline
+    self.inputs_period = inputs_period
     self.prefix = f"{stack.path}." if stack.path else ""
     self.internal_prefix = f"{self.prefix}{SCAN}.{LAYER}."
     order = pipeline.schedule.storage_order(len(stack.keys)) if pipeline else range(len(stack.keys))
@@ -772,7 +820,8 @@ class ScanLayout:
   ) -> StackedLayers:
     """Swaps the model's layer container for the scan (in place)."""
     scanned = StackedLayers(
-      self.stack.layers, remat=remat, unroll=unroll, scan=scan, pipeline=self.pipeline, carry_sharding=carry_sharding
+      self.stack.layers, remat=remat, unroll=unroll, scan=scan, pipeline=self.pipeline,
+      carry_sharding=carry_sharding, inputs_period=self.inputs_period,
     )
     container = ScanContainer(scanned, self.stack)
     owner_path, _, leaf = self.stack.path.rpartition(".")
@@ -796,13 +845,19 @@ def layout_for(module: torch.nn.Module, entries, *, pipeline=None) -> ScanLayout
   stack = find_layer_stack(module)
   if stack is None:
     return cannot("found no stack of two or more identical blocks")
-  problem = models.family_of(module).layer_stack_problem(module, stack.layers)
+  family = models.family_of(module)
+  problem = family.layer_stack_problem(module, stack.layers)
   if problem:
     return cannot(f"cannot scan '{stack.path}' because {problem}")
+  inputs_period = family.layer_inputs_period(module, stack.layers)
+  if inputs_period > 1 and pipeline is not None:
+    return cannot(f"the model hands '{stack.path}' different inputs every {inputs_period} layers")
   problem = homogeneity_problem(stack.layers)
   if problem:
     run = longest_identical_run(stack)
     if run is None:
+      return cannot(f"cannot scan '{stack.path}' because {problem}")
+    if inputs_period > 1:
       return cannot(f"cannot scan '{stack.path}' because {problem}")
     logger.warning(
       "scan=True: '%s' is not one stack of identical blocks (%s); its blocks %s to %s scan and the "
@@ -813,7 +868,7 @@ def layout_for(module: torch.nn.Module, entries, *, pipeline=None) -> ScanLayout
     problem = pipeline.schedule.layers_problem(len(stack.keys))
     if problem:
       raise TorchOnTpuError(f"Pipeline: {problem}.")
-  return ScanLayout(stack, entries, pipeline=pipeline)
+  return ScanLayout(stack, entries, pipeline=pipeline, inputs_period=inputs_period)
 
 
 _default_policy_said = False
