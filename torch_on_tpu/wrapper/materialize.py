@@ -178,6 +178,19 @@ def stack(arrays: dict, stacks: Mapping[str, Sequence[str]]) -> dict:
   return out
 
 
+def stack_placed(arrays: dict, stacks: Mapping[str, Sequence[str]], shardings: Mapping[str, NamedSharding]) -> dict:
+  """`stack` for arrays already on the devices, one stacked tensor at a time, each stack's
+  members freed once it is made: the peak holds one stacked tensor beyond the model, not a
+  second copy of every layer."""
+  members = {m for group in stacks.values() for m in group}
+  out = {k: v for k, v in arrays.items() if k not in members}
+  for name, group in stacks.items():
+    out[name] = jax.jit(lambda *xs: jnp.stack(xs), out_shardings=shardings[name])(*(arrays[m] for m in group))
+    for m in group:
+      arrays[m].delete()
+  return out
+
+
 def chunk_budget(shardings) -> int:
   """Global output bytes per init jit for arrays placed by `shardings`: a share of
   the smallest device memory times the device count on accelerators that report

@@ -177,7 +177,7 @@ class ShardedModule:
     else:
       arrays = materialize.upload(module, entries, self._resolved.shardings(self.mesh))
       if stacks:
-        arrays = jax.jit(lambda a: materialize.stack(a, stacks), out_shardings=stored, donate_argnums=0)(arrays)
+        arrays = materialize.stack_placed(arrays, stacks, stored)
       _to_meta(module)
 
     if self._layout:
