@@ -185,3 +185,23 @@ def test_and_or_xor_at_the_dispatcher_are_bitwise_and_grid_sampler_reflects():
   x, grid = torch.randn(1, 2, 3, 4, 5, generator=gen), (torch.rand(1, 2, 3, 4, 3, generator=gen) * 2 - 1) * 4
   jm = tot.ShardedModule(Sample(), mesh=tot.make_mesh(jax.devices()[:1], fsdp=1))
   assert torch.allclose(tot.to_cpu(jm(x, grid)), Sample()(x, grid), atol=1e-5)
+
+
+class _TakeAlong(torch.nn.Module):
+  def forward(self, x, indices, dim):
+    return torch.take_along_dim(x, indices, dim)
+
+
+def test_take_along_dim_wraps_indices_along_a_dim_as_torch_and_refuses_them_flattened():
+  """torch takes indices modulo the size along a `dim` (negative and too large alike), and
+  raises on one outside the flattened tensor."""
+  x = torch.randn(3, 5)
+  indices = torch.tensor([[-1, 0, 7], [-6, 4, 5], [2, -5, 12]])
+  jm = tot.ShardedModule(_TakeAlong(), mesh=tot.make_mesh(jax.devices()[:1], fsdp=1))
+  for source, dim in ((x, 1), (x, -1), (x.T.contiguous(), 0)):
+    want = torch.take_along_dim(source, indices, dim)
+    assert torch.equal(tot.to_cpu(jm(source, indices, dim)), want), dim
+  with pytest.raises(RuntimeError):
+    torch.take_along_dim(x, indices, None)
+  with pytest.raises(tot.TorchOnTpuError, match=r"take_along_dim \(a dimension of size 15\) is -1"):
+    tot.to_cpu(jm(x, indices, None))

@@ -35,7 +35,10 @@ TPU): one static-shape program for any routing, dropless, its gradient ragged
 too. Rows past the last group (torch leaves them unwritten) come out zero.
 
 `torch.take_along_dim` is lowered as a torch function: torch checks its index
-for int64 before dispatching, and ids are int32 jax arrays here.
+for int64 before dispatching, and ids are int32 jax arrays here. Along a `dim`
+it takes indices modulo the dimension's size, as torch does (-1 is the last,
+and so is -6 of 5); without one, an index outside the flattened tensor raises
+in torch and is refused here.
 
 Batch norm in training updates `running_mean` / `running_var` in place as
 torch does (torchax computes them and drops them, and with the biased
@@ -200,11 +203,14 @@ def _embedding_bag(
 
 
 def _take_along_dim(x, indices, dim=None):
+  """Without `dim`, torch gathers from the flattened tensor and raises on an index outside it;
+  along a `dim` it takes every index modulo that dimension's size (so -1 is the last)."""
   size = x.size if dim is None else x.shape[dim]
-  device_checks.index_in_range(indices, size, what=f"take_along_dim (a dimension of size {size})")
+  if dim is None or size == 0:
+    device_checks.index_in_range(indices, size, what=f"take_along_dim (a dimension of size {size})")
   if dim is None:
     return jnp.take_along_axis(x.reshape(-1), indices.reshape(-1), axis=0)
-  return jnp.take_along_axis(x, indices, axis=dim)
+  return jnp.take_along_axis(x, indices % size if size else indices, axis=dim)
 
 
 def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
