@@ -83,10 +83,16 @@ def test_a_computation_runs_as_often_as_the_loops_around_it_say():
 def test_bench_tpu_tables_both_programs_and_refuses_what_it_does_not_know(capsys):
   bench = h.load_module("tools/bench_tpu.py")
   cell = dict(arguments=2**30, temporaries=2**31, host=0, collectives={"all-gather": 2**30}, flops=1e12, hbm_bytes=1e9,
-              roofline_s=0.4, hbm_budget=int(31.25 * 2**30))
+              roofline_s=0.4, hbm_budget=int(31.25 * 2**30), fsdp_ideal=2**31)
   text = bench.table({("8b-v6e", "full"): {"torch_on_tpu": cell, "MaxText": {**cell, "roofline_s": 0.5}}})
-  assert "| 8b-v6e | full | torch_on_tpu | 1.00 + 2.00 = 3.00 (31.25) | 0.0 | 1.0 (1.0 / 0.0 / 0.0 / 0.0) | 1.0 | 1 | 0.400 | 0.80 × |" in text
+  assert "| 8b-v6e | full | torch_on_tpu | 1.00 + 2.00 = 3.00 (31.25) | 0.0 | 1.0 (1.0 / 0.0 / 0.0 / 0.0) | 0.50 | 1.0 | 1 | 0.400 | 0.80 × |" in text
   for bad in (["--rows=70b"], ["--remats=some"], ["--maxtext=/src"]):
     with pytest.raises(SystemExit):
       bench.parse_args(bad)
   assert "--maxtext and --maxtext_python go together" in capsys.readouterr().err
+
+
+def test_bench_tpus_fsdp_ideal_is_bf16_gathers_twice_and_a_bf16_reduce_scatter():
+  """Llama 3.1 8B's 8,030,261,248 weights on 8 chips: (2·2 + 2) bytes · N · 7/8 = 39.3 GiB."""
+  bench = h.load_module("tools/bench_tpu.py")
+  assert bench.fsdp_ideal("8B", 8) == int(6 * 8_030_261_248 * 7 / 8)

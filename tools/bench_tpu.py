@@ -91,6 +91,17 @@ def attention_flops(flavor: str, batch: int, seqlen: int, chips: int, recompute:
   return forward * (3 + (1 if recompute else 0))
 
 
+def fsdp_ideal(flavor: str, chips: int) -> int:
+  """FSDP's collective bytes per chip per step for the model (`parallel.collectives.fsdp_ideal_bytes`):
+  every weight gathered in bf16 for the forward and again for the backward, gradients
+  reduce-scattered in bf16."""
+  from torch_on_tpu.models.torchtitan import build_llama3
+  from torch_on_tpu.parallel import collectives
+
+  params = sum(p.numel() for p in build_llama3(flavor).parameters())
+  return collectives.fsdp_ideal_bytes(params, chips, weight_bytes=2, gradient_bytes=2)
+
+
 def cell_numbers(report_like: dict, row: dict, remat: str) -> dict:
   """The table's numbers from a compiled program's memory analysis and its HLO's costs."""
   from torch_on_tpu.parallel import targets
@@ -103,7 +114,7 @@ def cell_numbers(report_like: dict, row: dict, remat: str) -> dict:
     arguments=report_like["arguments"], temporaries=report_like["temporaries"], host=report_like["host"],
     collectives=report_like["collectives"], flops=cost.flops + extra, hbm_bytes=cost.hbm_bytes,
     roofline_s=cost.roofline_seconds(generation.peak_bf16_flops, generation.hbm_bandwidth, extra),
-    hbm_budget=generation.hbm_bytes,
+    hbm_budget=generation.hbm_bytes, fsdp_ideal=fsdp_ideal(row["flavor"], chips),
   )
 
 
@@ -171,14 +182,14 @@ def in_worker(script: str, args: str, what: str = "worker") -> dict:
 def table(results: dict) -> str:
   lines = [
     "| row | remat | program | args + temps GiB (of HBM) | host GiB | collectives GiB (all-gather / reduce-scatter / permute / all-to-all) "
-    "| TFLOP | HBM GB | roofline s | vs MaxText |",
-    "|---|---|---|---|---|---|---|---|---|---|",
+    "| × FSDP ideal | TFLOP | HBM GB | roofline s | vs MaxText |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for (row, remat), sides in results.items():
     base = sides.get("MaxText", {}).get("roofline_s")
     for side, n in sides.items():
       if "error" in n:
-        lines.append(f"| {row} | {remat} | {side} | {n['error']} | | | | | | |")
+        lines.append(f"| {row} | {remat} | {side} | {n['error']} | | | | | | | |")
         continue
       c = n["collectives"]
       kinds = " / ".join(f"{c.get(k, 0) / GiB:.1f}" for k in ("all-gather", "reduce-scatter", "collective-permute", "all-to-all"))
@@ -186,7 +197,7 @@ def table(results: dict) -> str:
       lines.append(
         f"| {row} | {remat} | {side} | {n['arguments'] / GiB:.2f} + {n['temporaries'] / GiB:.2f} = "
         f"{(n['arguments'] + n['temporaries']) / GiB:.2f} ({n['hbm_budget'] / GiB:.2f}) | {n['host'] / GiB:.1f} | "
-        f"{sum(c.values()) / GiB:.1f} ({kinds}) | {n['flops'] / 1e12:.1f} | {n['hbm_bytes'] / 1e9:.0f} | {n['roofline_s']:.3f} | {vs} |"
+        f"{sum(c.values()) / GiB:.1f} ({kinds}) | {sum(c.values()) / n['fsdp_ideal']:.2f} | {n['flops'] / 1e12:.1f} | {n['hbm_bytes'] / 1e9:.0f} | {n['roofline_s']:.3f} | {vs} |"
       )
   return "\n".join(lines)
 

@@ -59,6 +59,17 @@ def collective_bytes(text: str | hlo_text.Module) -> CollectiveBytes:
   return CollectiveBytes({k: int(v) for k, v in totals.items()})
 
 
+def fsdp_ideal_bytes(sharded_elements: int, devices: int, *, weight_bytes: int, gradient_bytes: int, gathers: int = 2) -> int:
+  """What FSDP must receive per device per step, by ring algorithms: every sharded weight
+  all-gathered `gathers` times in the dtype it is computed in (forward, and again for the
+  backward when the layers are not kept gathered between them) and its gradient
+  reduce-scattered once: (gathers · weight_bytes + gradient_bytes) · N · (n - 1) / n.
+  A program can move less (an embedding looked up, or a head applied, where its rows live
+  moves activations instead) or more (the TPU compiler's windowed einsums pass blocks
+  of activations round a ring, to hide the transfer behind the matmul)."""
+  return int((gathers * weight_bytes + gradient_bytes) * sharded_elements * (devices - 1) / devices)
+
+
 def _bytes(shape: str) -> int:
   """Bytes of an instruction's result (an async start's (operand, result) pair counted once, as its result)."""
   arrays = [hlo_text.nbytes(part) for part in re.findall(r"(?:pred|[sufc]\d+|bf16)\[[\d,]*\]", shape)]
