@@ -223,6 +223,8 @@ def test_expert_parallel_splits_experts_and_matches_one_device(family, mesh_axes
   assert experts and all(
     spec[1 if ".scan." in n else 0] == expert_axis for n, spec in experts
   ), experts  # the expert dim (after the layer dim when scanned) is split
+  dense = jm.param_shardings["model.embed_tokens.weight"].spec
+  assert ("fsdp", "ep") in tuple(dense) if "ep" in mesh_axes else "fsdp" in tuple(dense), dense  # FSDP over every data device
   forward = {k: v for k, v in inputs.items() if k != "labels"}
   assert h.rel(tot.to_cpu(jm(**forward).logits), ref_logits) < 1e-5
   loss, grads = ours_loss_and_grads(jm, inputs, labels)

@@ -142,10 +142,10 @@ def check_spec(name: str, shape: Sequence[int], spec, mesh: Mesh) -> PartitionSp
   return PartitionSpec(*spec)
 
 
-def fsdp_spec(shape: Sequence[int], mesh: Mesh) -> tuple:
+def fsdp_spec(shape: Sequence[int], mesh: Mesh, axes: Sequence[str] | None = None) -> tuple:
   """The "fsdp" preset for one tensor: its largest dim the parameter axes
-  (`mesh.param_axes`: `fsdp` and `cp`) divide together, else replicated."""
-  axes = mesh_lib.param_axes(mesh)
+  (`mesh.param_axes`: `fsdp` and `cp`, or the given `axes`) divide together, else replicated."""
+  axes = mesh_lib.param_axes(mesh) if axes is None else tuple(axes)
   ways = math.prod(mesh.shape[a] for a in axes)
   spec = [None] * len(shape)
   if ways == 1 or math.prod(shape) < FSDP_MIN_ELEMENTS:
@@ -268,7 +268,11 @@ def _resolve_preset(name: str, tensors: Sequence[TensorInfo], mesh: Mesh, expert
 
 
 def _expert_parallel_spec(t: TensorInfo, mesh: Mesh, experts: set | None = None) -> PartitionSpec:
-  """The "ep" preset for one tensor: expert dim over `ep` (or `fsdp`), the rest as "fsdp"."""
+  """The "ep" preset for one tensor: an expert weight's expert dim over `ep` (or `fsdp`), its
+  other dims as "fsdp"; any other parameter split over the parameter axes and `ep` together
+  (the `ep` devices hold different data, so the dense weights shard over them as over
+  `fsdp`: their gradients are reduce-scattered over every data device, not all-reduced
+  across `ep`)."""
   axis = "ep" if "ep" in mesh.shape else "fsdp"
   if axis not in mesh.shape:
     raise TorchOnTpuError(
@@ -280,7 +284,8 @@ def _expert_parallel_spec(t: TensorInfo, mesh: Mesh, experts: set | None = None)
   else:
     is_expert = "experts" in t.name.split(".")[:-1] and len(t.shape) >= 2
   sharded = bool(mesh_lib.param_axes(mesh))
-  rest = fsdp_spec(t.shape, mesh) if t.is_param and sharded else (None,) * len(t.shape)
+  dense_axes = (*mesh_lib.param_axes(mesh), "ep") if axis == "ep" else mesh_lib.param_axes(mesh)
+  rest = fsdp_spec(t.shape, mesh, dense_axes) if t.is_param and dense_axes else (None,) * len(t.shape)
   if not is_expert:
     return PartitionSpec(*rest)
   if axis == "fsdp":
