@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import torch_on_tpu as tot
-from torch_on_tpu import models
 from tests import helpers as h
 from tests.helpers import jax_view, torch_view
+from torch_on_tpu import models
 from torch_on_tpu.wrapper import scan as scan_lib
 
 CASES = [
