@@ -65,6 +65,7 @@ LAST_TO_LEAVE_SECONDS = 10  # how long process 0 keeps the coordinator up for th
 _KEY = "torch_on_tpu/"
 _MARKS = ("failed", "done", "stopped")
 LIVENESS_SECONDS = 1.0  # how often each process asks the coordinator who is alive
+JOIN_THREADS_SECONDS = 5.0  # at a clean exit, how long each watching thread gets to finish its call
 
 
 class ProcessFault(TorchOnTpuError):
@@ -228,6 +229,8 @@ class _Watch:
     self.lock = threading.Lock()
     self.stopping = False
     self.finishing = False
+    self.closed = False  # set at a clean exit: the threads return, joined before the interpreter ends
+    self.threads: list[threading.Thread] = []
     self.exchanges: dict[str, int] = {}
     self.missing: set[int] = set()
     self.marks: dict[str, dict[int, str]] = {kind: {} for kind in _MARKS}
@@ -271,14 +274,19 @@ class _Watch:
 
   # -- the threads
   def start(self) -> None:
-    for target in (self._liveness, self._probe, self._judge):
-      threading.Thread(target=target, daemon=True, name=f"tot-health-{target.__name__[1:]}").start()
+    self.start_threads()
     atexit.register(self._at_exit)  # after jax's own clean-up was registered: runs before it
     _install_excepthook()
 
+  def start_threads(self) -> None:
+    for target in (self._liveness, self._probe, self._judge):
+      thread = threading.Thread(target=target, daemon=True, name=f"tot-health-{target.__name__[1:]}")
+      thread.start()
+      self.threads.append(thread)
+
   def _liveness(self) -> None:
     everyone = list(range(self.count))
-    while not (self.stopping or self.finishing):
+    while not (self.stopping or self.finishing or self.closed):
       try:
         live = self.client.get_live_nodes(everyone)
       except Exception:  # noqa: BLE001 (no coordinator: the probe thread sees it too)
@@ -290,7 +298,7 @@ class _Watch:
   def _probe(self) -> None:
     """Publishes this process's activity when it changed (woken by `doing`); reads every
     mark at most every `POLL_SECONDS` (one listing: a pod's coordinator serves them all)."""
-    while not self.stopping:
+    while not (self.stopping or self.closed):
       self.probe_sent = time.monotonic()
       try:
         doing = _record()
@@ -308,7 +316,7 @@ class _Watch:
       self.wake.clear()
 
   def _judge(self) -> None:
-    while not self.stopping:
+    while not (self.stopping or self.closed):
       time.sleep(POLL_SECONDS / 2)
       verdict = self._verdict()
       if verdict is not None:
@@ -392,6 +400,25 @@ class _Watch:
     if self.stopping:
       return
     self.finishing = True
+    if _failed is None:
+      _doing.update(doing="leaving, its work done", since=time.time())
+    try:
+      self._leave()
+    finally:
+      self._join_threads()
+      _write_status()
+
+  def _join_threads(self) -> None:
+    """Ends the three threads before the interpreter does: a daemon thread still inside a
+    call to the coordinator when Python finalizes is torn down mid-C++ and aborts the whole
+    process (`FATAL: exception not rethrown`, SIGABRT) after it finished its work."""
+    self.closed = True
+    self.wake.set()
+    for thread in self.threads:
+      thread.join(timeout=JOIN_THREADS_SECONDS)
+
+  def _leave(self) -> None:
+    """Marks this process done and waits (bounded) for the others; process 0 leaves last."""
     if _failed is not None:
       if self.index == 0:
         self.wait_for_the_others(exclude=set())
