@@ -70,6 +70,18 @@ def fsdp_ideal_bytes(sharded_elements: int, devices: int, *, weight_bytes: int, 
   return int((gathers * weight_bytes + gradient_bytes) * sharded_elements * (devices - 1) / devices)
 
 
+def tp_ideal_bytes(tokens: int, hidden: int, devices: int, *, layers: int, activation_bytes: int, recomputed: bool = False) -> int:
+  """What Megatron's tensor parallelism must receive per device per step, by ring algorithms:
+  in each layer the attention's and the MLP's outputs all-reduced in the forward and the
+  gradients at their inputs in the backward (4 all-reduces of [tokens, hidden] a layer, 6 when
+  the backward recomputes the forward), 2 · size · (n - 1) / n each; `tokens` are one tp
+  group's (the batch's over the data axes). Sequence parallelism moves the same bytes (each
+  all-reduce a reduce-scatter and an all-gather). Not counted: the loss on logits split over
+  the vocabulary (a vocabulary-parallel loss moves only per-row statistics)."""
+  per_layer = 6 if recomputed else 4
+  return int(layers * per_layer * 2 * tokens * hidden * activation_bytes * (devices - 1) / devices)
+
+
 def _bytes(shape: str) -> int:
   """Bytes of an instruction's result (an async start's (operand, result) pair counted once, as its result)."""
   arrays = [hlo_text.nbytes(part) for part in re.findall(r"(?:pred|[sufc]\d+|bf16)\[[\d,]*\]", shape)]
