@@ -6,8 +6,8 @@ the trip counts of the loops around it (`known_trip_count`, else the largest
 integer constant the loop's condition compares with). Per device and per
 execution, the bytes received, by the usual ring algorithms over a group of n
 devices: all-gather out·(n-1)/n, reduce-scatter out·(n-1), all-reduce
-2·out·(n-1)/n, all-to-all out·(n-1)/n, collective-permute out. The TPU compiler
-runs SPMD's all-reduce-then-slice of a sharded gradient as one reduce-scatter (an
+2·out·(n-1)/n, all-to-all out·(n-1)/n, collective-permute out (none where every
+device sends to itself). The TPU compiler runs SPMD's all-reduce-then-slice of a sharded gradient as one reduce-scatter (an
 `all-reduce-scatter` fusion): counted as the reduce-scatter it is.
 """
 
@@ -51,7 +51,7 @@ def collective_bytes(text: str | hlo_text.Module) -> CollectiveBytes:
       continue  # counted as the reduce-scatter its fusion is
     for inst in module.computations[name]:
       kind = inst.op.removesuffix("-start")
-      if kind in _KINDS and not inst.op.endswith("-done"):
+      if kind in _KINDS and not inst.op.endswith("-done") and not _stays_put(kind, inst.rest):
         totals[kind] = totals.get(kind, 0) + times * _received(kind, _bytes(inst.shape), _group_size(inst.rest))
       if scatters[inst.name]:  # the TPU compiler's all-reduce + slice, run as a reduce-scatter
         received = _received("reduce-scatter", _bytes(inst.shape), scatters[inst.name])
@@ -82,6 +82,22 @@ def tp_ideal_bytes(tokens: int, hidden: int, devices: int, *, layers: int, activ
   return int(layers * per_layer * 2 * tokens * hidden * activation_bytes * (devices - 1) / devices)
 
 
+def cp_ideal_bytes(tokens: int, kv_width: int, devices: int, *, layers: int, activation_bytes: int,
+                   recomputed: bool = False, balanced_width: int = 0) -> int:
+  """What context parallelism must receive per device per step: in each layer K and V
+  (`tokens` a device × `kv_width`, K/V heads × head dim) gathered from the other n - 1
+  devices by every forward pass (twice when the backward recomputes the forward) and their
+  gradients reduce-scattered back, (passes + 1) · 2 · tokens · kv_width · bytes · (n - 1);
+  a ring passing the blocks round moves the same. `balanced_width` (the query width, heads ×
+  head dim), for a causal split balanced zig-zag: each pass also brings the queries' rows
+  to the devices computing them and the outputs back, and the backward their gradients,
+  about (2 - 2/n) · tokens · width · bytes a pass (exactly that over 2 devices)."""
+  passes = 2 if recomputed else 1
+  kv = (passes + 1) * 2 * tokens * kv_width * activation_bytes * (devices - 1)
+  balance = (passes + 1) * (2 - 2 / devices) * tokens * balanced_width * activation_bytes
+  return int(layers * (kv + balance))
+
+
 def _bytes(shape: str) -> int:
   """Bytes of an instruction's result (an async start's (operand, result) pair counted once, as its result)."""
   arrays = [hlo_text.nbytes(part) for part in re.findall(r"(?:pred|[sufc]\d+|bf16)\[[\d,]*\]", shape)]
@@ -102,6 +118,13 @@ def _group_size(rest: str) -> int:
   if explicit:
     return len(explicit.group(1).split(","))
   return 2  # collective-permute: pairs
+
+
+def _stays_put(kind: str, rest: str) -> bool:
+  """A collective-permute whose every device sends to itself (a `ppermute` whose pairs all
+  map a device onto itself, as a zig-zag exchange over 2 devices has): a copy, nothing moves."""
+  pairs = re.search(r"source_target_pairs=\{([^=]*)\}", rest) if kind == "collective-permute" else None
+  return pairs is not None and all(a == b for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)))
 
 
 def _received(kind: str, out: int, n: int) -> float:
