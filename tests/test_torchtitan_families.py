@@ -106,6 +106,35 @@ def test_qwen3_5s_linear_attention_returns_its_inputs_dtype_as_flash_linear_atte
   assert linear_attention._gated_delta_rule(q, k, v, g, beta).dtype == jnp.bfloat16
 
 
+
+def test_qwen3_5s_gated_delta_rule_scans_the_rows_side_by_side_each_as_if_alone():
+  """torchtitan folds the batch into one varlen sequence of B·L tokens; every row starts a
+  document, so the recurrence runs L steps with the rows side by side (B·L steps one row after
+  another kept every data shard waiting on all the others' rows), and each row's output is what
+  the row gives alone, documents restarting the state inside it."""
+  import jax
+  import jax.numpy as jnp
+
+  from torch_on_tpu.models.torchtitan import linear_attention
+
+  rows, length, heads = 3, 8, 2
+  keys = jax.random.split(jax.random.key(0), 5)
+  q, k = (jax.random.normal(key, (1, rows * length, heads, 4)) for key in keys[:2])
+  v = jax.random.normal(keys[2], (1, rows * length, heads, 3))
+  g, beta = -jax.random.uniform(keys[3], (1, rows * length, heads)), jax.random.uniform(keys[4], (1, rows * length, heads))
+  documents = jnp.asarray([[0] * 8, [0] * 3 + [1] * 5, [4] * 6 + [5] * 2], jnp.int32)
+  jaxpr = jax.make_jaxpr(linear_attention._gated_delta_rule)(q, k, v, g, beta, documents).jaxpr
+  assert [e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan"] == [length]
+  together = linear_attention._gated_delta_rule(q, k, v, g, beta, documents)
+  for r in range(rows):
+    part = slice(r * length, (r + 1) * length)
+    alone = linear_attention._gated_delta_rule(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], documents[r:r + 1])
+    assert jnp.array_equal(together[:, part], alone), r
+  # a document boundary restarts the state: row 1's second document is what it gives as a row of its own
+  second = slice(length + 3, 2 * length)
+  restarted = linear_attention._gated_delta_rule(q[:, second], k[:, second], v[:, second], g[:, second], beta[:, second])
+  assert jnp.array_equal(together[:, second], restarted)
+
 def test_moe_trains_scanned_with_torchtitans_load_balancing():
   """5 AdamW steps of Qwen3-MoE, scanned, fsdp=8, against torchtitan's eager trainer with its
   load-balancing hook: losses, every weight, and the balancing buffers (expert_bias_E moved by

@@ -32,7 +32,7 @@ def routed():
   def routed_kernel(self, q, k, v, g, beta, *, cu_seqlens=None, cu_seqlens_cpu=None):
     if q.shape[2] != v.shape[2]:  # value heads share key heads, as torchtitan's forward expands them
       q, k = (t.repeat_interleave(v.shape[2] // t.shape[2], dim=2) for t in (q, k))
-    documents = None if cu_seqlens is None else jax_view(_flat_documents(cu_seqlens))
+    documents = None if cu_seqlens is None else jax_view(cu_seqlens)
     return torch_view(_gated_delta_rule(*(jax_view(t) for t in (q, k, v, g, beta)), documents))
 
   qwen3_5._causal_conv1d_varlen = lambda x, weight, ids, _host: _causal_conv_by_document(x, weight, _flat_documents(ids))
@@ -67,26 +67,32 @@ def _gated_delta_rule(q, k, v, g, beta, documents=None):
   """flash-linear-attention's `chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)`
   as a sequential scan (jax arrays; q, k (1, T, H, K), v (1, T, H, V), g, beta (1, T, H)):
   per head, the state S (K, V) decays by exp(g), is corrected toward v along k by beta,
-  and is read by q scaled by K^-1/2; S restarts at each document of `documents` (T,)
-  (one stream when None). fp32 inside, output in q's dtype (as flash-linear-attention's)."""
+  and is read by q scaled by K^-1/2. S restarts at each document of `documents` (B, L),
+  the ids of the B rows torchtitan folded into T = B·L tokens, and so at every row's
+  start: the rows are unfolded and scanned side by side (L steps, each row's state on
+  the devices that hold its row), not one after another. Without `documents` the T
+  tokens are one stream, as flash-linear-attention runs them without `cu_seqlens`.
+  fp32 inside, output in q's dtype (as flash-linear-attention's)."""
   out_dtype = q.dtype  # flash-linear-attention's: `o.to(q.dtype)`
+  rows, length = (1, q.shape[1]) if documents is None else documents.shape
   f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
   l2 = lambda x: (f32(x) / jnp.sqrt(jnp.sum(f32(x) ** 2, -1, keepdims=True) + 1e-6)).astype(x.dtype)  # noqa: E731
+  # (1, B·L, ...) → (L, B, ...): the scan's steps lead, the rows ride along.
+  by_step = lambda x: f32(x).reshape(rows, length, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
   scale = q.shape[-1] ** -0.5
-  q, k = f32(l2(q))[0] * scale, f32(l2(k))[0]
-  v, g, beta = f32(v)[0], f32(g)[0], f32(beta)[0]
-  steps = q.shape[0]
-  starts = jnp.zeros(steps, bool).at[0].set(True)
+  q, k = by_step(l2(q)) * scale, by_step(l2(k))
+  v, g, beta = by_step(v), by_step(g), by_step(beta)
+  starts = jnp.zeros((length, rows), bool).at[0].set(True)
   if documents is not None:
-    starts = starts.at[1:].set(documents[1:] != documents[:-1])
+    starts = starts.at[1:].set((documents[:, 1:] != documents[:, :-1]).T)
 
   def step(state, xs):
     q_t, k_t, v_t, g_t, beta_t, start = xs
-    state = jnp.where(start, 0.0, state) * jnp.exp(g_t)[:, None, None]
-    delta = (v_t - jnp.einsum("hkv,hk->hv", state, k_t)) * beta_t[:, None]
-    state = state + k_t[:, :, None] * delta[:, None, :]
-    return state, jnp.einsum("hk,hkv->hv", q_t, state)
+    state = jnp.where(start[:, None, None, None], 0.0, state) * jnp.exp(g_t)[..., None, None]
+    delta = (v_t - jnp.einsum("bhkv,bhk->bhv", state, k_t)) * beta_t[..., None]
+    state = state + k_t[..., :, None] * delta[..., None, :]
+    return state, jnp.einsum("bhk,bhkv->bhv", q_t, state)
 
-  init = jnp.zeros((q.shape[1], q.shape[2], v.shape[2]), jnp.float32)
+  init = jnp.zeros((rows, q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
   _, out = jax.lax.scan(step, init, (q, k, v, g, beta, starts))
-  return out[None].astype(out_dtype)
+  return out.swapaxes(0, 1).reshape(1, rows * length, *out.shape[2:]).astype(out_dtype)
