@@ -35,7 +35,7 @@ def routed():
     documents = None if cu_seqlens is None else jax_view(cu_seqlens)
     return torch_view(_gated_delta_rule(*(jax_view(t) for t in (q, k, v, g, beta)), documents))
 
-  qwen3_5._causal_conv1d_varlen = lambda x, weight, ids, _host: _causal_conv_by_document(x, weight, _flat_documents(ids))
+  qwen3_5._causal_conv1d_varlen = lambda x, weight, ids, _host: _causal_conv_by_document(x, weight, ids)
   qwen3_5.GatedDeltaKernel.forward = routed_kernel
   try:
     yield
@@ -43,24 +43,21 @@ def routed():
     qwen3_5._causal_conv1d_varlen, qwen3_5.GatedDeltaKernel.forward = conv, kernel
 
 
-def _flat_documents(segment_ids: torch.Tensor) -> torch.Tensor:
-  """(B, L) document ids → (B·L,) ids unique across rows (the folded layout Gated DeltaNet runs)."""
-  rows, length = segment_ids.shape
-  offsets = torch.arange(rows, dtype=segment_ids.dtype, device=segment_ids.device)[:, None] * (length + 1)
-  return (segment_ids + offsets).reshape(-1)
-
-
 def _causal_conv_by_document(x: torch.Tensor, weight: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
   """flash-linear-attention's varlen `causal_conv1d` (depthwise, SiLU, restarted at each
-  document): x (1, T, D), weight (D, 1, K), documents (T,)."""
+  document): x (1, B·L, D), the B rows torchtitan folded, weight (D, 1, K), documents (B, L).
+  Every row starts a document, so each row is shifted on its own (no token crosses a row,
+  and so none crosses the devices the rows are split over)."""
+  rows, length = documents.shape
   taps = weight.shape[-1]
   w = weight.reshape(weight.shape[0], taps)
+  x = x.reshape(rows, length, x.shape[-1])
   out = torch.zeros_like(x)
   for back in range(taps):  # tap `back` reads the token `back` steps earlier, in the same document
-    earlier = torch.nn.functional.pad(x, (0, 0, back, 0))[:, : x.shape[1]]
-    same = documents == torch.nn.functional.pad(documents, (back, 0), value=-1)[: x.shape[1]]
-    out = out + earlier * same[None, :, None].to(x.dtype) * w[:, taps - 1 - back]
-  return torch.nn.functional.silu(out)
+    earlier = torch.nn.functional.pad(x, (0, 0, back, 0))[:, :length]
+    same = documents == torch.nn.functional.pad(documents, (back, 0), value=-1)[:, :length]
+    out = out + earlier * same[..., None].to(x.dtype) * w[:, taps - 1 - back]
+  return torch.nn.functional.silu(out).reshape(1, rows * length, -1)
 
 
 def _gated_delta_rule(q, k, v, g, beta, documents=None):
