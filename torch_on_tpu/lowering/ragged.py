@@ -10,8 +10,11 @@ lowers `ragged_dot` to a dense dot over every group with a mask, G times the
 FLOPs (8 experts: 8×, and 11× the time on CPU). So on CPU and GPU the rows
 are laid out in blocks of B rows that each belong to one group (every group
 padded to a multiple of B) and a loop over the blocks multiplies each by its
-group's matrix: (M + G·B)·K·N multiply-adds, B chosen as the largest power of
-two ≤ M/(4G) (so at most 1.25× the dense-active count, plus rounding). Its
+group's matrix: (M + G·B)·K·N multiply-adds over M/B + G blocks, each of which
+reads its group's [K, N] matrix again. Small blocks waste reads, large ones
+padded rows; B is the largest power of two ≤ 8·√(M/G), the measured optimum
+on CPU (64 experts at 2,048 rows: B 8 → 32, fwd + bwd 0.33 → 0.18 s; 8 experts
+at 4,096 rows it stays 128: 1.25× the active multiply-adds). Its
 VJP is written out: the input gradient is the same blocked product with each
 matrix transposed, and the weight gradient adds every block's `xᵀ·dy` into its
 group's slot in place (no full-size buffer per block). Its output carries the
@@ -22,6 +25,7 @@ among them) keep it instead of recomputing the experts in the backward.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +51,9 @@ def ragged_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None):
 
 
 def block_rows(rows: int, groups: int) -> int:
-  """B: the largest power of two ≤ rows / (4 · groups), within [8, 256]."""
-  target = max(rows // (4 * groups), 1)
+  """B: the largest power of two ≤ 8·√(rows / groups), within [8, 256] (re-read matrices
+  against padded rows, balanced)."""
+  target = max(math.isqrt(64 * rows // groups), 1)
   return min(max(1 << (target.bit_length() - 1), _MIN_BLOCK), _MAX_BLOCK)
 
 
