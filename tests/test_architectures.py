@@ -10,6 +10,8 @@ import pytest
 import torch_on_tpu as tot
 from tests import helpers as h
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 CASES = [
   ("qwen2", dict(fsdp=8), "fsdp"),
   ("qwen2", dict(fsdp=4, tp=2), "fsdp_tp"),

@@ -21,6 +21,8 @@ from torch_on_tpu.core import _compat
 from torch_on_tpu.models import torchtitan as titan
 from torch_on_tpu.parallel.mesh import data_axes
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
 

@@ -17,6 +17,8 @@ from tests import helpers as h
 from tests.test_moe import FAMILIES as HF_MOE
 from torch_on_tpu.training.trainer import default_split
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 SEQ, BATCH = 16, 8
 SMALL = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, max_position_embeddings=64, tie_word_embeddings=False)
 HF = {

@@ -13,6 +13,8 @@ from transformers.cache_utils import StaticLayer
 import torch_on_tpu as tot
 from tests import helpers as h
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 
 @pytest.fixture(scope="module")
 def llama():

@@ -15,6 +15,8 @@ from tests import helpers as h
 from torch_on_tpu.core import _compat
 from torch_on_tpu.models import hf_attention
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
 

@@ -11,6 +11,8 @@ import torch_on_tpu as tot
 from tests import helpers as h
 from torch_on_tpu.training import lora
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 
 def ce(out, labels):
   logits = out.logits if hasattr(out, "logits") else out

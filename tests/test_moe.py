@@ -20,6 +20,8 @@ import torch_on_tpu as tot
 from tests import helpers as h
 from torch_on_tpu.lowering.aten import model_ops
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 COMMON = dict(
   vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
   max_position_embeddings=64, tie_word_embeddings=False, output_router_logits=True,
