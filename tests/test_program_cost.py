@@ -85,7 +85,7 @@ def test_bench_tpu_tables_both_programs_and_refuses_what_it_does_not_know(capsys
   cell = dict(arguments=2**30, temporaries=2**31, host=0, collectives={"all-gather": 2**30}, flops=1e12, hbm_bytes=1e9,
               roofline_s=0.4, hbm_budget=int(31.25 * 2**30), fsdp_ideal=2**31)
   text = bench.table({("8b-v6e", "full"): {"torch_on_tpu": cell, "MaxText": {**cell, "roofline_s": 0.5}}})
-  assert "| 8b-v6e | full | torch_on_tpu | 1.00 + 2.00 = 3.00 (31.25) | 0.0 | 1.0 (1.0 / 0.0 / 0.0 / 0.0) | 0.50 | 1.0 | 1 | 0.400 | 0.80 × |" in text
+  assert "| 8b-v6e | full | torch_on_tpu | 1.00 + 2.00 = 3.00 (31.25) | 0.0 | 1.0 (1.0 / 0.0 / 0.0 / 0.0) | 0.50 | 1.0 | 1 | 0 | 0.400 | 0.80 × |" in text
   for bad in (["--rows=70b"], ["--remats=some"], ["--maxtext=/src"]):
     with pytest.raises(SystemExit):
       bench.parse_args(bad)
@@ -96,3 +96,63 @@ def test_bench_tpus_fsdp_ideal_is_bf16_gathers_twice_and_a_bf16_reduce_scatter()
   """Llama 3.1 8B's 8,030,261,248 weights on 8 chips: (2·2 + 2) bytes · N · 7/8 = 39.3 GiB."""
   bench = h.load_module("tools/bench_tpu.py")
   assert bench.fsdp_ideal("8B", 8) == int(6 * 8_030_261_248 * 7 / 8)
+
+
+OFFLOAD_HLO = "\n".join([
+  "%to_host (buf: bf16[16,8,64], u: bf16[1,8,64], i: s32[]) -> bf16[16,8,64] {",
+  "  %buf = bf16[16,8,64]{2,1,0:T(8,128)(2,1)S(5)} parameter(0)",
+  "  %u = bf16[1,8,64]{2,1,0:T(8,128)(2,1)} parameter(1)",
+  "  %i = s32[] parameter(2)",
+  "  ROOT %w = bf16[16,8,64]{2,1,0:T(8,128)(2,1)S(5)} dynamic-update-slice(%buf, %u, %i, %i, %i)",
+  "}",
+  "%from_host (buf: bf16[16,8,64], i: s32[]) -> bf16[1,8,64] {",
+  "  %buf = bf16[16,8,64]{2,1,0:T(8,128)(2,1)S(5)} parameter(0)",
+  "  %i = s32[] parameter(1)",
+  "  ROOT %s = bf16[1,8,64]{2,1,0:T(8,128)(2,1)} dynamic-slice(%buf, %i, %i, %i), dynamic_slice_sizes={1,8,64}",
+  "}",
+  "ENTRY %main (buf: bf16[16,8,64], u: bf16[1,8,64], i: s32[]) -> bf16[1,8,64] {",
+  "  %buf = bf16[16,8,64]{2,1,0:T(8,128)(2,1)S(5)} parameter(0)",
+  "  %u = bf16[1,8,64]{2,1,0:T(8,128)(2,1)} parameter(1)",
+  "  %i = s32[] parameter(2)",
+  "  %start = ((bf16[16,8,64]{2,1,0:S(5)}, bf16[1,8,64]{2,1,0}, s32[]), bf16[16,8,64]{2,1,0:S(5)}, u32[]) async-start(%buf, %u, %i), calls=%to_host",
+  "  %done = bf16[16,8,64]{2,1,0:T(8,128)(2,1)S(5)} async-done(%start)",
+  "  %back = ((bf16[16,8,64]{2,1,0:S(5)}, s32[]), bf16[1,8,64]{2,1,0}, u32[]) async-start(%done, %i), calls=%from_host",
+  "  ROOT %got = bf16[1,8,64]{2,1,0:T(8,128)(2,1)} async-done(%back)",
+  "}",
+])
+
+
+def test_host_offload_counts_each_layers_slice_once_and_apart_from_hbm():
+  """An offloaded activation is written to pinned host memory (`S(5)`) by an asynchronous update of
+  one layer's slice and read back by an asynchronous slice: the device reads (then writes) that
+  slice once, the host the same bytes; neither touches the whole [layers, ...] buffer."""
+  cost = program_cost.program_cost(OFFLOAD_HLO)
+  layer = 8 * 64 * 2
+  assert cost.hbm_bytes == layer + layer  # the update read, the slice written
+  assert cost.host_bytes == layer + layer  # the update written to host, the slice read from it
+
+
+# The same offload as `compiled.as_text()` prints it (the async ops by name), and a prefetch into
+# on-chip memory (VMEM, `S(1)`), which reads HBM once and writes none.
+OFFLOAD_AS_TEXT = "\n".join([
+  "ENTRY %main (buf: bf16[16,8,64], u: bf16[1,8,64], i: s32[]) -> bf16[1,8,64] {",
+  "  %buf = bf16[16,8,64]{2,1,0:T(8,128)(2,1)S(5)} parameter(0)",
+  "  %u = bf16[1,8,64]{2,1,0:T(8,128)(2,1)} parameter(1)",
+  "  %i = s32[] parameter(2)",
+  "  %host = bf16[16,8,64]{2,1,0:T(8,128)(2,1)S(5)} custom-call(), custom_call_target=\"AllocateBuffer\"",
+  "  %start = ((bf16[16,8,64]{2,1,0:S(5)}, bf16[1,8,64]{2,1,0}, s32[]), bf16[16,8,64]{2,1,0:S(5)}, u32[]{:S(2)}) dynamic-update-slice-start(%host, %u, %i, %i, %i)",
+  "  %done = bf16[16,8,64]{2,1,0:T(8,128)(2,1)S(5)} dynamic-update-slice-done(%start)",
+  "  %back = ((bf16[16,8,64]{2,1,0:S(5)}, s32[], s32[], s32[]), bf16[1,8,64]{2,1,0}, u32[]{:S(2)}) dynamic-slice-start(%done, %i, %i, %i), dynamic_slice_sizes={1,8,64}",
+  "  %got = bf16[1,8,64]{2,1,0:T(8,128)(2,1)} dynamic-slice-done(%back)",
+  "  %pre = (bf16[1,8,64]{2,1,0:S(1)}, bf16[1,8,64]{2,1,0}, u32[]{:S(2)}) copy-start(%got)",
+  "  ROOT %near = bf16[1,8,64]{2,1,0:T(8,128)(2,1)S(1)} copy-done(%pre)",
+  "}",
+])
+
+
+def test_async_ops_count_once_in_either_spelling_and_on_chip_memory_moves_no_hbm_bytes():
+  layer = 8 * 64 * 2
+  spelled = program_cost.program_cost(OFFLOAD_AS_TEXT)
+  assert (spelled.hbm_bytes, spelled.host_bytes) == (layer + layer + layer, layer + layer)  # + the prefetch's read
+  wrapped = program_cost.program_cost(OFFLOAD_HLO)
+  assert (wrapped.hbm_bytes, wrapped.host_bytes) == (spelled.hbm_bytes - layer, spelled.host_bytes)

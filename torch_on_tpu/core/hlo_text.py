@@ -17,7 +17,9 @@ ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2
             "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) \((.*)\) -> .*\{$")
 _INSTRUCTION = re.compile(r"^\s*(ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
-_SHAPE = re.compile(r"\b(pred|[sufc]\d+|bf16|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
+_SHAPE = re.compile(r"\b(pred|[sufc]\d+|bf16|f8e4m3fn|f8e5m2)\[([\d,]*)\](\{[^}]*\})?")
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")  # a layout's memory space: none or 0 is HBM, 5 pinned host memory,
+HOST_MEMORY_SPACE = 5                     # others on-chip memory (on TPU, 1 is VMEM; 2 its synchronisation flags)
 _CALLS = re.compile(r"(?:calls|to_apply|true_computation|false_computation)=%([^\s,}]+)")
 
 
@@ -117,9 +119,36 @@ def parse(text: str) -> Module:
   return Module(computations, entry, shapes)
 
 
-def nbytes(shape: str) -> int:
-  """Bytes of a shape text (a tuple's elements summed)."""
-  return sum(ITEMSIZE.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _SHAPE.findall(shape))
+def nbytes(shape: str, *, where: str = "anywhere") -> int:
+  """Bytes of a shape text (a tuple's elements summed): all of them, or only those whose layout
+  puts them in the device's HBM (`where="hbm"`) or in pinned host memory (`where="host"`)."""
+  total = 0
+  for t, dims, layout in _SHAPE.findall(shape):
+    space = _MEMORY_SPACE.search(layout)
+    space = int(space.group(1)) if space else 0
+    if where == "anywhere" or space == {"hbm": 0, "host": HOST_MEMORY_SPACE}[where]:
+      total += ITEMSIZE.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d)
+  return total
+
+
+def tuple_elements(shape: str) -> list[str]:
+  """The top-level elements of a tuple shape text (`(a, (b, c), d)` → `a`, `(b, c)`, `d`); a
+  shape that is no tuple, alone."""
+  text = shape.strip()
+  if not text.startswith("("):
+    return [text]
+  parts, depth, start = [], 0, 1
+  for i, ch in enumerate(text):
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+      if depth == 0:
+        parts.append(text[start:i])
+    elif ch == "," and depth == 1:
+      parts.append(text[start:i])
+      start = i + 1
+  return [re.sub(r"^/\*index=\d+\*/", "", p.strip()).strip() for p in parts if p.strip()]
 
 
 def dims(shape: str) -> list[int]:

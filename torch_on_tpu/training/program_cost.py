@@ -4,9 +4,13 @@ those give on a chip.
 
 Per kernel (a fusion, or an instruction outside any fusion) run `n` times: its FLOPs are the
 matmuls inside it (dots, and the convolutions the TPU compiler writes them as: 2 × output
-elements × the contracted size), its HBM bytes its operands plus its result (a fusion's
-intermediates stay on chip); its time is the larger of FLOPs at the chip's peak and bytes at its
-HBM bandwidth. Custom calls (Mosaic kernels: splash attention) report no FLOPs here: the caller
+elements × the contracted size), its HBM bytes its operands plus its result in device memory (a
+fusion's intermediates stay on chip); its time is the larger of FLOPs at the chip's peak and bytes
+at its HBM bandwidth. Only buffers in HBM count (a layout's default memory space): what the TPU
+compiler placed in on-chip memory (VMEM, `S(1)`) moves no HBM bytes, and what a kernel reads from
+or writes to pinned host memory (host offload, `S(5)`) is counted apart, as host bytes. An
+asynchronous op counts once, at its start: `async-start` by the computation it runs, as often as
+it runs; `copy-start`, `dynamic-slice-start` and the like as the op they start. Custom calls (Mosaic kernels: splash attention) report no FLOPs here: the caller
 adds the attention's FLOPs it knows from the model (`roofline_seconds(extra_flops=)`).
 Collectives are counted apart (`parallel.collectives`); they overlap compute on TPU.
 """
@@ -22,7 +26,8 @@ from torch_on_tpu.core import hlo_text
 # Instructions that move no data of their own (views, tuples, parameters) or are collectives.
 _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id",
          "replica-id", "iota", "opt-barrier", "while", "conditional", "call", "copy-done", "all-gather-done",
-         "all-reduce-done", "collective-permute-done", "async-done", "send-done", "recv-done"}
+         "all-reduce-done", "collective-permute-done", "async-start", "async-update", "async-done", "send-done",
+         "recv-done"}
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute", "send", "recv")
 
 
@@ -31,8 +36,9 @@ class ProgramCost:
   """Per device, per execution of the program."""
 
   flops: float  # matmul FLOPs (the Mosaic kernels' not included)
-  hbm_bytes: float  # bytes the kernels read and write
+  hbm_bytes: float  # bytes the kernels read and write in device memory
   kernels: list  # (flops, bytes, runs) of every kernel: what the roofline sums
+  host_bytes: float = 0.0  # bytes the kernels read from or write to pinned host memory (offloading)
 
   def roofline_seconds(self, peak_flops: float, hbm_bandwidth: float, extra_flops: float = 0.0) -> float:
     """Σ over kernels of max(FLOPs / peak, bytes / bandwidth), plus `extra_flops` (the attention
@@ -44,33 +50,46 @@ class ProgramCost:
 def program_cost(text: str | hlo_text.Module) -> ProgramCost:
   module = hlo_text.parse(text) if isinstance(text, str) else text
   fused = module.fused()
-  kernels, flops, hbm = [], 0.0, 0.0
+  kernels, flops, hbm, host = [], 0.0, 0.0, 0.0
   for name, runs in module.runs().items():
     if name in fused:
       continue  # inside a fusion: counted with it
     shapes = module.shapes[name]
     for inst in module.computations[name]:
-      if inst.op in _FREE or inst.op.removesuffix("-start") in _COLLECTIVES:
+      if inst.op in _FREE or inst.op.endswith("-done") or inst.op.removesuffix("-start") in _COLLECTIVES:
         continue
-      moved = _bytes(inst, module, shapes)
+      if inst.op == "custom-call" and 'custom_call_target="AllocateBuffer"' in inst.rest:
+        continue  # a buffer set aside (the host's for offloaded activations): nothing moves
+      moved = _bytes(inst, module, shapes, "hbm")
       computed = _flops(inst, module, shapes)
       kernels.append((computed, moved, runs))
       flops += computed * runs
       hbm += moved * runs
-  return ProgramCost(flops, hbm, kernels)
+      host += _bytes(inst, module, shapes, "host") * runs
+  return ProgramCost(flops, hbm, kernels, host)
 
 
-def _bytes(inst: hlo_text.Instruction, module: hlo_text.Module, shapes: dict) -> float:
-  """HBM bytes one kernel reads and writes: its operands and its result, except what it only
-  slices (a dynamic slice reads its slice) and what it updates in place (a dynamic update slice
-  reads and writes its update, not the whole buffer it writes into)."""
-  operands = [hlo_text.nbytes(shapes.get(op, "")) for op in inst.operands()]
-  if inst.op == "dynamic-slice":
-    return 2.0 * hlo_text.nbytes(inst.shape)
-  if inst.op == "dynamic-update-slice" and len(operands) >= 2:
-    return 2.0 * operands[1]
-  if inst.op != "fusion":
-    return hlo_text.nbytes(inst.shape) + sum(operands)
+def _bytes(inst: hlo_text.Instruction, module: hlo_text.Module, shapes: dict, where: str) -> float:
+  """Bytes one kernel reads and writes in `where`'s memory ("hbm" or "host"): its operands and
+  its result, except what it only slices (a dynamic slice reads its slice) and what it updates in
+  place (a dynamic update slice reads and writes its update, not the whole buffer it writes into)."""
+  size = lambda shape: hlo_text.nbytes(shape, where=where)  # noqa: E731
+  operands = [size(shapes.get(op, "")) for op in inst.operands()]
+  op, result = inst.op, inst.shape
+  if op == "copy-start":  # (destination, source, context)
+    op, result = "copy", hlo_text.tuple_elements(result)[0]
+  elif op.endswith("-start"):  # ((operands), result, context)
+    op, result = op.removesuffix("-start"), hlo_text.tuple_elements(result)[1]
+  if op == "dynamic-slice" and inst.operands():
+    source = shapes.get(inst.operands()[0], "")
+    read = hlo_text.nbytes(result) if size(source) else 0  # the slice, from where its source lives
+    return read + size(result)
+  if op == "dynamic-update-slice" and len(operands) >= 2:
+    buffer = shapes.get(inst.operands()[0], "")
+    written = hlo_text.nbytes(shapes.get(inst.operands()[1], "")) if size(buffer) else 0  # into the buffer's memory
+    return operands[1] + written
+  if op != "fusion":
+    return size(result) + sum(operands)
   (callee, _), *_ = module.callees(inst) or [(None, 0)]
   body = module.computations.get(callee, [])
   params = {re.search(r"^(\d+)", i.rest).group(1): i.name for i in body if i.op == "parameter"}
@@ -80,20 +99,20 @@ def _bytes(inst: hlo_text.Instruction, module: hlo_text.Module, shapes: dict) ->
       if name in users:
         users[name].append(i)
   root = next((i for i in body if i.root), None)
-  written = hlo_text.nbytes(inst.shape)
+  written = size(inst.shape)
   in_place = None
   if root is not None and root.op == "dynamic-update-slice" and root.operands()[0] in users:
     in_place = root.operands()[0]
-    written = hlo_text.nbytes(module.shapes[callee].get(root.operands()[1], ""))  # its update, read and written
+    written = size(module.shapes[callee].get(root.operands()[1], ""))  # its update, read and written
   total = written
-  for index, size in enumerate(operands):
+  for index, operand in enumerate(operands):
     name = params.get(str(index))
     if name == in_place:
       continue  # the buffer updated in place is neither read nor written whole
     if name is not None and users[name] and all(u.op == "dynamic-slice" and u.operands()[0] == name for u in users[name]):
-      total += sum(hlo_text.nbytes(u.shape) for u in users[name])  # it reads its slices only
+      total += sum(hlo_text.nbytes(u.shape) for u in users[name]) if operand else 0  # it reads its slices only
     else:
-      total += size
+      total += operand
   return total
 
 
