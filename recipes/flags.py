@@ -31,10 +31,18 @@ def flag(default, help: str, *, choices=None, minimum=None, check=None, argument
   return dataclasses.field(default=default, metadata=metadata)
 
 
-def _remat_names() -> tuple[str, ...]:
+def _remat_policy(name, flags) -> None:
+  """--remat is auto, a policy's name, or a policy naming what each layer keeps (`remat.Named`)."""
+  from torch_on_tpu.errors import TorchOnTpuError
   from torch_on_tpu.lowering import remat as remat_lib
 
-  return ("auto", *remat_lib.NAMES)
+  if name != "auto" and name not in remat_lib.NAMES and ":" not in name:
+    raise TorchOnTpuError(
+      f"{name!r} is not one of auto, {', '.join(remat_lib.NAMES)}, nor what each layer keeps by module name "
+      f"(save:<globs> and/or offload:<globs> joined by '+', e.g. offload:input,attention.wo); pick one of those."
+    )
+  if name != "auto":
+    remat_lib.check(name)
 
 
 def _lr_decays() -> tuple[str, ...]:
@@ -108,7 +116,7 @@ class Flags:
   ep: int = flag(1, "devices on the expert-parallel mesh axis (MoE experts sharded over it, the batch too; not with --tp)", minimum=1)
   scan: bool | None = flag(None, "run the layer stack as one lax.scan (compile time flat in depth); default: a scan, except on GPU, where the layer loop is faster (default_scan)")
   unroll: int = flag(1, "layers per scan iteration", minimum=1)
-  remat: str = flag("auto", "per-layer remat: auto (scanned: dots_and_attention; loop: none), none, full, dots_saveable, dots_with_no_batch_dims_saveable, dots_and_attention, offload_dots, offload_inputs (full, the layer inputs in host memory)", choices=_remat_names)
+  remat: str = flag("auto", "per-layer remat: auto (the least recomputation the memory plan says fits, printed after the plan: the stack's default (scanned: dots_and_attention; loop: none), then dots_with_no_batch_dims_saveable, full, offload_inputs; with --target and --dry_run the TPU compiler has the last word), none, full, dots_saveable, dots_with_no_batch_dims_saveable, dots_and_attention, offload_dots, offload_inputs (full, the layer inputs in host memory), or what each layer keeps by module name: save:<globs> and/or offload:<globs> joined by + (e.g. offload:input,attention.wo; `input` and `attention` name the layer's input and the attention kernel's outputs)", check=_remat_policy)
   attention: str = flag("auto", "attention kernel: auto (splash on TPU, cuDNN on GPU, blocked XLA on CPU), xla, splash, cudnn, none (torchax's own SDPA lowering)", choices=ATTENTION)
   dtype: str = flag("float32", "float32; bfloat16 (bf16 compute, fp32 master weights and Adam); bfloat16-all", choices=DTYPES)
   float8: str | None = flag(None, "float8 matmuls (torchao's Float8Linear, torchtitan's filter): rowwise, tensorwise or rowwise_with_gw_hp; weights and checkpoints stay in --dtype (default: off)", choices=_float8_recipes)
@@ -313,7 +321,8 @@ def default_scan(platform: str, *, pipeline: bool = False) -> bool:
 
 
 def layer_remat(flags: Flags) -> str | None:
-  """--remat as ShardedModule takes it: None lets the layer stack pick (`remat.layer_policy`)."""
+  """--remat as ShardedModule takes it: None lets the layer stack pick (`remat.layer_policy`); the
+  runner replaces auto by the policy the plan picks (`plan.auto_remat`) before the model is built."""
   return None if flags.remat == "auto" else flags.remat
 
 

@@ -179,12 +179,21 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   shape = plan.decoder_shape(recipe.build())
   abstract_step = make_step(abstract=True)
   memory_bytes = flags.memory_gib * 2**30 if flags.memory_gib else None
-  memory = plan.plan_memory(
-    abstract_step, shape, global_batch_size=flags.global_batch_size, seqlen=flags.seqlen,
-    remat=remat_lib.layer_policy(layer_remat(flags), scanned=flags.scan), device_bytes=memory_bytes,
-  )
+  sizes = dict(global_batch_size=flags.global_batch_size, seqlen=flags.seqlen, device_bytes=memory_bytes)
+  default = remat_lib.layer_policy(layer_remat(flags), scanned=flags.scan)
+  auto = flags.remat == "auto"
+  if auto:  # the least recomputation the plan says fits; the run goes on with it as if it had been asked for
+    choice = plan.auto_remat(abstract_step, shape, first=default, **sizes)
+    memory = choice.plan
+    flags = dataclasses.replace(flags, remat=choice.policy)
+    if choice.policy != default:
+      abstract_step = make_step(abstract=True)
+  else:
+    memory = plan.plan_memory(abstract_step, shape, remat=default, **sizes)
   if main:
     print(memory, flush=True)
+    if auto:
+      print(choice, flush=True)
     print(_parameter_count(abstract_step), flush=True)
     if abstract_step.model.pipeline is not None:
       print(f"Pipeline {abstract_step.model.pipeline.schedule}", flush=True)
@@ -199,16 +208,34 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   if flags.dry_run:
     if main and memory.fits is False:
       print(f"Would not fit: {memory.message()}", flush=True)
-    report = _compile_for(abstract_step, split(abstract_batch), flags, memory)
+    candidates = plan.auto_candidates(default, mesh)
+    later = candidates[candidates.index(flags.remat) + 1:] if auto else []  # what auto would try next
+    while True:  # on a compile-only target with remat auto, the TPU compiler has the last word
+      try:
+        report = _compile_for(abstract_step, split(abstract_batch), flags, memory)
+        refusal = None if flags.target is None or report.fits(memory.device_bytes) else _does_not_fit(report, memory, flags.target)
+      except TorchOnTpuError as e:
+        if flags.target is None:
+          raise
+        report, refusal = None, str(e)
+      if refusal is None or not later:
+        break
+      if main:
+        print(f"Remat auto: {refusal.removesuffix('.')}; trying {later[0]}", flush=True)
+      flags = dataclasses.replace(flags, remat=later.pop(0))
+      abstract_step = make_step(abstract=True)
+      memory = plan.plan_memory(abstract_step, shape, remat=flags.remat, **sizes)
+    if report is None:
+      raise TorchOnTpuError(refusal)
     if main:
       print(f"Compiled step: {report}", flush=True)
       if report.peak_bytes is not None:
         print(f"Compiled peak per device: {report.peak_bytes / 2**30:.2f} GiB (plan: {memory.total / 2**30:.2f} GiB)")
       if flags.target is not None:
         print(target_verdict(report, memory, flags.target), flush=True)
-    if flags.target is not None and not report.fits(memory.device_bytes):
-      raise TorchOnTpuError(_does_not_fit(report, memory, flags.target))
-    return {"plan": memory, "compile": report}
+    if refusal is not None:
+      raise TorchOnTpuError(refusal)
+    return {"plan": memory, "compile": report, "remat": flags.remat}
   memory.check()
   del abstract_step
 

@@ -73,11 +73,19 @@ def test_parameters_are_really_sharded(case):
 def test_specs_follow_the_preset(case):
   specs = {n: a.sharding.spec for n, a in case["jm"].params.items()}
   if case["sharding"] == "fsdp":
-    # largest dim the fsdp axis divides; tensors under FSDP_MIN_ELEMENTS replicated
+    # the embedding's largest dim (its vocabulary); tensors under FSDP_MIN_ELEMENTS replicated
     name = "tok_embeddings.weight" if case["name"] == "titan" else "model.embed_tokens.weight"
     assert specs[name] == P("fsdp", None)
     norm = "norm.weight" if case["name"] == "titan" else "model.norm.weight"
     assert specs[norm] == P(None)
+    # a linear the family knows splits its hidden-size dim (MaxText's `embed`), whichever is larger
+    params = case["jm"].params
+    if case["name"] == "titan":
+      column, row = "layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight"
+      assert params[row].shape[1] > params[row].shape[0] and specs[row] == P("fsdp", None)
+    else:
+      column = "lm_head.weight"  # the tiny model's layer projections are too small to shard
+    assert params[column].shape[0] > params[column].shape[1] and specs[column] == P(None, "fsdp")
   elif case["name"] == "titan":
     assert specs["layers.0.attention.qkv_linear.wqkv.weight"] == P("tp", "fsdp")
     assert specs["layers.3.attention.wo.weight"] == P("fsdp", "tp")

@@ -73,6 +73,34 @@ def test_a_plan_that_does_not_fit_names_one_fix(device_mib, remat, fix):
   assert str(info.value).count(". ") == 0
 
 
+def test_remat_auto_takes_the_least_recomputation_whose_plan_fits():
+  """The stack's default while it fits, then the projections kept, then the whole layer
+  recomputed; on the CPU `offload_inputs` is no candidate (it would keep what `full` keeps). When
+  nothing fits, the last candidate is taken and its plan says what to change."""
+  step = abstract_step()
+  totals = {name: plan.plan_memory(step, SHAPE, global_batch_size=64, seqlen=64, remat=name).total
+            for name in ("dots_and_attention", "dots_with_no_batch_dims_saveable", "full")}
+  assert totals["dots_and_attention"] > totals["dots_with_no_batch_dims_saveable"] > totals["full"]
+  assert plan.auto_candidates("dots_and_attention", step.model.mesh) == [
+    "dots_and_attention", "dots_with_no_batch_dims_saveable", "full"]
+
+  def choose(device_bytes):
+    return plan.auto_remat(step, SHAPE, global_batch_size=64, seqlen=64, first="dots_and_attention",
+                           device_bytes=device_bytes)
+
+  roomy = choose(2 * totals["dots_and_attention"] / plan.USABLE)
+  assert (roomy.policy, roomy.passed) == ("dots_and_attention", []) and "the least recomputation" in str(roomy)
+  between = choose((totals["dots_with_no_batch_dims_saveable"] + totals["full"]) / 2 / plan.USABLE)
+  assert between.policy == "full" and [name for name, _ in between.passed] == [
+    "dots_and_attention", "dots_with_no_batch_dims_saveable"]
+  assert between.plan.total == totals["full"] and between.plan.fits
+  assert str(between).startswith("Remat auto → full: about ") and "dots_and_attention about " in str(between)
+  cramped = choose(totals["full"] / 2)
+  assert cramped.policy == "full" and cramped.plan.fits is False and "which does not fit either" in str(cramped)
+  with pytest.raises(tot.TorchOnTpuError, match="grad_accum"):
+    cramped.plan.check()
+
+
 def test_grad_accum_suggested_is_any_even_split_of_each_devices_rows():
   """6 rows per device: 2 microbatches are too many rows, 3 fit; 4 would not split the rows evenly."""
   by_accum = {k: plan.plan_memory(abstract_step(grad_accum=k), SHAPE, global_batch_size=48, seqlen=64, remat="full").total

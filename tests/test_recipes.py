@@ -173,7 +173,7 @@ def test_a_missing_wandb_login_stops_the_run_before_the_model_is_built(tmp_path,
 
 def test_a_plan_that_does_not_fit_fails_with_one_suggestion(tmp_path):
   with pytest.raises(tot.TorchOnTpuError) as info:
-    llama3.run(titan_flags(tmp_path, memory_gib=0.07, seqlen=64, global_batch_size=64))
+    llama3.run(titan_flags(tmp_path, memory_gib=0.07, seqlen=64, global_batch_size=64, remat="dots_and_attention"))
   message = str(info.value)
   assert message.startswith("The step needs about") and "use --remat=full (recompute" in message  # the flag, not remat='full'
   assert message.count(". ") == 0 and message.endswith(".")
@@ -288,7 +288,9 @@ def test_bad_flags_are_one_sentence_naming_the_flag_before_the_model_is_built(tm
   for flags, message in [
     (dict(model="8b"), "--model='8b' is not one of debugmodel, 1B, 3B, 8B, 70B, 405B; did you mean --model=8B?"),
     (dict(dtype="fp8"), "--dtype='fp8' is not one of float32, bfloat16, bfloat16-all; pick one of those."),
-    (dict(remat="bogus"), f"--remat='bogus' is not one of auto, {', '.join(remat_lib.NAMES)}; pick one of those."),
+    (dict(remat="bogus"), f"--remat: 'bogus' is not one of auto, {', '.join(remat_lib.NAMES)}, nor what each layer keeps by module "
+                          "name (save:<globs> and/or offload:<globs> joined by '+', e.g. offload:input,attention.wo); pick one of those."),
+    (dict(remat="offload:input+save:input"), "--remat: The remat policy 'offload:input+save:input' both saves and offloads input; name each once."),
     (dict(seqlen=0), "--seqlen=0 is below its minimum of 1; give 1 or more."),
     (dict(max_skips=-1), "--max_skips=-1 is below its minimum of 0; give 0 or more."),
     (dict(data=str(tmp_path / "notes/*.txt")), f"--data: Data glob '{tmp_path}/notes/*.txt' matches no files; check the pattern and the directory."),

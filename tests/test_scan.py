@@ -88,20 +88,23 @@ def _loss_grads_and_temp_bytes(jm, tokens, labels):
   return float(loss), h.per_layer(jm, grads), compiled.memory_analysis().temp_size_in_bytes
 
 
+NAMED = "save:self_attn.o_proj,mlp.down_proj,attention+offload:input"  # HF Llama's modules; on the CPU offload keeps in place
+
+
 def test_remat_policies_change_memory_not_results():
   tokens, labels = h.random_batch(256)
   runs = {
     policy: _loss_grads_and_temp_bytes(
       tot.ShardedModule(h.hf(), mesh=tot.make_mesh(fsdp=8), scan=True, remat=policy), tokens, labels
     )
-    for policy in ("none", "full", "dots_saveable")
+    for policy in ("none", "full", "dots_saveable", NAMED)
   }
   base_loss, base_grads, base_temp = runs["none"]
-  for policy in ("full", "dots_saveable"):
+  for policy in ("full", "dots_saveable", NAMED):
     loss, grads, _ = runs[policy]
     assert loss == pytest.approx(base_loss, rel=1e-6)
     assert max(h.rel(grads[n], base_grads[n]) for n in base_grads) < 1e-6
-  assert runs["full"][2] < base_temp
+  assert runs["full"][2] < runs[NAMED][2] < base_temp  # the named outputs kept beside `full`'s inputs
 
 
 def test_loop_mode_runs_the_same_stack_unscanned_with_the_same_remat():

@@ -7,6 +7,7 @@ budget it reports), and holds the kernels that mode is for on TPU: Mosaic (splas
 """
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +73,20 @@ def test_offload_inputs_keeps_every_layer_input_in_host_memory():
   assert reports["offload_inputs"].host_offloaded_bytes >= 6 * 512 * 256 * 2, reports["offload_inputs"]
   # `full`'s recomputation (within 5%: 2.9% more FLOPs here, XLA splits the loops around the transfers)
   assert abs(reports["offload_inputs"].flops / reports["full"].flops - 1) < 0.05
+
+
+def test_a_remat_policy_naming_modules_offloads_exactly_their_outputs():
+  """MaxText's v6e recipe spelled in torchtitan's module names: each layer's input and its q/k/v
+  and out projections in host memory, the rest recomputed. The host holds those three outputs of
+  every layer, to the byte: 6 layers × 512 tokens a chip × (256 + 768 + 256) wide × 2 bytes; with
+  only the input offloaded (the out projection kept on the chip), the input alone."""
+  mesh = tot.make_mesh(target="v6e-8", fsdp=-1)
+  per_layer_token = {"offload:input,attention.qkv_linear.wqkv,attention.wo": 256 + 768 + 256, "save:attention.wo+offload:input": 256}
+  for remat, width in per_layer_token.items():
+    jm = tot.ShardedModule(titan(512), mesh=mesh, abstract=True, scan=True, remat=remat)
+    report = compile_step(jm, tokens(8, 512), tokens(8, 512))
+    assert report.host_offloaded_bytes == 6 * 512 * width * 2, (remat, report)
+    assert report.cost.host_bytes >= 2 * report.host_offloaded_bytes  # written in the forward, read in the backward
 
 
 def test_context_parallel_step_keeps_splash_across_the_cp_axis():
@@ -207,8 +222,24 @@ def test_llama3_recipe_dry_run_on_a_target_prints_the_chip_verdict(capsys):
   summary = llama3_recipe.run(llama3_recipe.Llama3Flags(target="v6e-8", dry_run=True, seqlen=128, dtype="bfloat16"))
   out = capsys.readouterr().out
   assert "TPU compiler, per chip of v6e-8 (31.2 GiB HBM): arguments" in out and ": fits); host offloaded" in out
-  assert "Collectives per chip per step (loops counted):" in out
+  assert "Collectives per chip per step (loops counted):" in out and "Remat auto → dots_and_attention" in out
   assert summary["compile"].fits(summary["plan"].device_bytes)
+
+
+def test_remat_auto_on_a_target_takes_the_next_policy_when_the_tpu_compiler_says_no(capsys):
+  """The debugmodel at 16 × 1024 tokens in 138 MiB a chip: the plan passes over the scan's default
+  (226 MiB) and takes the projections kept (112 MiB planned), whose program the TPU compiler makes
+  142.5 MiB; auto then compiles `full` (51 MiB), which fits, and the run goes on with it."""
+  flags = llama3_recipe.Llama3Flags(target="v6e-8", dry_run=True, seqlen=1024, global_batch_size=16, dtype="bfloat16",
+                                    memory_gib=0.135, compile_cache="off")
+  summary = llama3_recipe.run(flags)
+  out = capsys.readouterr().out
+  assert "Remat auto → dots_with_no_batch_dims_saveable: about " in out and "dots_and_attention about " in out
+  assert "Remat auto: The step does not fit v6e-8: the TPU compiler's program holds " in out and "; trying full" in out
+  assert summary["remat"] == "full" and summary["compile"].fits(summary["plan"].device_bytes)
+  assert "remat full" in summary["plan"].description
+  with pytest.raises(tot.TorchOnTpuError, match="does not fit v6e-8"):  # asked for by name, the policy is kept
+    llama3_recipe.run(dataclasses.replace(flags, remat="dots_with_no_batch_dims_saveable"))
 
 
 def test_hf_recipe_dry_run_compiles_for_v5e(tmp_path, capsys):

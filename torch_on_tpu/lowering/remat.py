@@ -15,14 +15,24 @@ layer stack:
 | `offload_dots` | like the previous, but moved to pinned host memory until the backward pass |
 | `offload_inputs` | like `full`, but each layer's input waits in pinned host memory instead of the device's (MaxText's `decoder_layer_input=offload`): no activation of the layer stack stays on the device |
 
+Or name what a layer keeps, MaxText's `remat_policy=custom` for a torch layer: `save:` and
+`offload:` each followed by comma-separated globs over the layer's own module paths (their
+outputs are kept on the device / moved to host memory; everything else is recomputed), joined by
+`+`. Two more names: `input` (the layer's input) and `attention` (the attention kernel's outputs
+and softmax statistics). For torchtitan's Llama 3, MaxText's v6e recipe (the layer input and the
+q/k/v/out projections offloaded) is `offload:input,attention.qkv_linear.wqkv,attention.wo`; HF's
+Llama keeps its attention outputs on the device with `save:attention,self_attn.o_proj`.
+
 The offloading policies need device memory distinct from host memory (TPU, GPU).
 On the CPU "device" memory already is host memory, so there is nothing to gain:
 each says so once and keeps the same values in place (`offload_dots` as
-`dots_with_no_batch_dims_saveable`, `offload_inputs` as `full`).
+`dots_with_no_batch_dims_saveable`, `offload_inputs` as `full`, a named `offload:` as `save:`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import logging
 from collections.abc import Callable
 
@@ -75,6 +85,81 @@ _FIXED = {
   ),
 }
 
+# The outputs of a layer's modules that a `Named` policy keeps carry one of these names
+# (`scan.StackedLayers` tags them while the layer runs).
+SAVED_NAME = "torch_on_tpu.saved"
+OFFLOADED_NAME = "torch_on_tpu.offloaded"
+_RESERVED = {"input": LAYER_INPUT_NAME, "attention": ATTENTION_NAME}
+
+
+@dataclasses.dataclass(frozen=True)
+class Named:
+  """A policy that names what a layer keeps: globs over the layer's module paths (and the reserved
+  `input` and `attention`) whose outputs are kept on the device (`save`) or in host memory
+  (`offload`); the rest is recomputed. Its text form is `save:a,b+offload:c`."""
+
+  save: tuple[str, ...] = ()
+  offload: tuple[str, ...] = ()
+
+  @classmethod
+  def parse(cls, text: str) -> Named:
+    groups = {"save": [], "offload": []}
+    for group in text.split("+"):
+      action, _, globs = group.partition(":")
+      names = [g.strip() for g in globs.split(",") if g.strip()]
+      if action.strip() not in groups or not names:
+        raise TorchOnTpuError(
+          f"Unknown remat policy {text!r}; choose one of {', '.join(NAMES)}, or name what each layer keeps as "
+          f"save:<module globs> and/or offload:<module globs> joined by '+' (e.g. offload:input,attention.wo)."
+        )
+      groups[action.strip()] += names
+    both = set(groups["save"]) & set(groups["offload"])
+    if both:
+      raise TorchOnTpuError(f"The remat policy {text!r} both saves and offloads {', '.join(sorted(both))}; name each once.")
+    return cls(tuple(groups["save"]), tuple(groups["offload"]))
+
+  def __str__(self) -> str:
+    return "+".join(f"{a}:{','.join(g)}" for a, g in (("save", self.save), ("offload", self.offload)) if g)
+
+  @property
+  def globs(self) -> tuple[str, ...]:
+    """The module globs, without the reserved names."""
+    return tuple(g for g in (*self.save, *self.offload) if g not in _RESERVED)
+
+  def tag(self, path: str) -> str | None:
+    """The name the output of the layer's module at `path` carries (`SAVED_NAME`, `OFFLOADED_NAME`),
+    or None when the policy does not name it (saved wins where globs of both match)."""
+    if any(fnmatch.fnmatchcase(path, g) for g in self.save if g not in _RESERVED):
+      return SAVED_NAME
+    if any(fnmatch.fnmatchcase(path, g) for g in self.offload if g not in _RESERVED):
+      return OFFLOADED_NAME
+    return None
+
+  def policy(self, offload: bool) -> Callable:
+    """The `jax.checkpoint` policy: what is named is saved or offloaded (saved where `offload` is
+    False: no host memory apart from the device's), the rest recomputed."""
+    saved = [SAVED_NAME, *(_RESERVED[g] for g in self.save if g in _RESERVED)]
+    offloaded = [OFFLOADED_NAME, *(_RESERVED[g] for g in self.offload if g in _RESERVED)]
+    if not offload:
+      saved, offloaded = saved + offloaded, []
+    names = jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=saved, names_which_can_be_offloaded=offloaded, offload_src="device",
+      offload_dst="pinned_host",
+    )
+    if ATTENTION_NAME not in saved:
+      return names
+
+    def policy(prim, *args, **params):  # jax's cuDNN attention keeps its statistics in its own primitive
+      return True if _cudnn_attention_saveable(prim) else names(prim, *args, **params)
+
+    return policy
+
+
+def named(name: str | None) -> Named | None:
+  """The `Named` policy a name spells, None for one of `NAMES` (or None)."""
+  return None if name is None or name in NAMES else Named.parse(name)
+
+
 _offload_notices: set[str] = set()
 
 # What a scanned stack's layers keep when no policy is given. A scan has to
@@ -95,11 +180,9 @@ def layer_policy(name: str | None, *, scanned: bool) -> str:
 
 
 def check(name: str) -> str:
-  """`name` if it is a policy in `NAMES`, else one sentence listing them (nothing is decided
-  about the platform here: that waits for the trace, `policy`)."""
-  if name not in NAMES:
-    raise TorchOnTpuError(f"Unknown remat policy {name!r}; choose one of {', '.join(NAMES)}.")
-  return name
+  """`name` if it is a policy in `NAMES` or a `Named` one (in its own spelling), else one sentence
+  listing them (nothing is decided about the platform here: that waits for the trace, `policy`)."""
+  return name if name in NAMES else str(Named.parse(name))
 
 
 def host_offload_supported(device: jax.Device | None = None) -> bool:
@@ -112,10 +195,18 @@ def host_offload_supported(device: jax.Device | None = None) -> bool:
 
 
 def policy(name: str) -> Callable:
-  """The `jax.checkpoint` policy for a name in `NAMES`, for the device being traced for."""
+  """The `jax.checkpoint` policy for a name in `NAMES` or a `Named` one, for the device being traced for."""
   check(name)
   if name in _FIXED:
     return _FIXED[name]
+  spelled = named(name)
+  if spelled is not None:
+    offload = host_offload_supported()
+    if spelled.offload and not offload and name not in _offload_notices:
+      _offload_notices.add(name)
+      logger.warning("remat=%r: %s has no device memory apart from host memory, so what it offloads is kept in place.",
+                     name, target_device.device().platform.upper())
+    return spelled.policy(offload)
   if host_offload_supported():
     if name == "offload_inputs":
       return jax.checkpoint_policies.save_and_offload_only_these_names(

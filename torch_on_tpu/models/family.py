@@ -94,6 +94,11 @@ class Family:
     """The named sharding preset (`"fsdp_tp"`) for this model; None when unknown."""
     return None
 
+  def fsdp_dims(self, module: torch.nn.Module) -> dict[str, int]:
+    """Parameter name → the dim the "fsdp" presets split (where the mesh divides it), for the
+    parameters whose largest dim is not the one to split: a linear's hidden-size dim."""
+    return {}
+
   def running(self, module: torch.nn.Module, mesh=None, data_axes=()) -> contextlib.AbstractContextManager:
     """Context around every call of the model's forward the bridge traces (on `mesh`, the batch
     split over `data_axes`)."""

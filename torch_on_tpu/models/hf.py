@@ -15,6 +15,7 @@ from torch_on_tpu.core import _compat, extras
 from torch_on_tpu.errors import TorchOnTpuError, first_line
 from torch_on_tpu.models._maps import present_rules
 from torch_on_tpu.models.family import CacheNotCarried, DecoderShape, Family, HFForm
+from torch_on_tpu.parallel.sharding import compile_pattern
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,22 @@ def fsdp_tp_map(module: torch.nn.Module) -> dict | None:
   if not any("tp" in spec for spec in rules.values()):
     return None
   return rules
+
+
+def fsdp_dims(module: torch.nn.Module) -> dict[str, int]:
+  """The dim the "fsdp" preset splits of each projection the Llama-family map names: the one it
+  puts `fsdp` on (the model's hidden size), as MaxText shards its `embed` axis; the embedding
+  table keeps the preset's own choice (its vocabulary)."""
+  if not is_hf(module):
+    return {}
+  rules = [(compile_pattern(p), spec.index("fsdp")) for p, spec in _FSDP_TP.items()
+           if "fsdp" in spec and "embed_tokens" not in p]
+  dims = {}
+  for name, param in module.named_parameters():
+    dim = next((d for rx, d in rules if rx.match(name)), None)
+    if dim is not None and param.ndim == 2:
+      dims[name] = dim
+  return dims
 
 
 def use_jittable_experts(module: torch.nn.Module) -> None:
@@ -327,6 +344,9 @@ class HFFamily(Family):
 
   def sharding_map(self, module, preset):
     return fsdp_tp_map(module) if preset == "fsdp_tp" else None
+
+  def fsdp_dims(self, module):
+    return fsdp_dims(module)
 
   def running(self, module, mesh=None, data_axes=()):
     return torch_reference_kernels(module)

@@ -17,7 +17,10 @@ A map is a dict `{pattern: spec}`:
   e.g. `{"layers.*": ("fsdp", None, None)}` pins the hidden state between blocks.
 
 Parameters no pattern covers are replicated and listed once (a `strict=True`
-resolution makes that an error). Presets: `"fsdp"`, `"replicated"`, `"ep"`
+resolution makes that an error). Presets: `"fsdp"` (each parameter's largest dim over the
+parameter axes; for a linear its model family knows, the dim of the model's hidden size, as
+MaxText shards its `embed` axis: the gathers and gradient reductions then run as the TPU
+compiler's collective matmuls without relayouts), `"replicated"`, `"ep"`
 (expert parallel: the leading expert dim of every stacked expert tensor, a
 parameter under a module named `experts` or those the model's family names,
 over the `ep` mesh axis, or over `fsdp` where the mesh has no `ep`; everything
@@ -56,6 +59,7 @@ class TensorInfo:
   name: str
   shape: tuple[int, ...]
   is_param: bool = True
+  fsdp_dim: int | None = None  # the dim the fsdp presets split where it divides (its family's choice)
 
 
 @dataclasses.dataclass
@@ -142,9 +146,9 @@ def check_spec(name: str, shape: Sequence[int], spec, mesh: Mesh) -> PartitionSp
   return PartitionSpec(*spec)
 
 
-def fsdp_spec(shape: Sequence[int], mesh: Mesh, axes: Sequence[str] | None = None) -> tuple:
-  """The "fsdp" preset for one tensor: its largest dim the parameter axes
-  (`mesh.param_axes`: `fsdp` and `cp`, or the given `axes`) divide together, else replicated."""
+def fsdp_spec(shape: Sequence[int], mesh: Mesh, axes: Sequence[str] | None = None, prefer: int | None = None) -> tuple:
+  """The "fsdp" preset for one tensor: the dim `prefer` if the parameter axes (`mesh.param_axes`:
+  `fsdp` and `cp`, or the given `axes`) divide it, else its largest dim they divide, else replicated."""
   axes = mesh_lib.param_axes(mesh) if axes is None else tuple(axes)
   ways = math.prod(mesh.shape[a] for a in axes)
   spec = [None] * len(shape)
@@ -152,7 +156,7 @@ def fsdp_spec(shape: Sequence[int], mesh: Mesh, axes: Sequence[str] | None = Non
     return tuple(spec)
   candidates = [d for d, n in enumerate(shape) if n % ways == 0]
   if candidates:
-    best = max(candidates, key=lambda d: (shape[d], -d))
+    best = prefer if prefer in candidates else max(candidates, key=lambda d: (shape[d], -d))
     spec[best] = axes[0] if len(axes) == 1 else axes
   return tuple(spec)
 
@@ -253,7 +257,7 @@ def _resolve_preset(name: str, tensors: Sequence[TensorInfo], mesh: Mesh, expert
         f"build it with make_mesh(fsdp=-1) or pass a sharding map."
       )
     specs = {
-      t.name: PartitionSpec(*(fsdp_spec(t.shape, mesh) if t.is_param else [None] * len(t.shape)))
+      t.name: PartitionSpec(*(fsdp_spec(t.shape, mesh, prefer=t.fsdp_dim) if t.is_param else [None] * len(t.shape)))
       for t in tensors
     }
   elif name == "ep":
@@ -285,7 +289,7 @@ def _expert_parallel_spec(t: TensorInfo, mesh: Mesh, experts: set | None = None)
     is_expert = "experts" in t.name.split(".")[:-1] and len(t.shape) >= 2
   sharded = bool(mesh_lib.param_axes(mesh))
   dense_axes = (*mesh_lib.param_axes(mesh), "ep") if axis == "ep" else mesh_lib.param_axes(mesh)
-  rest = fsdp_spec(t.shape, mesh, dense_axes) if t.is_param and dense_axes else (None,) * len(t.shape)
+  rest = fsdp_spec(t.shape, mesh, dense_axes, prefer=t.fsdp_dim) if t.is_param and dense_axes else (None,) * len(t.shape)
   if not is_expert:
     return PartitionSpec(*rest)
   if axis == "fsdp":

@@ -78,6 +78,7 @@ from torch_on_tpu import models
 from torch_on_tpu.attention import context
 from torch_on_tpu.core.sizes import human_bytes
 from torch_on_tpu.errors import TorchOnTpuError, arg, named
+from torch_on_tpu.lowering import remat as remat_lib
 from torch_on_tpu.models import DecoderShape
 from torch_on_tpu.parallel import mesh as mesh_lib
 from torch_on_tpu.parallel import targets
@@ -237,6 +238,58 @@ def plan_memory(
   return plan
 
 
+# What `auto_remat` tries after a stack's own default, least recomputation first: the projections
+# kept (attention recomputed), the whole layer recomputed, then that with each layer's input in
+# host memory (only where there is host memory apart from the device's).
+AUTO_REMATS = ("dots_with_no_batch_dims_saveable", "full", "offload_inputs")
+
+
+@dataclasses.dataclass
+class RematChoice:
+  """What `auto_remat` picked: the policy, its plan, and the plans of the policies it passed over."""
+
+  policy: str
+  plan: MemoryPlan
+  passed: list[tuple[str, MemoryPlan]]
+
+  def __str__(self) -> str:
+    memory = self.plan
+    if memory.device_bytes is None:
+      where = f"device memory unknown ({memory.device_note})"
+    else:
+      verdict = "" if memory.fits else ", which does not fit either"
+      where = f"of {human_bytes(memory.device_bytes)} ({int(USABLE * 100)}% usable){verdict}"
+    others = ", ".join(f"{name} about {human_bytes(p.total)}" for name, p in self.passed)
+    why = f"; {others} would not fit" if others else "; the least recomputation"
+    return f"Remat auto → {self.policy}: about {human_bytes(memory.total)} per device {where}{why}"
+
+
+def auto_candidates(first: str, mesh) -> list[str]:
+  """The policies `auto_remat` tries on `mesh`, in order: `first`, then `AUTO_REMATS`."""
+  candidates = [first, *(name for name in AUTO_REMATS if name != first)]
+  if not _can_offload(mesh):
+    candidates.remove("offload_inputs")  # keeps what `full` keeps where nothing can leave the device
+  return candidates
+
+
+def auto_remat(step, shape: DecoderShape, *, global_batch_size: int, seqlen: int, first: str,
+               device_bytes: int | None = None) -> RematChoice:
+  """The per-layer remat policy with the least recomputation whose plan fits the device: `first`
+  (the layer stack's own default, `remat.layer_policy(None, ...)`), then `AUTO_REMATS` in order;
+  the last one tried when none fits (its plan then says what to change). Plans only: nothing is
+  rebuilt or compiled, so the step may have been built with any policy."""
+  passed = []
+  for name in auto_candidates(first, step.model.mesh):
+    memory = plan_memory(step, shape, global_batch_size=global_batch_size, seqlen=seqlen, remat=name,
+                         device_bytes=device_bytes)
+    if memory.fits is not False:
+      break
+    passed.append((name, memory))
+  else:
+    passed.pop()  # none fits: the last one, whose plan says what to change
+  return RematChoice(name, memory, passed)
+
+
 def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedule=None, split=None) -> MemoryPlan:
   """The plan; `schedule` (a `pipeline.Schedule`) plans the model's own devices as if split
   into its stages (for the suggestion), else the model's own pipeline, if any; `split` =
@@ -281,13 +334,23 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
   # Without remat, a bf16 layer on TPU also keeps the fp32 tensors it makes: both RMSNorms'
   # fp32 inputs and SiLU's fp32 gate (measured against the TPU compiler: tools/plan_calibration.py).
   wide = (2 * s.dim + s.ffn_dim / tp) * 4 / compute if on_tpu and compute < 4 else 0
-  kept = {
-    "none": everything + stats + wide, "full": s.dim, "offload_dots": s.dim, "offload_inputs": 0,
-    "dots_and_attention": s.dim + dots + attention_out,
-  }.get(policy, s.dim + dots)
-  offloaded = {"offload_dots": dots, "offload_inputs": s.dim}.get(policy, 0) if _can_offload(mesh) else 0
-  if policy in ("offload_dots", "offload_inputs") and not offloaded:
-    kept = s.dim + (dots if policy == "offload_dots" else 0)  # no host memory apart from the device's: kept in place
+  spelled = remat_lib.named(policy)
+  if spelled is not None:  # what it names, per token: the layer input, the attention kernel's, its modules' outputs
+    widths = {"input": s.dim, "attention": s.heads * s.head_dim / tp + stats}
+    saved_width, offloaded_width = (
+      sum(widths.get(g, 0) for g in globs) + _module_widths(model, spelled, tag, s.dim, tp)
+      for globs, tag in ((spelled.save, remat_lib.SAVED_NAME), (spelled.offload, remat_lib.OFFLOADED_NAME))
+    )
+    kept = saved_width if _can_offload(mesh) else saved_width + offloaded_width
+    offloaded = offloaded_width if _can_offload(mesh) else 0
+  else:
+    kept = {
+      "none": everything + stats + wide, "full": s.dim, "offload_dots": s.dim, "offload_inputs": 0,
+      "dots_and_attention": s.dim + dots + attention_out,
+    }.get(policy, s.dim + dots)
+    offloaded = {"offload_dots": dots, "offload_inputs": s.dim}.get(policy, 0) if _can_offload(mesh) else 0
+    if policy in ("offload_dots", "offload_inputs") and not offloaded:
+      kept = s.dim + (dots if policy == "offload_dots" else 0)  # no host memory apart from the device's: kept in place
   per_token = compute * tokens
   kv_across = 0
   if cp > 1:  # attention's K/V across the sequence split, held during one layer
@@ -478,7 +541,34 @@ def _layer_weights(model, shape: DecoderShape, compute: int, tp: int, shards: in
   return int((attention + 3 * s.dim * s.ffn_dim) * compute / tp)
 
 
-def _can_offload(mesh) -> bool:
-  from torch_on_tpu.lowering import remat as remat_lib
+def _module_widths(model, policy: remat_lib.Named, tag: str, dim: int, tp: int) -> float:
+  """Elements per token of the outputs of a scanned layer's modules that `policy` tags with `tag`
+  (saved or offloaded): a module with a weight its output features (over `tp` where the weight's
+  are split), any other the hidden size."""
+  marker = f".{scan_lib.SCAN}.{scan_lib.LAYER}."
+  weights = {}  # the layer's module paths → the stacked weight's name
+  for name in model.params:
+    if marker in name and name.endswith(".weight"):
+      weights[name.split(marker, 1)[1].removesuffix(".weight")] = name
+  paths = {p for name in model.params if marker in name for p in _parents(name.split(marker, 1)[1])}
+  width = 0.0
+  for path in sorted(p for p in paths if policy.tag(p) == tag):
+    weight = weights.get(path)
+    if weight is None:
+      width += dim
+      continue
+    features = model.params[weight].shape[1]
+    spec = model.param_shardings[weight].spec
+    split = spec[1] if len(spec) > 1 else None
+    width += features / tp if split == "tp" or (isinstance(split, tuple) and "tp" in split) else features
+  return width
 
+
+def _parents(name: str) -> list[str]:
+  """The module paths a tensor's dotted name lies under: `a.b.weight` → `a`, `a.b`."""
+  parts = name.split(".")[:-1]
+  return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _can_offload(mesh) -> bool:
   return remat_lib.host_offload_supported(mesh.devices.flat[0])

@@ -224,6 +224,11 @@ class TrainStep:
       raise TorchOnTpuError(f"clip_norm must be positive or None, got {clip_norm!r}.")
     if forward_remat is not None:
       remat_lib.check(forward_remat)  # an unknown name fails here, not at the first step
+      if remat_lib.named(forward_remat) is not None:
+        raise TorchOnTpuError(
+          f"forward_remat={forward_remat!r} names a layer's modules, which only a layer stack's remat reads; pass it "
+          f"as ShardedModule(remat={forward_remat!r}), or one of {', '.join(remat_lib.NAMES)} here."
+        )
     self.model = model
     self.loss_fn = loss_fn
     self.optimizer = optimizer

@@ -143,9 +143,10 @@ class ShardedModule:
     self._aliases = {alias: e.name for e in entries for alias in e.aliases}
     self._state_dict_names = list(module.state_dict(keep_vars=True))
     self._hooked_modules = _outermost_hooked_modules(module)
+    fsdp_dims = self.family.fsdp_dims(module) if sharding in ("fsdp", "ep") else {}
     self._resolved = sharding_lib.resolve(
       _sharding_map_for(module, sharding, self.mesh),
-      [sharding_lib.TensorInfo(e.name, e.shape, e.is_param) for e in entries],
+      [sharding_lib.TensorInfo(e.name, e.shape, e.is_param, fsdp_dims.get(e.name)) for e in entries],
       [name for name, _ in module.named_modules() if name],
       self.mesh,
       strict=strict,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import functools
 import logging
 import warnings
@@ -128,6 +129,9 @@ class StackedLayers(torch.nn.Module):
     self.remat = remat_lib.layer_policy(remat, scanned=scan)
     if remat is None and scan:
       _say_default_policy_once()
+    self._named = remat_lib.named(self.remat)  # a policy that names the layer's modules: their outputs tagged
+    if self._named is not None:
+      _check_module_globs(self._named, layers[0], self.remat)
     self.unroll = unroll
     self.scanned = scan
     self.pipeline = pipeline
@@ -182,7 +186,7 @@ class StackedLayers(torch.nn.Module):
     # traced by scans, remat and the layer comparison: its index reads are not collected
     # as checks of the whole program (device_checks)
     with torchax.default_env().override_property(prng=key), _swapped(layer, tensors), device_checks.not_collected():
-      with self._family.deferred_layer_outputs(layer, template) as records:
+      with self._family.deferred_layer_outputs(layer, template) as records, _tagged_outputs(layer, self._named):
         if self._state_names:
           out = layer(*args, **kwargs, **dict(zip(self._state_names, torch_view(h))))
         else:
@@ -872,6 +876,41 @@ def layout_for(module: torch.nn.Module, entries, *, pipeline=None) -> ScanLayout
 
 
 _default_policy_said = False
+
+
+def _check_module_globs(named: remat_lib.Named, layer: torch.nn.Module, spelled: str) -> None:
+  """Every glob of a named remat policy matches a module of the layer (one sentence naming them if not)."""
+  paths = [path for path, _ in layer.named_modules() if path]
+  for glob in named.globs:
+    if not any(fnmatch.fnmatchcase(path, glob) for path in paths):
+      raise TorchOnTpuError(
+        f"{arg('remat', spelled)}: no module of the {type(layer).__name__} layer matches {glob!r}; its modules are "
+        f"{', '.join(paths)} (and `input`, `attention`: the layer's input, the attention kernel's outputs)."
+      )
+
+
+@contextlib.contextmanager
+def _tagged_outputs(layer: torch.nn.Module, named: remat_lib.Named | None):
+  """While the layer runs, the outputs of the modules `named` names carry its tag
+  (`checkpoint_name`), which its `jax.checkpoint` policy saves or offloads."""
+  if named is None:
+    yield
+    return
+
+  def tagger(name):
+    def hook(module, args, output):
+      tag = lambda a: checkpoint_name(a, name) if isinstance(a, jax.Array) else a  # noqa: E731
+      return torch_view(jax.tree.map(tag, jax_view(output)))
+
+    return hook
+
+  handles = [module.register_forward_hook(tagger(named.tag(path))) for path, module in layer.named_modules()
+             if path and named.tag(path)]
+  try:
+    yield
+  finally:
+    for handle in handles:
+      handle.remove()
 
 
 def _say_default_policy_once() -> None:

@@ -16,7 +16,7 @@ from torch_on_tpu.models.torchtitan.configs import is_torchtitan
 from torch_on_tpu.models.torchtitan.export import adapter as export_adapter
 from torch_on_tpu.models.torchtitan.masks import attention_masks, document_ids, guard_keyed_masks, uses_masked_attention, with_documents
 from torch_on_tpu.models.torchtitan.mtp import mtp_depths
-from torch_on_tpu.models.torchtitan.plans import fsdp_tp_map, parallel_plan
+from torch_on_tpu.models.torchtitan.plans import fsdp_dims, fsdp_tp_map, parallel_plan
 
 
 class TorchtitanFamily(Family):
@@ -70,6 +70,9 @@ class TorchtitanFamily(Family):
 
   def sharding_map(self, module, preset):
     return fsdp_tp_map(module) if preset == "fsdp_tp" else None
+
+  def fsdp_dims(self, module):
+    return fsdp_dims(module)
 
   def optimizer_pre_step(self, module):
     """torchtitan's MoE load balancing (`moe.load_balancing`)."""

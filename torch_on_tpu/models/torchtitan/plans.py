@@ -1,5 +1,5 @@
 """How torchtitan itself shards a model (its `sharding.set_*_sharding_config`), read as the bridge's
-TP / EP dims and as an FSDP+TP sharding map."""
+TP / EP dims, as an FSDP+TP sharding map and as the dims plain FSDP splits."""
 
 from __future__ import annotations
 
@@ -68,3 +68,20 @@ def fsdp_tp_map(module: torch.nn.Module) -> dict | None:
       spec[free[0]] = "fsdp"
     table[name] = tuple(spec)
   return table
+
+
+def fsdp_dims(module: torch.nn.Module) -> dict[str, int]:
+  """The dim the "fsdp" preset splits of each linear weight torchtitan's TP plan shards: the
+  one the plan does not (the model's hidden size: a column-parallel weight's input, a row-parallel
+  one's output), as MaxText shards its `embed` axis. Embedding tables keep the preset's own choice
+  (their vocabulary: split over the hidden size, the looked-up rows would be resharded)."""
+  if not is_torchtitan(module):
+    return {}
+  plan = parallel_plan(module)
+  embeddings = {f"{path}.weight" for path, sub in module.named_modules() if isinstance(sub, torch.nn.Embedding)}
+  dims = {}
+  for name, param in module.named_parameters():
+    tp = plan.get(name, {}).get("tp")
+    if tp is not None and param.ndim == 2 and name not in embeddings:
+      dims[name] = 1 - tp % 2
+  return dims
