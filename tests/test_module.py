@@ -78,14 +78,18 @@ def test_specs_follow_the_preset(case):
     assert specs[name] == P("fsdp", None)
     norm = "norm.weight" if case["name"] == "titan" else "model.norm.weight"
     assert specs[norm] == P(None)
-    # a linear the family knows splits its hidden-size dim (MaxText's `embed`), whichever is larger
-    params = case["jm"].params
-    if case["name"] == "titan":
+    assert specs["lm_head.weight"] == P("fsdp", None)  # the output head too
+    if case["name"] == "titan":  # a linear the family knows splits its hidden-size dim (MaxText's `embed`)
+      params = case["jm"].params
       column, row = "layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight"
+      assert params[column].shape[0] > params[column].shape[1] and specs[column] == P(None, "fsdp")
       assert params[row].shape[1] > params[row].shape[0] and specs[row] == P("fsdp", None)
-    else:
-      column = "lm_head.weight"  # the tiny model's layer projections are too small to shard
-    assert params[column].shape[0] > params[column].shape[1] and specs[column] == P(None, "fsdp")
+    else:  # the tiny model's projections are too small to shard; what the preset would split of them:
+      from torch_on_tpu import models
+
+      dims = models.family_of(h.hf()).fsdp_dims(h.hf())
+      assert dims["model.layers.0.mlp.up_proj.weight"] == 1 and dims["model.layers.0.mlp.down_proj.weight"] == 0
+      assert dims["model.layers.1.self_attn.q_proj.weight"] == 1 and "lm_head.weight" not in dims
   elif case["name"] == "titan":
     assert specs["layers.0.attention.qkv_linear.wqkv.weight"] == P("tp", "fsdp")
     assert specs["layers.3.attention.wo.weight"] == P("fsdp", "tp")

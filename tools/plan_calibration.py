@@ -1,6 +1,6 @@
 """The memory plan against the compilers it predicts: per chip, plan vs the TPU compiler vs XLA:CPU.
 
-    python tools/plan_calibration.py                                # the grid: 1B and 8B, v5p-8 and v6e-8, 4 remats
+    python tools/plan_calibration.py                                # the grid: 1B and 8B, v5p-8 and v6e-8, 5 remats
     python tools/plan_calibration.py --models=1B --targets=v5p-8 --remats=full --cpu=false   # one cell
 
 Each cell is `python -m recipes.llama3 --model=M --seqlen=8192 --global_batch_size=8
@@ -9,7 +9,9 @@ scanned, fp32 weights and AdamW, bf16 compute, splash attention): the plan's tot
 the TPU compiler's arguments + temporaries (and what it offloads to host memory), and, with
 `--cpu`, the same step compiled by XLA:CPU on as many simulated devices (what the plan was fitted
 to before there was a TPU compiler here). `auto` is the scanned stack's default
-(`dots_and_attention`). Cells that do not fit the chip are measured all the same (the recipe's
+(`dots_and_attention`, asked for by name: the recipe's `--remat=auto` would step down where the
+compiler refuses it); `maxtext_offload` is MaxText's v6e recipe in torchtitan's module names
+(`offload:input,attention.qkv_linear.wqkv,attention.wo`, as `tools/bench_tpu.py` runs it). Cells that do not fit the chip are measured all the same (the recipe's
 refusal is lifted with `--memory_gib`; where the TPU compiler itself refuses, its temporaries
 come from its message and the arguments are the plan's params and optimizer state, which the
 plan counts exactly). Each compile runs in its own process: 1–4 min and up
@@ -30,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # recipes and torch_on_tpu from this checkout, run as a script
 from bench_tpu import in_worker  # noqa: E402 (tools/ is the script's own folder on sys.path)
 
-MODELS, TARGETS, REMATS = ("1B", "8B"), ("v5p-8", "v6e-8"), ("none", "auto", "full", "offload_dots")
+MODELS, TARGETS, REMATS = ("1B", "8B"), ("v5p-8", "v6e-8"), ("none", "auto", "full", "offload_dots", "maxtext_offload")
+POLICY = {"auto": "dots_and_attention", "maxtext_offload": "offload:input,attention.qkv_linear.wqkv,attention.wo"}
 SEQLEN, BATCH = 8192, 8
 TOLERANCE = 0.10  # the plan's promise: within 10% of the TPU compiler's peak
 GiB = 2**30
@@ -69,7 +72,7 @@ def cell(model: str, target: str, remat: str, platform: str) -> dict:
 
   slice_ = targets.parse(target)
   where = dict(target=target) if platform == "tpu" else dict(cpu_devices=slice_.chips * slice_.generation.devices_per_chip)
-  flags = llama3.Llama3Flags(model=model, seqlen=SEQLEN, global_batch_size=BATCH, dtype="bfloat16", remat=remat,
+  flags = llama3.Llama3Flags(model=model, seqlen=SEQLEN, global_batch_size=BATCH, dtype="bfloat16", remat=POLICY.get(remat, remat),
                              dry_run=True, compile_cache="off", memory_gib=4096, **where)
   printed = io.StringIO()
   try:

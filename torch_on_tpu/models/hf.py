@@ -68,12 +68,12 @@ def fsdp_tp_map(module: torch.nn.Module) -> dict | None:
 
 def fsdp_dims(module: torch.nn.Module) -> dict[str, int]:
   """The dim the "fsdp" preset splits of each projection the Llama-family map names: the one it
-  puts `fsdp` on (the model's hidden size), as MaxText shards its `embed` axis; the embedding
-  table keeps the preset's own choice (its vocabulary)."""
+  puts `fsdp` on (the model's hidden size), as MaxText shards its `embed` axis. Tables over the
+  vocabulary (the embedding, the output head) keep the preset's own choice, their vocabulary."""
   if not is_hf(module):
     return {}
   rules = [(compile_pattern(p), spec.index("fsdp")) for p, spec in _FSDP_TP.items()
-           if "fsdp" in spec and "embed_tokens" not in p]
+           if "fsdp" in spec and p not in ("**.embed_tokens.weight", "lm_head.weight")]
   dims = {}
   for name, param in module.named_parameters():
     dim = next((d for rx, d in rules if rx.match(name)), None)

@@ -72,7 +72,8 @@ class TorchtitanFamily(Family):
     return fsdp_tp_map(module) if preset == "fsdp_tp" else None
 
   def fsdp_dims(self, module):
-    return fsdp_dims(module)
+    shape = self.decoder_shape(module)
+    return fsdp_dims(module, vocab=shape.vocab if shape else None)
 
   def optimizer_pre_step(self, module):
     """torchtitan's MoE load balancing (`moe.load_balancing`)."""

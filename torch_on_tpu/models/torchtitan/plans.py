@@ -70,18 +70,18 @@ def fsdp_tp_map(module: torch.nn.Module) -> dict | None:
   return table
 
 
-def fsdp_dims(module: torch.nn.Module) -> dict[str, int]:
+def fsdp_dims(module: torch.nn.Module, vocab: int | None = None) -> dict[str, int]:
   """The dim the "fsdp" preset splits of each linear weight torchtitan's TP plan shards: the
   one the plan does not (the model's hidden size: a column-parallel weight's input, a row-parallel
-  one's output), as MaxText shards its `embed` axis. Embedding tables keep the preset's own choice
-  (their vocabulary: split over the hidden size, the looked-up rows would be resharded)."""
+  one's output), as MaxText shards its `embed` axis. Tables over the vocabulary (the embedding,
+  the output head) keep the preset's own choice, their vocabulary: split over the hidden size, the
+  looked-up rows would be resharded, and a decoding step's logits computed whole on every device."""
   if not is_torchtitan(module):
     return {}
   plan = parallel_plan(module)
-  embeddings = {f"{path}.weight" for path, sub in module.named_modules() if isinstance(sub, torch.nn.Embedding)}
   dims = {}
   for name, param in module.named_parameters():
     tp = plan.get(name, {}).get("tp")
-    if tp is not None and param.ndim == 2 and name not in embeddings:
+    if tp is not None and param.ndim == 2 and vocab not in param.shape:
       dims[name] = 1 - tp % 2
   return dims
