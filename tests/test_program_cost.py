@@ -156,3 +156,34 @@ def test_async_ops_count_once_in_either_spelling_and_on_chip_memory_moves_no_hbm
   assert (spelled.hbm_bytes, spelled.host_bytes) == (layer + layer + layer, layer + layer)  # + the prefetch's read
   wrapped = program_cost.program_cost(OFFLOAD_HLO)
   assert (wrapped.hbm_bytes, wrapped.host_bytes) == (spelled.hbm_bytes - layer, spelled.host_bytes)
+
+
+# How the TPU compiler prefetches a buffer into VMEM: asynchronous static slices of it, each run
+# by its own computation; and a fusion that reads a buffer only through static slices.
+PREFETCH_HLO = "\n".join([
+  "%piece (whole: s8[1048576]) -> s8[65536] {",
+  "  %whole = s8[1048576]{0:T(1024)(128)(4,1)} parameter(0)",
+  "  ROOT %part = s8[65536]{0:T(1024)(128)(4,1)S(1)} slice(%whole), slice={[65536:131072]}",
+  "}",
+  "%halves (x: bf16[64,1024]) -> bf16[32,1024] {",
+  "  %x = bf16[64,1024]{1,0} parameter(0)",
+  "  %top = bf16[32,1024]{1,0} slice(%x), slice={[0:32], [0:1024]}",
+  "  %bottom = bf16[32,1024]{1,0} slice(%x), slice={[32:64], [0:1024]}",
+  "  ROOT %sum = bf16[32,1024]{1,0} add(%top, %bottom)",
+  "}",
+  "ENTRY %main (whole: s8[1048576], x: bf16[64,1024]) -> (s8[65536], bf16[32,1024]) {",
+  "  %whole = s8[1048576]{0:T(1024)(128)(4,1)} parameter(0)",
+  "  %x = bf16[64,1024]{1,0} parameter(1)",
+  "  %start = ((s8[1048576]{0:T(1024)(128)(4,1)}), s8[65536]{0:T(1024)(128)(4,1)S(1)}, s32[]{:S(2)}) async-start(%whole), calls=%piece",
+  "  %done = s8[65536]{0:T(1024)(128)(4,1)S(1)} async-done(%start)",
+  "  %folded = bf16[32,1024]{1,0} fusion(%x), kind=kLoop, calls=%halves",
+  "  ROOT %out = (s8[65536]{0:T(1024)(128)(4,1)S(1)}, bf16[32,1024]{1,0}) tuple(%done, %folded)",
+  "}",
+])
+
+
+def test_a_slice_reads_only_its_slice_wherever_it_lands():
+  """A slice into VMEM reads its 64 KiB of HBM (not the 1 MiB buffer) and writes none; a fusion
+  that reads its operand through two halves reads it once whole."""
+  cost = program_cost.program_cost(PREFETCH_HLO)
+  assert cost.hbm_bytes == 65536 + (64 * 1024 * 2 + 32 * 1024 * 2)

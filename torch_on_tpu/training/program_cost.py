@@ -71,7 +71,8 @@ def program_cost(text: str | hlo_text.Module) -> ProgramCost:
 
 def _bytes(inst: hlo_text.Instruction, module: hlo_text.Module, shapes: dict, where: str) -> float:
   """Bytes one kernel reads and writes in `where`'s memory ("hbm" or "host"): its operands and
-  its result, except what it only slices (a dynamic slice reads its slice) and what it updates in
+  its result, except what it only slices (a slice, static or dynamic, reads its slice: the TPU
+  compiler prefetches a buffer into VMEM as many slices of it) and what it updates in
   place (a dynamic update slice reads and writes its update, not the whole buffer it writes into)."""
   size = lambda shape: hlo_text.nbytes(shape, where=where)  # noqa: E731
   operands = [size(shapes.get(op, "")) for op in inst.operands()]
@@ -80,7 +81,7 @@ def _bytes(inst: hlo_text.Instruction, module: hlo_text.Module, shapes: dict, wh
     op, result = "copy", hlo_text.tuple_elements(result)[0]
   elif op.endswith("-start"):  # ((operands), result, context)
     op, result = op.removesuffix("-start"), hlo_text.tuple_elements(result)[1]
-  if op == "dynamic-slice" and inst.operands():
+  if op in ("slice", "dynamic-slice") and inst.operands():
     source = shapes.get(inst.operands()[0], "")
     read = hlo_text.nbytes(result) if size(source) else 0  # the slice, from where its source lives
     return read + size(result)
@@ -109,7 +110,7 @@ def _bytes(inst: hlo_text.Instruction, module: hlo_text.Module, shapes: dict, wh
     name = params.get(str(index))
     if name == in_place:
       continue  # the buffer updated in place is neither read nor written whole
-    if name is not None and users[name] and all(u.op == "dynamic-slice" and u.operands()[0] == name for u in users[name]):
+    if name is not None and users[name] and all(u.op in ("slice", "dynamic-slice") and u.operands()[0] == name for u in users[name]):
       total += sum(hlo_text.nbytes(u.shape) for u in users[name]) if operand else 0  # it reads its slices only
     else:
       total += operand
