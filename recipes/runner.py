@@ -173,6 +173,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
       seed=flags.seed,
       trainable=lora.TRAINABLE if recipe.lora else None,
       skip_nonfinite=flags.max_skips > 0,
+      fuse_head=flags.fuse_head,
     )
 
   # 1. Plan on abstract params: nothing allocated, so a run that cannot fit fails here.

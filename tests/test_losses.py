@@ -134,13 +134,13 @@ def test_a_128k_vocabulary_step_saves_at_least_the_fp32_logits_in_temporaries():
   assert temps["torchax"] - temps["chunked"] >= batch * seq * vocab * 4, temps
 
 
-def _bf16_step(vocab, layers=1, abstract=True):
+def _bf16_step(vocab, layers=1, abstract=True, **kw):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
   with torch.device("meta" if abstract else "cpu"):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(_llama(vocab, layers=layers))
   jm = tot.ShardedModule(model, mesh=mesh, abstract=abstract)
-  return tot.make_train_step(jm, _ce, optax.adamw(1e-3), compute_dtype=jnp.bfloat16)
+  return tot.make_train_step(jm, _ce, optax.adamw(1e-3), compute_dtype=jnp.bfloat16, **kw)
 
 
 def _no_source():
@@ -195,3 +195,103 @@ def test_a_loss_that_rescales_the_logits_reads_the_fp32_copy():
     assert chunked.call_args.args[0].dtype == jnp.bfloat16
     F.cross_entropy(wide / 3.0, t)
     assert chunked.call_args.args[0].dtype == jnp.float32
+
+
+# ---- the output head fused with the loss ------------------------------------------------------
+
+def _head_case(vocab, dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((64, 32)).astype(np.float32)
+  w = rng.standard_normal((vocab, 32)).astype(np.float32) * 0.5
+  return torch.tensor(x).to(dtype).requires_grad_(), torch.tensor(w).to(dtype).requires_grad_()
+
+
+def _head_grads(xt, wt, t, devices, **kw):
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("fsdp",))
+  f = lambda a, b: losses.head_cross_entropy(a, b, jnp.asarray(t.numpy()), mesh=mesh, row_axes=("fsdp",), **kw)  # noqa: E731
+  to_jax = lambda p: jnp.asarray(p.detach().float().numpy(), jnp.bfloat16 if p.dtype == torch.bfloat16 else jnp.float32)  # noqa: E731
+  loss, vjp = jax.vjp(f, to_jax(xt), to_jax(wt))
+  return loss, vjp(jnp.ones_like(loss))
+
+
+def _f32(a):
+  return np.asarray(jnp.asarray(a, jnp.float32)) if not isinstance(a, torch.Tensor) else a.detach().float()
+
+
+# vocab 1000 by 128: an overlapping last chunk; 1024 by 128: exact chunks; 48: one chunk, no loop
+@pytest.mark.parametrize("vocab,chunk", [(1000, 128), (1024, 128), (48, None)])
+@pytest.mark.parametrize("reduction,ignore_index,label_smoothing", [("mean", -100, 0.0), ("sum", 5, 0.1), ("none", -100, 0.1)])
+def test_the_fused_head_matches_torchs_linear_then_cross_entropy(vocab, chunk, reduction, ignore_index, label_smoothing):
+  """fp32, rows over 4 devices: the loss and both gradients within 1e-5 of torch eager."""
+  xt, wt = _head_case(vocab, torch.float32)
+  t = torch.tensor(_targets(64, vocab, ignore_index))
+  kw = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+  want = F.cross_entropy(F.linear(xt, wt), t, **kw)
+  want.backward(torch.ones_like(want))
+  loss, (gx, gw) = _head_grads(xt, wt, t, 4, chunk=chunk, **kw)
+  assert h.rel(loss, want.detach()) < 1e-5
+  assert h.rel(gx, xt.grad) < 1e-5 and h.rel(gw, wt.grad) < 1e-5
+
+
+def test_the_fused_bf16_head_rounds_as_torch_does():
+  """bf16 on one device: the logits rounded to bf16 as the linear rounds them, the loss in fp32,
+  d x and d weight each one bf16 rounding of an fp32 sum, as torch's bf16 linear backward (only
+  the order of the sums differs). Over 4 devices each device's d weight is its rows' (rounded to
+  bf16, as every weight gradient of a bf16 FSDP step is) and the devices' sum is reduce-scattered:
+  torch's per-rank bf16 gradients summed, not one rounding of the whole sum."""
+  xt, wt = _head_case(1000, torch.bfloat16)
+  t = torch.tensor(_targets(64, 1000, -100))
+  want = F.cross_entropy(F.linear(xt, wt).float(), t, label_smoothing=0.1)
+  want.backward()
+  loss, (gx, gw) = _head_grads(xt, wt, t, 1, chunk=128, label_smoothing=0.1)
+  assert gx.dtype == gw.dtype == jnp.bfloat16
+  assert abs(float(loss) - want.item()) <= 1e-6 * want.item()
+  assert h.rel(_f32(gx), _f32(xt.grad)) < 1e-5 and h.rel(_f32(gw), _f32(wt.grad)) < 1e-5
+
+  _, (gx4, gw4) = _head_grads(xt, wt, t, 4, chunk=128, label_smoothing=0.1)
+  ranks = []
+  for rows in torch.arange(64).chunk(4):  # each rank's rows, the global mean's scale
+    x, w = xt.detach()[rows].clone().requires_grad_(), wt.detach().clone().requires_grad_()
+    part = F.cross_entropy(F.linear(x, w).float(), t[rows], label_smoothing=0.1, reduction="sum") / (t != -100).sum()
+    part.backward()
+    ranks.append(w.grad.float())
+  per_rank = sum(ranks).to(torch.bfloat16).float()
+  assert h.rel(_f32(gx4), _f32(xt.grad)) < 1e-5
+  assert h.rel(_f32(gw4), per_rank) < 1e-4 < h.rel(per_rank, _f32(wt.grad))  # 4.6e-6; 2.8e-3
+
+
+def _titan_step():
+  jm = tot.ShardedModule(h.titan(device="cpu"), mesh=tot.make_mesh(fsdp=-1), seed=0)
+  loss = lambda pred, y: F.cross_entropy(pred.flatten(0, 1).float(), y.flatten())  # torchtitan's own  # noqa: E731
+  return jm, loss, tot.make_train_step(jm, loss, optax.adamw(1e-3), fuse_head=True)
+
+
+def test_the_step_fuses_an_output_head_with_its_loss_and_matches_torch():
+  """torchtitan's Llama 3 debugmodel (its `output` a bias-free linear, vocab 2048) over 8
+  devices: the loss reads the head's input and weight, and the step's loss and gradients match
+  torch eager within 1e-5."""
+  jm, loss_fn, step = _titan_step()
+  ref = h.reference(jm, h.titan)
+  g = torch.Generator().manual_seed(0)
+  tokens = torch.randint(0, 2048, (8, h.SEQ), generator=g)
+  labels = torch.randint(0, 2048, (8, h.SEQ), generator=g)
+  with mock.patch.object(losses, "head_cross_entropy", wraps=losses.head_cross_entropy) as fused:
+    loss, grads = step.gradients(tokens, labels)
+  fused.assert_called()
+  ref.zero_grad()
+  want = loss_fn(ref(tokens), labels)
+  want.backward()
+  assert abs(float(loss) - want.item()) / want.item() < 1e-5
+  for name, p in ref.named_parameters():
+    assert h.rel(grads[name], p.grad) < 1e-5, name
+
+
+def test_a_fused_head_keeps_neither_the_logits_nor_their_gradient():
+  """HF Llama at a 128k vocabulary, 2 × 2048 tokens on one device, bf16 compute: the
+  temporaries drop by at least the bf16 logits and their bf16 gradient."""
+  vocab, batch, seq = 128256, 2, 2048
+  spec = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+  temps = {}
+  for name, fuse in (("fused", True), ("logits", False)):
+    temps[name] = _bf16_step(vocab, fuse_head=fuse).compile({"input_ids": spec}, spec).temp_bytes
+  assert temps["logits"] - temps["fused"] >= 2 * (batch * seq * vocab * 2), temps

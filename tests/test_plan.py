@@ -57,6 +57,18 @@ def test_remat_policies_order_the_activation_estimate():
   assert accum.grads == 2 * plain.grads  # the fp32 accumulator next to one microbatch's gradients
 
 
+def test_a_fused_output_head_plans_no_logits_and_fuse_head_false_keeps_them():
+  """Tiny's output is a bias-free linear over the vocabulary, which the step's loss reads
+  instead of its logits (losses.head_cross_entropy)."""
+  fused = plan.plan_memory(abstract_step(fuse_head=True), SHAPE, global_batch_size=16, seqlen=64)
+  kept = plan.plan_memory(abstract_step(), SHAPE, global_batch_size=16, seqlen=64)
+  assert fused.logits == 0
+  assert kept.logits == 16 * 64 * 512 * 4 // 8  # fp32 logits, the rows over 8 devices
+  assert fused.head_weight == kept.head_weight == 512 * 64 * 4  # gathered whole for the head
+  assert "head fused with the loss" in str(fused) and "logits" not in str(fused)
+  assert "head, logits + their gradient" in str(kept)
+
+
 def test_trainable_subset_has_no_gradients_or_optimizer_state_for_the_rest():
   memory = plan.plan_memory(abstract_step(trainable="out.*"), SHAPE, global_batch_size=16, seqlen=64)
   assert memory.grads == 512 * 64 * 4 // 8 and memory.optimizer == 2 * memory.grads + 4

@@ -129,11 +129,12 @@ def test_resume_refuses_changed_state_flags_picks_a_step_and_starts_afresh_witho
 
 
 def test_dry_run_plans_and_compiles_without_allocating(tmp_path, capsys):
-  out = llama3.run(titan_flags(tmp_path, dry_run=True, remat="full", grad_accum=2))
+  out = llama3.run(titan_flags(tmp_path, dry_run=True, remat="full", grad_accum=2, fuse_head=True))
   printed = capsys.readouterr().out
   assert "Memory plan per device" in printed and "Compiled step" in printed and "GFLOP" in printed
   assert out["compile"].flops > 0 and out["compile"].peak_bytes > 0
   step = out["plan"]._context[0]
+  assert step.fuse_head and "head fused with the loss" in printed and '"fuse_head": true' in printed
   assert all(type(v).__name__ == "ShapeDtypeStruct" for v in step.model.params.values())
   assert not (tmp_path / "run").exists()  # no checkpoint, no logs
   assert '"scan": true' in printed  # --scan's default, resolved for the CPU devices

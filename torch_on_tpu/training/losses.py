@@ -9,6 +9,13 @@ the logits' dtype) plus the target logit, and saves only the logits and one
 logsumexp per row; the backward recomputes each chunk's softmax and writes the
 gradient into a buffer of the logits' own dtype.
 
+Where the logits are the model's last `F.linear` (a bias-free output head: torchtitan's
+`output`, HF's `lm_head`) reshaped at most, the loss reads that linear's input and weight
+instead (`head_cross_entropy`): each chunk's logits are computed, rounded to the compute dtype
+as the linear would round them, and dropped, in the forward and again in the backward, so
+neither the [tokens, vocab] logits nor their gradient exist; the logits the model returned go
+unread and XLA drops them.
+
 `cross_entropy` is what the train step installs for `F.cross_entropy`; a call
 it cannot express exactly (class weights, probability targets, logits that are
 not 2-D, the legacy `size_average`/`reduce`) goes to torchax's own lowering.
@@ -24,6 +31,7 @@ fp32 copy of the logits and its fp32 gradient are never built.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -34,9 +42,13 @@ from torch_on_tpu.lowering import device_checks, op_table, target_device
 torchax = _compat.import_torchax()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 from torchax.interop import jax_view, torch_view  # noqa: E402
 
 CHUNK_BYTES = 32 << 20  # one chunk's fp32 block: the loop's scratch, whatever the vocabulary
+# The fused head's chunk: each one re-reads the head's input (and in the backward adds to its
+# fp32 gradient), so wider chunks move fewer bytes; 128k columns at 8192 tokens are 16 chunks.
+HEAD_CHUNK_BYTES = 256 << 20
 MAX_CHUNK, MIN_CHUNK = 8192, 1024  # columns per chunk
 
 
@@ -61,15 +73,50 @@ class _Wide(torchax.tensor.Tensor):
   torchax's `Tensor.flatten` is plain Python that no torch function mode sees."""
 
   low: torch.Tensor
+  head: "tuple | None" = None  # (x, weight): its rows are F.linear(x, weight)'s, flattened
 
   def flatten(self, start_dim=0, end_dim=-1):
-    return _wide(super().flatten(start_dim, end_dim), self.low.flatten(start_dim, end_dim))
+    out = super().flatten(start_dim, end_dim)
+    return _wide(out, self.low.flatten(start_dim, end_dim), _kept_head(self, out))
 
 
-def _wide(t, low) -> _Wide:
+def _wide(t, low, head=None) -> _Wide:
   wide = _Wide(jax_view(t), _compat.tensor_env(t))
   wide.low = low
+  wide.head = head
   return wide
+
+
+def _kept_head(source: _Wide, out) -> "tuple | None":
+  """`source`'s head where `out` has its elements in the same order with the same last dim
+  (a reshape, a flatten of the leading dims, a slice that keeps everything): the same rows."""
+  same = out.ndim >= 1 and out.shape[-1] == source.shape[-1] and out.numel() == source.numel()
+  return source.head if same else None
+
+
+class LastLinear:
+  """While active (the model's forward), remembers the last bias-free `nn.Linear` call (a
+  subclass too, where it keeps `nn.Linear`'s forward: torchtitan's `Linear`): where
+  the model's output is that call's result, it is the output head the loss can fuse with. A
+  module hook, as the forward re-enters torchax's env above any torch function mode."""
+
+  def __init__(self):
+    self.out = self.x = self.weight = self._handle = None
+
+  def _seen(self, module, args, out):
+    linear = isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward  # F.linear, as is
+    if linear and module.bias is None and args and isinstance(out, torch.Tensor):
+      self.out, self.x, self.weight = out, args[0], module.weight
+
+  def __enter__(self):
+    self._handle = torch.nn.modules.module.register_module_forward_hook(self._seen)
+    return self
+
+  def __exit__(self, *exc):
+    self._handle.remove()
+
+  def head_of(self, t) -> "tuple | None":
+    return (self.x, self.weight) if t is not None and t is self.out else None
 
 
 class Upcasts(TorchFunctionMode):
@@ -80,17 +127,24 @@ class Upcasts(TorchFunctionMode):
   that link (the same op applied to the source), which `source(t)` returns.
   Sources nothing reads are dropped when jax traces the step."""
 
-  def to_fp32(self, outputs):
+  def to_fp32(self, outputs, last_linear: LastLinear | None = None):
+    """`outputs` with low-precision floats up-cast; the output that is `last_linear`'s result
+    (in fp32 too) remembers that linear's input and weight (`head`)."""
     def up(t):
+      head = last_linear.head_of(t) if last_linear is not None and isinstance(t, torch.Tensor) else None
       if isinstance(t, torch.Tensor) and t.is_floating_point() and torch.finfo(t.dtype).bits < 32:
-        return _wide(t.float(), t)
-      return t
+        return _wide(t.float(), t, head)
+      return t if head is None else _wide(t, t, head)
 
     return _compat.torch_pytree.tree_map(up, outputs)
 
   @staticmethod
   def source(t):
     return t.low if isinstance(t, _Wide) else None
+
+  @staticmethod
+  def head(t):
+    return t.head if isinstance(t, _Wide) else None
 
   def __torch_function__(self, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
@@ -100,7 +154,7 @@ class Upcasts(TorchFunctionMode):
       and out.dtype == torch.float32 and _by_position(args[1:], kwargs)
     ):
       low = args[0].low
-      return _wide(out, low if func is torch.Tensor.float else func(low, *args[1:], **kwargs))
+      return _wide(out, low if func is torch.Tensor.float else func(low, *args[1:], **kwargs), _kept_head(args[0], out))
     return out
 
 
@@ -148,6 +202,14 @@ def cross_entropy(
   device_checks.index_in_range(
     jax_view(target), classes, what=f"cross_entropy as a target (logits of {classes} classes)", allowed=int(ignore_index)
   )
+  fused = _fused_head(model, upcasts.head(input), rows, classes)
+  if fused is not None:
+    x, weight, mesh, axes = fused
+    loss = head_cross_entropy(
+      x, weight, jax_view(target), mesh=mesh, row_axes=axes, ignore_index=int(ignore_index), reduction=reduction,
+      label_smoothing=float(label_smoothing),
+    )
+    return torch_view(loss)
   low = upcasts.source(input)
   loss = chunked_cross_entropy(
     jax_view(input if low is None else low), jax_view(target), ignore_index=int(ignore_index), reduction=reduction,
@@ -155,6 +217,23 @@ def cross_entropy(
     sharding=_rows_sharding(model, rows),
   )
   return torch_view(loss)
+
+
+def _fused_head(model, head, rows: int, classes: int):
+  """(x [rows, d], weight [classes, d], mesh, row axes) where the loss can read the head's
+  linear instead of its logits: its rows are the loss's rows, its rows and its weight's
+  vocabulary split over the same data axes (no pipeline stages: their head runs per stage)."""
+  if head is None or model.pipeline is not None:
+    return None
+  x, weight = (jax_view(t) for t in head)
+  sharding = model.token_sharding(rows)
+  if weight.shape[0] != classes or x.size != rows * weight.shape[1] or sharding is None:
+    return None
+  axes = sharding.spec[0]
+  axes = (axes,) if isinstance(axes, str) else tuple(axes)
+  if classes % math.prod(sharding.mesh.shape[a] for a in axes):
+    return None
+  return x.reshape(rows, weight.shape[1]), weight, sharding.mesh, axes
 
 
 def _rows_sharding(model, rows: int):
@@ -274,3 +353,107 @@ def _row_losses_bwd(smoothing, chunk, sharding, residuals, grad):
 
 
 _row_losses.defvjp(_row_losses_fwd, _row_losses_bwd)
+
+
+def head_cross_entropy(x, weight, targets, *, mesh, row_axes, ignore_index=-100, reduction="mean", label_smoothing=0.0, chunk=None):
+  """torch's cross-entropy of `F.linear(x, weight)` ([N, d] × [V, d], rounded to their dtype as
+  the linear rounds them) against class ids `targets` [N], without the logits.
+
+  Per device (a `shard_map` over `row_axes`): its rows, and the weight gathered whole from its
+  vocabulary split, so the weight's gradient leaves as a reduce-scatter."""
+  valid = targets != ignore_index
+  targets = jnp.where(valid, targets, 0).astype(jnp.int32)
+  rows_spec, weight_spec = P(row_axes, None), P(row_axes, None)
+
+  def local(x, weight, targets, valid):
+    whole = jax.lax.all_gather(weight, row_axes, axis=0, tiled=True)
+    return _head_rows(x, whole, targets, valid, float(label_smoothing), chunk)
+
+  rows = device_checks.shard_map(
+    local, mesh=mesh, in_specs=(rows_spec, weight_spec, P(row_axes), P(row_axes)), out_specs=P(row_axes), check_vma=False
+  )(x, weight, targets, valid)
+  if reduction == "none":
+    return rows
+  total = rows.sum()
+  return total / valid.sum().astype(jnp.float32) if reduction == "mean" else total
+
+
+def _head_block(x, weight, i, width):
+  """Chunk `i` of the logits (its first column and its fp32 values, rounded to the linear's dtype)."""
+  start = jnp.minimum(i * width, weight.shape[0] - width)
+  rows = jax.lax.dynamic_slice_in_dim(weight, start, width, axis=0)
+  dtype = jnp.result_type(x, weight)
+  block = jnp.einsum("nd,vd->nv", x, rows, preferred_element_type=jnp.float32).astype(dtype).astype(jnp.float32)
+  return start, rows, block
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _head_rows(x, weight, targets, valid, smoothing, chunk):
+  """Each local row's loss (0 where ignored): (1-ε)(lse - x_target) + ε(lse - mean x)."""
+  return _head_rows_fwd(x, weight, targets, valid, smoothing, chunk)[0]
+
+
+def head_chunk(rows: int, vocab: int) -> int:
+  """The fused head's chunk width for `rows` rows per device (the memory plan counts it)."""
+  return _head_starts(rows, vocab, None)[0]
+
+
+def _head_starts(rows: int, vocab: int, chunk: int | None) -> tuple[int, int]:
+  if chunk is None:
+    chunk = min(MAX_CHUNK, max(MIN_CHUNK, HEAD_CHUNK_BYTES // (4 * max(rows, 1)) // 128 * 128))
+  return _starts(rows, vocab, chunk)
+
+
+def _head_rows_fwd(x, weight, targets, valid, smoothing, chunk):
+  n, vocab = x.shape[0], weight.shape[0]
+  width, count = _head_starts(n, vocab, chunk)
+
+  def update(i, carry):
+    m, s, picked, total = carry
+    start, _, block = _head_block(x, weight, i, width)
+    columns = start + jnp.arange(width)
+    new = (columns >= i * width)[None, :]  # the last chunk's overlap was counted
+    new_m = jnp.maximum(m, jnp.where(new, block, -jnp.inf).max(axis=1))
+    s = s * jnp.exp(m - new_m) + jnp.where(new, jnp.exp(block - new_m[:, None]), 0.0).sum(axis=1)
+    picked = picked + jnp.where(new & (columns[None, :] == targets[:, None]), block, 0.0).sum(axis=1)
+    total = total + jnp.where(new, block, 0.0).sum(axis=1) if smoothing else total
+    return new_m, s, picked, total
+
+  zeros = jnp.zeros((n,), jnp.float32)
+  carry = (jnp.full((n,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
+  m, s, picked, total = jax.lax.fori_loop(0, count, update, carry) if count > 1 else update(0, carry)
+  lse = m + jnp.log(s)
+  rows = (1.0 - smoothing) * (lse - picked)
+  if smoothing:
+    rows = rows + smoothing * (lse - total / vocab)
+  return jnp.where(valid, rows, 0.0), (x, weight, targets, valid, lse)
+
+
+def _head_rows_bwd(smoothing, chunk, residuals, grad):
+  """Chunk by chunk: d logits = g (softmax - (1-ε) onehot - ε/V) rounded to the linear's dtype
+  (the cast its up-cast's gradient makes), then the linear's backward: d x accumulated in fp32
+  over the chunks and rounded once, each chunk's rows of d weight one matmul rounded once."""
+  x, weight, targets, valid, lse = residuals
+  n, vocab = x.shape[0], weight.shape[0]
+  width, count = _head_starts(n, vocab, chunk)
+  dtype = jnp.result_type(x, weight)
+  g = jnp.where(valid, grad, 0.0)[:, None]
+
+  def body(i, carry):
+    dx, dweight = carry
+    start, rows, block = _head_block(x, weight, i, width)
+    columns = start + jnp.arange(width)[None, :]
+    softmax = jnp.exp(block - lse[:, None])
+    target = jnp.where(columns == targets[:, None], 1.0 - smoothing, 0.0)
+    grads = (g * (softmax - target - smoothing / vocab)).astype(dtype)
+    new = columns >= i * width  # the overlapping last chunk adds only its own columns to d x
+    dx = dx + jnp.einsum("nv,vd->nd", jnp.where(new, grads, 0), rows, preferred_element_type=jnp.float32)
+    part = jnp.einsum("nv,nd->vd", grads, x, preferred_element_type=jnp.float32).astype(weight.dtype)
+    return dx, jax.lax.dynamic_update_slice_in_dim(dweight, part, start, axis=0)
+
+  carry = (jnp.zeros(x.shape, jnp.float32), jnp.zeros(weight.shape, weight.dtype))
+  dx, dweight = jax.lax.fori_loop(0, count, body, carry) if count > 1 else body(0, carry)
+  return dx.astype(x.dtype), dweight, None, None
+
+
+_head_rows.defvjp(_head_rows_fwd, _head_rows_bwd)

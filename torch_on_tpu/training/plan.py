@@ -73,6 +73,7 @@ import math
 import jax
 import numpy as np
 import psutil
+import torch
 
 from torch_on_tpu import models
 from torch_on_tpu.attention import context
@@ -82,6 +83,7 @@ from torch_on_tpu.lowering import remat as remat_lib
 from torch_on_tpu.models import DecoderShape
 from torch_on_tpu.parallel import mesh as mesh_lib
 from torch_on_tpu.parallel import targets
+from torch_on_tpu.training import losses
 from torch_on_tpu.wrapper import scan as scan_lib
 
 USABLE = 0.9  # fraction of device memory a plan may use
@@ -139,6 +141,7 @@ class MemoryPlan:
   device_note: str
   description: str
   suggestion: str = ""
+  fused_head: bool = False  # the loss reads the output head's linear: no logits (losses.head_cross_entropy)
   _context: tuple = dataclasses.field(default=(), repr=False)  # what `suggest` re-plans from
 
   @property
@@ -177,8 +180,10 @@ class MemoryPlan:
       ("+ widened to fp32 (XLA CPU)", self.cpu_upcasts),
       ("params kept across the checked update", self.update_branch),
       ("backward peak, the largest of:", self.backward_peak),
-      ("  head, logits + their gradient", self.head_weight + self.logits + self.logits_grad),
-      ("  head, logits' gradient, gradients", self.head_weight + self.logits_grad + self.grads),
+      ("  head fused with the loss" if self.fused_head else "  head, logits + their gradient",
+       self.head_weight + self.logits + self.logits_grad),
+      ("  head's backward, gradients" if self.fused_head else "  head, logits' gradient, gradients",
+       self.head_weight + self.logits_grad + self.grads),
       ("  gradients + one layer's backward", self.grads + self.layer_backward),
       ("total", self.total),
     ]
@@ -380,6 +385,17 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
   logits = int(head_tokens * s.vocab * s.predictions / tp * compute)  # multi-token prediction: a logits tensor per depth
   # The output head's weight gathered whole from its fsdp shards for the loss head's matmuls.
   head_weight = int(s.vocab * s.dim / tp * compute) if data_ways * cp > 1 else 0
+  logits_grad = logits + (logits * 4 // compute if cpu_upcast else 0)
+  fused_head = _head_fused(step, s, data_ways * cp, schedule)
+  if fused_head:
+    # the loss reads the head's linear (losses.head_cross_entropy): no logits are kept; its
+    # backward holds the head's weight gathered whole (over the data axes, not only fsdp's),
+    # that weight's gradient before it is reduce-scattered, the input's fp32 gradient and a
+    # chunk of the logits in fp32 (its softmax and gradient beside it)
+    width = losses.head_chunk(int(head_tokens), s.vocab)
+    head_weight = int(s.vocab * s.dim * compute) if data_ways * cp > 1 else 0
+    logits = 0
+    logits_grad = int(s.vocab * s.dim * compute + head_tokens * s.dim * 4 + 3 * head_tokens * width * 4)
   return MemoryPlan(
     params=params,
     grads=grads,
@@ -389,7 +405,8 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
     layer_backward=layer_backward + kv_across + 2 * _layer_weights(model, s, compute, tp, data_ways * cp),
     logits=logits,
     head_weight=head_weight,
-    logits_grad=logits + (logits * 4 // compute if cpu_upcast else 0),
+    logits_grad=logits_grad,
+    fused_head=fused_head,
     cpu_upcasts=saved * (4 - compute) // compute if cpu_upcast and scanned else 0,
     host_offloaded=int(s.layers * offloaded * per_token),
     update_branch=_sharded_bytes(trained, {k: shardings[k] for k in trained})
@@ -398,6 +415,20 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
     device_note="",
     description=description,
   )
+
+
+def _head_fused(step, s: DecoderShape, token_ways: int, schedule) -> bool:
+  """Whether the step's loss will read the output head's linear instead of its logits (as
+  `losses.cross_entropy` decides): a bias-free linear over the vocabulary that ends the model,
+  one prediction per token, no pipeline stages, its vocabulary split as the tokens are."""
+  model = step.model
+  if not step.fuse_head or schedule is not None or model.pipeline is not None or s.predictions != 1 or s.vocab % token_ways:
+    return False
+  config = getattr(model.module, "config", None)
+  if getattr(config, "final_logit_softcapping", None):  # the logits are not the linear's
+    return False
+  heads = [m for m in model.module.modules() if isinstance(m, torch.nn.Linear) and m.out_features == s.vocab]
+  return bool(heads) and heads[-1].bias is None and type(heads[-1]).forward is torch.nn.Linear.forward
 
 
 def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:

@@ -129,6 +129,7 @@ def make_train_step(
   trainable: str | Sequence[str] | Callable[[str], bool] | None = None,
   skip_nonfinite: bool = False,
   check_indices: bool = True,
+  fuse_head: bool = False,
   remat: str | None = None,
 ) -> "TrainStep":
   """The compiled training step for `model` (see the module docstring for conventions).
@@ -155,6 +156,11 @@ def make_train_step(
       cross-entropy targets inside the step, as torch does (`device_checks`: a
       bad one leaves the state unchanged and raises); False leaves them
       unchecked (an out-of-range id then reads a clamped or NaN row).
+    fuse_head: where the model's output is a bias-free linear's (its output head) and the
+      loss takes `F.cross_entropy` of it, the loss reads that linear's input and weight,
+      chunk by chunk (`losses.head_cross_entropy`): neither the [tokens, vocab] logits nor
+      their gradient are kept, for one more pass of the head's matmul in the backward. The
+      default keeps the logits.
     remat: the former name of `forward_remat` (deprecated).
   """
   if remat is not None:
@@ -182,6 +188,7 @@ def make_train_step(
     trainable=trainable,
     skip_nonfinite=skip_nonfinite,
     check_indices=check_indices,
+    fuse_head=fuse_head,
   )
 
 
@@ -205,6 +212,7 @@ class TrainStep:
     trainable=None,
     skip_nonfinite=False,
     check_indices=True,
+    fuse_head=False,
   ):
     if not isinstance(model, ShardedModule):
       raise TorchOnTpuError(
@@ -241,6 +249,7 @@ class TrainStep:
     self.learning_rate = learning_rate
     self.skip_nonfinite = skip_nonfinite
     self.check_indices = check_indices
+    self.fuse_head = fuse_head
     self._replicated = NamedSharding(model.mesh, PartitionSpec())
     self._abstract = any(isinstance(v, jax.ShapeDtypeStruct) for v in model.params.values())
     if self.master_dtype is not None:
@@ -539,11 +548,12 @@ class TrainStep:
     if self.model.pipeline is not None:
       labels = self.model.pipeline.spread(labels)
     env = torchax.default_env()
-    upcasts = losses.Upcasts()
+    upcasts, last_linear = losses.Upcasts(), losses.LastLinear() if self.fuse_head else None
     with env, env.override_property(prng=rng), losses.installed(self.model, upcasts):
-      outputs, changed = call_model(self.model, params, buffers, inputs)
+      with last_linear or contextlib.nullcontext():  # the output head, where the model ends in one: the loss reads its input and weight
+        outputs, changed = call_model(self.model, params, buffers, inputs)
       with upcasts, aten.made_on_device():  # the loss sees fp32 outputs; the chunked head reads their bf16 source
-        loss = self.loss_fn(upcasts.to_fp32(outputs), _torch_tree(labels))
+        loss = self.loss_fn(upcasts.to_fp32(outputs, last_linear), _torch_tree(labels))
     if not isinstance(loss, torch.Tensor):
       raise TorchOnTpuError(
         f"loss_fn must return a scalar torch tensor; it returned {type(loss).__name__}."
