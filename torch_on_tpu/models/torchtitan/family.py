@@ -10,7 +10,7 @@ import sys
 import torch
 
 from torch_on_tpu.models.family import DecoderShape, Family
-from torch_on_tpu.models.torchtitan import export, linear_attention, moe
+from torch_on_tpu.models.torchtitan import export, linear_attention, moe, rope
 from torch_on_tpu.models.torchtitan.attention import flex_routed_to, varlen_routed_to
 from torch_on_tpu.models.torchtitan.configs import is_torchtitan
 from torch_on_tpu.models.torchtitan.export import adapter as export_adapter
@@ -124,13 +124,14 @@ class TorchtitanFamily(Family):
     """torchtitan's SPMD type annotations off while the model runs: the bridge runs it
     as single-device code and shards it from outside (its "partial_dtensor" backend,
     which annotates nothing on plain tensors); Qwen3.5's linear-attention kernels
-    (flash-linear-attention's Triton, which cannot run under jax) routed to the bridge's."""
+    (flash-linear-attention's Triton, which cannot run under jax) routed to the bridge's; its
+    complex RoPE without complex tensors (`rope.pairs_rotated`)."""
     from torchtitan.distributed import utils as titan_distributed
 
     before = titan_distributed.get_spmd_backend()
     titan_distributed.set_spmd_backend("partial_dtensor")
     try:
-      with linear_attention.routed(), moe.combine_by_rows(), moe.experts_per_data_shard(mesh, data_axes):
+      with linear_attention.routed(), moe.combine_by_rows(), moe.experts_per_data_shard(mesh, data_axes), rope.pairs_rotated():
         yield
     finally:
       titan_distributed.set_spmd_backend(before)
