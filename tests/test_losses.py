@@ -195,6 +195,9 @@ def test_a_loss_that_rescales_the_logits_reads_the_fp32_copy():
     assert chunked.call_args.args[0].dtype == jnp.bfloat16
     F.cross_entropy(wide / 3.0, t)
     assert chunked.call_args.args[0].dtype == jnp.float32
+    wide.div_(3.0)  # in place: the same tensor with other values, its bf16 source no longer them
+    F.cross_entropy(wide.view(8, 40), t)
+    assert chunked.call_args.args[0].dtype == jnp.float32
 
 
 # ---- the output head fused with the loss ------------------------------------------------------
@@ -295,3 +298,35 @@ def test_a_fused_head_keeps_neither_the_logits_nor_their_gradient():
   for name, fuse in (("fused", True), ("logits", False)):
     temps[name] = _bf16_step(vocab, fuse_head=fuse).compile({"input_ids": spec}, spec).temp_bytes
   assert temps["logits"] - temps["fused"] >= 2 * (batch * seq * vocab * 2), temps
+
+
+class _ScaledHead(torch.nn.Module):
+  """A bias-free output head whose result the model scales in place before returning it."""
+
+  def __init__(self):
+    super().__init__()
+    self.emb = torch.nn.Embedding(64, 16)
+    self.out = torch.nn.Linear(16, 64, bias=False)
+
+  def forward(self, tokens):
+    logits = self.out(self.emb(tokens))
+    logits *= 0.5
+    return logits
+
+
+def test_a_head_output_changed_in_place_is_not_fused():
+  """`logits *= 0.5` keeps the linear's tensor with other values: the loss must read them."""
+  torch.manual_seed(0)
+  model = _ScaledHead()
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(fsdp=-1), seed=0)
+  ref = h.reference(jm, lambda device: _ScaledHead().to(device))
+  loss_fn = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())  # noqa: E731
+  step = tot.make_train_step(jm, loss_fn, optax.sgd(1e-3), fuse_head=True)
+  tokens = torch.randint(0, 64, (8, 4), generator=torch.Generator().manual_seed(1))
+  with mock.patch.object(losses, "head_cross_entropy", wraps=losses.head_cross_entropy) as fused:
+    loss, grads = step.gradients(tokens, tokens)
+  fused.assert_not_called()
+  want = loss_fn(ref(tokens), tokens)
+  want.backward()
+  assert abs(float(loss) - want.item()) / want.item() < 1e-5
+  assert h.rel(grads["out.weight"], ref.out.weight.grad) < 1e-5

@@ -10,7 +10,7 @@ logsumexp per row; the backward recomputes each chunk's softmax and writes the
 gradient into a buffer of the logits' own dtype.
 
 Where the logits are the model's last `F.linear` (a bias-free output head: torchtitan's
-`output`, HF's `lm_head`) reshaped at most, the loss reads that linear's input and weight
+and HF's `lm_head`) reshaped at most, the loss reads that linear's input and weight
 instead (`head_cross_entropy`): each chunk's logits are computed, rounded to the compute dtype
 as the linear would round them, and dropped, in the forward and again in the backward, so
 neither the [tokens, vocab] logits nor their gradient exist; the logits the model returned go
@@ -77,6 +77,8 @@ class _Wide(torchax.tensor.Tensor):
 
   def flatten(self, start_dim=0, end_dim=-1):
     out = super().flatten(start_dim, end_dim)
+    if not _unchanged(self):
+      return out
     return _wide(out, self.low.flatten(start_dim, end_dim), _kept_head(self, out))
 
 
@@ -84,7 +86,14 @@ def _wide(t, low, head=None) -> _Wide:
   wide = _Wide(jax_view(t), _compat.tensor_env(t))
   wide.low = low
   wide.head = head
+  wide.made = jax_view(wide)
   return wide
+
+
+def _unchanged(t) -> bool:
+  """Whether `t` still holds the values it was made with: an in-place op (`logits.div_(T)`)
+  keeps the tensor and swaps its array, and its source or head no longer describes it."""
+  return isinstance(t, _Wide) and jax_view(t) is t.made
 
 
 def _kept_head(source: _Wide, out) -> "tuple | None":
@@ -101,12 +110,12 @@ class LastLinear:
   module hook, as the forward re-enters torchax's env above any torch function mode."""
 
   def __init__(self):
-    self.out = self.x = self.weight = self._handle = None
+    self.out = self.array = self.x = self.weight = self._handle = None
 
   def _seen(self, module, args, out):
     linear = isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward  # F.linear, as is
     if linear and module.bias is None and args and isinstance(out, torch.Tensor):
-      self.out, self.x, self.weight = out, args[0], module.weight
+      self.out, self.array, self.x, self.weight = out, jax_view(out), args[0], module.weight
 
   def __enter__(self):
     self._handle = torch.nn.modules.module.register_module_forward_hook(self._seen)
@@ -116,7 +125,8 @@ class LastLinear:
     self._handle.remove()
 
   def head_of(self, t) -> "tuple | None":
-    return (self.x, self.weight) if t is not None and t is self.out else None
+    # the same tensor, not changed in place since (`out *= scale` keeps it, with new values)
+    return (self.x, self.weight) if t is not None and t is self.out and jax_view(t) is self.array else None
 
 
 class Upcasts(TorchFunctionMode):
@@ -140,17 +150,17 @@ class Upcasts(TorchFunctionMode):
 
   @staticmethod
   def source(t):
-    return t.low if isinstance(t, _Wide) else None
+    return t.low if _unchanged(t) else None
 
   @staticmethod
   def head(t):
-    return t.head if isinstance(t, _Wide) else None
+    return t.head if _unchanged(t) else None
 
   def __torch_function__(self, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
     out = func(*args, **kwargs)
     if (
-      func in _REARRANGING and isinstance(args[0], _Wide) and isinstance(out, torch.Tensor)
+      func in _REARRANGING and _unchanged(args[0]) and isinstance(out, torch.Tensor)
       and out.dtype == torch.float32 and _by_position(args[1:], kwargs)
     ):
       low = args[0].low
