@@ -15,6 +15,7 @@ import transformers
 
 import torch_on_tpu as tot
 from tests import helpers as h
+from tests import test_plan
 from torch_on_tpu.core import _compat
 from torch_on_tpu.training import losses
 
@@ -300,16 +301,11 @@ def test_a_fused_head_keeps_neither_the_logits_nor_their_gradient():
   assert temps["logits"] - temps["fused"] >= 2 * (batch * seq * vocab * 2), temps
 
 
-class _ScaledHead(torch.nn.Module):
+class _ScaledHead(test_plan.Tiny):
   """A bias-free output head whose result the model scales in place before returning it."""
 
-  def __init__(self):
-    super().__init__()
-    self.emb = torch.nn.Embedding(64, 16)
-    self.out = torch.nn.Linear(16, 64, bias=False)
-
   def forward(self, tokens):
-    logits = self.out(self.emb(tokens))
+    logits = super().forward(tokens)
     logits *= 0.5
     return logits
 
@@ -322,7 +318,7 @@ def test_a_head_output_changed_in_place_is_not_fused():
   ref = h.reference(jm, lambda device: _ScaledHead().to(device))
   loss_fn = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())  # noqa: E731
   step = tot.make_train_step(jm, loss_fn, optax.sgd(1e-3), fuse_head=True)
-  tokens = torch.randint(0, 64, (8, 4), generator=torch.Generator().manual_seed(1))
+  tokens = torch.randint(0, 512, (8, 4), generator=torch.Generator().manual_seed(1))
   with mock.patch.object(losses, "head_cross_entropy", wraps=losses.head_cross_entropy) as fused:
     loss, grads = step.gradients(tokens, tokens)
   fused.assert_not_called()
