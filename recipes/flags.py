@@ -106,7 +106,7 @@ class Flags:
   eps: float = flag(1e-8, "AdamW's ε", minimum=0)
   weight_decay: float = flag(0.1, "AdamW weight decay", minimum=0)
   clip_norm: float = flag(1.0, "gradient clipping by global norm (0: off)", minimum=0)
-  max_skips: int = flag(5, "skip a step whose loss, gradient or update is NaN/Inf (state kept); stop after this many in a row (0: stop at the first)", minimum=0)
+  max_skips: int = flag(5, "skip a step whose loss or gradient is NaN/Inf (state kept); stop after this many in a row (0: stop at the first)", minimum=0)
   fsdp: int = flag(-1, "devices on the fsdp mesh axis (-1: all that --tp leaves)", minimum=-1)
   tp: int = flag(1, "devices on the tensor-parallel mesh axis", minimum=1)
   pp: int = flag(1, "pipeline stages: devices on the pp mesh axis (the outermost), which splits the scanned layers into stages", minimum=1)

@@ -131,3 +131,21 @@ def test_the_step_grows_with_its_parameters_not_with_their_square():
   (520 leaves) compiled 367k instructions in 105 s on CPU; computed once, 57k in 30 s."""
   small, large = _step_instructions(24), _step_instructions(48)
   assert large < 2.2 * small, (small, large)
+
+
+def _optimizer_bytes(skip_nonfinite: bool) -> float:
+  with torch.device("meta"):
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(4)])
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(target="v5p-8", fsdp=-1), abstract=True)
+  step = tot.make_train_step(jm, torch.nn.functional.mse_loss, optax.adamw(1e-3), skip_nonfinite=skip_nonfinite)
+  x = jax.ShapeDtypeStruct((8, 2048), jnp.float32)
+  return step.compile(x, x).cost.hbm_bytes
+
+
+def test_skipping_a_nonfinite_step_costs_no_pass_over_the_state_on_tpu():
+  """The skip is decided before the update (loss and gradient norm), so keeping the old state is
+  part of the update's own kernels. A predicate read from the new state needed a second pass:
+  new and old read, the kept state written (this model: 1.21× the HBM bytes of the step
+  without skipping; now 1.04×)."""
+  skipping, plain = _optimizer_bytes(True), _optimizer_bytes(False)
+  assert skipping < 1.1 * plain, (skipping, plain)

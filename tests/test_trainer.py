@@ -181,13 +181,12 @@ def test_an_update_that_overflows_the_params_is_never_saved():
     tot.Trainer(step, Batches(), steps=4, checkpointer=checkpointer, progress=False).run()
   assert checkpointer.saves == []
 
+  # Skipping keeps the state for a non-finite loss or gradient; an update gone non-finite from
+  # finite ones would recur at every step, so the run stops at it, unsaved.
   step = make_step(lr=1e39, skip_nonfinite=True)
-  before = {k: np.asarray(v) for k, v in step.model.params.items()}
-  with pytest.raises(tot.TorchOnTpuError, match=r"Steps 1 to 3 .* skipped, 3 in a row \(max_skips\); stopped with the state of step 0"):
+  with pytest.raises(tot.TorchOnTpuError, match=r"Step 1's update made the training state non-finite from a finite loss .* stopped without saving it, no checkpoint was saved by this run; check the learning rate"):
     tot.Trainer(step, Batches(), steps=10, checkpointer=checkpointer, max_skips=3, progress=False).run()
-  for k, v in step.model.params.items():
-    np.testing.assert_array_equal(np.asarray(v), before[k])  # every update was skipped
-  assert [s for s, _, _ in checkpointer.saves] == [1, 2]  # the unchanged, finite state
+  assert checkpointer.saves == []
 
 
 def test_a_skipped_nan_batch_leaves_the_state_and_the_run_goes_on():

@@ -186,10 +186,10 @@ def nan_lr(tmp: Path, lr: str, expected: str) -> str:
   sys.path.insert(0, str(ROOT))
   import jax
   import numpy as np
+  import orbax.checkpoint as ocp
 
   from torch_on_tpu.io import checkpoint
 
-  ocp = checkpoint.ocp
   finite = True
   with checkpoint.Checkpointer(run / "ckpt", read_only=True) as ckpt:
     steps = ckpt.all_steps()

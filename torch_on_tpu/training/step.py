@@ -51,11 +51,13 @@ Conventions:
   float or an optax schedule evaluated at the step count); `nonfinite` is 1
   when the loss, the gradient norm or the updated params or optimizer state
   hold a NaN or Inf.
-* `skip_nonfinite=True` keeps the old params and optimizer state whenever
-  `nonfinite` is 1 (decided inside the compiled step, so a bad update never
-  reaches the state, nor a checkpoint); `skipped` counts it. Without it the
-  step applies the update like torch does and `nonfinite` tells the caller
-  (the `Trainer` stops before saving such a state).
+* `skip_nonfinite=True` keeps the old params and optimizer state whenever the
+  loss or the gradient norm holds a NaN or Inf (decided inside the compiled
+  step before the update, so a bad batch never reaches the state, nor a
+  checkpoint); `skipped` counts it. An update that is not finite from finite
+  gradients is applied and reported by `nonfinite` with `skipped` 0. Without
+  it the step applies every update like torch does and `nonfinite` tells the
+  caller (the `Trainer` stops before saving such a state).
 
 State for checkpoints: `step.state` is a `TrainState`, a plain dict
 `{"params", "buffers", "opt_state", "rng", "step"}` of arrays; assigning
@@ -150,8 +152,8 @@ def make_train_step(
       state does not carry it: a float or a schedule `step → lr`.
     trainable: the params to train (glob patterns or a predicate over
       `model.params` names); None trains all of them.
-    skip_nonfinite: keep the state unchanged on a step whose loss, gradient
-      norm or update is not finite (metric `skipped`).
+    skip_nonfinite: keep the state unchanged on a step whose loss or gradient
+      norm is not finite (metric `skipped`).
     check_indices: check embedding ids, gather / index_select indices and
       cross-entropy targets inside the step, as torch does (`device_checks`: a
       bad one leaves the state unchanged and raises); False leaves them
@@ -444,21 +446,29 @@ class TrainStep:
 
     operands = (grads, opt_state, params)
     checked = checks.flags.shape[0] > 0
-    if checked and not self.skip_nonfinite:
+    # Whether to update is known before the update (a NaN or Inf loss or gradient norm, a failed
+    # index check), so keeping the old state is a `where` inside the optimizer's own fusions: a
+    # predicate read from the new state would need a second pass over all of it (8B on v6e-8:
+    # 30 GB of HBM a step). An update that comes out non-finite from finite gradients (an
+    # optimizer or learning rate gone wrong, not a bad batch) is applied and reported
+    # (`nonfinite`); the Trainer stops before saving it.
+    sound = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    apply = ~checks.failed() & sound if self.skip_nonfinite else ~checks.failed()
+    if self.skip_nonfinite:
+      new_params, new_opt_state = optimizer_step(operands)
+      keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731
+      new_params = jax.tree.map(keep, new_params, params)
+      new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+    elif checked:
       # A failed index check (device_checks) skips the update: a branch, so the state is
       # not read again by a select after the optimizer's own loops.
       new_params, new_opt_state = jax.lax.cond(checks.failed(), lambda ops: (ops[2], ops[1]), optimizer_step, operands)
     else:
       new_params, new_opt_state = optimizer_step(operands)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & gradients.all_finite((new_params, new_opt_state))
+    finite = sound & gradients.all_finite((new_params, new_opt_state))
     metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
-    apply = ~checks.failed()
-    if self.skip_nonfinite:  # a nonfinite step keeps the state too (its check needs the new one)
-      apply = apply & finite
-      metrics["skipped"] = metrics["nonfinite"]
-      keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731
-      new_params = jax.tree.map(keep, new_params, params)
-      new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+    if self.skip_nonfinite:
+      metrics["skipped"] = (~sound).astype(jnp.int32)
     if self.skip_nonfinite or checked:
       changed = {k: jnp.where(apply, v, buffers[k]) for k, v in changed.items()}  # running stats too
     lr = self._learning_rate(new_opt_state, opt_state)

@@ -19,9 +19,12 @@ a one-line summary.
 No non-finite state is saved: the step reports `nonfinite` when its loss,
 gradient norm or updated state holds a NaN or Inf, and the Trainer reads it
 before every save. A step built with `skip_nonfinite=True` has already kept
-the old state (counted as `skipped`); the run stops after `max_skips` skipped
-steps in a row. Without it, the first non-finite step stops the run. Either
-stop is a `TorchOnTpuError` naming the step and the newest saved step.
+the old state when the loss or gradient norm was not finite (counted as
+`skipped`); the run stops after `max_skips` skipped steps in a row, or at once
+when an update made the state non-finite from finite gradients (a learning rate
+or optimizer setting, which skipping would only repeat). Without it, the first
+non-finite step stops the run. Every stop is a `TorchOnTpuError` naming the
+step and the newest saved step.
 
 Token ids are checked where they enter: a host batch whose `input_ids` (or
 `labels`, -100 aside) fall outside the model's embedding rows raises, naming
@@ -259,6 +262,12 @@ class Trainer:
           f"Steps {step - self._skips + 1} to {step} all had a non-finite loss or gradient norm "
           f"(loss {values['loss']}) and were skipped, {self.max_skips} in a row (max_skips); "
           f"stopped with the state of step {step - self._skips}, {saved}; {fix}."
+        )
+      if values.get("nonfinite", 0) and not values["skipped"]:
+        raise TorchOnTpuError(
+          f"Step {step}'s update made the training state non-finite from a finite loss ({values['loss']}) "
+          f"and gradient norm ({values.get('grad_norm')}), which skipping cannot mend; stopped without "
+          f"saving it, {saved}; check the learning rate and the optimizer's hyperparameters (eps > 0)."
         )
     elif values.get("nonfinite", 0) or not math.isfinite(values["loss"]):
       raise TorchOnTpuError(
