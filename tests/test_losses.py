@@ -326,3 +326,13 @@ def test_a_head_output_changed_in_place_is_not_fused():
   want.backward()
   assert abs(float(loss) - want.item()) / want.item() < 1e-5
   assert h.rel(grads["out.weight"], ref.out.weight.grad) < 1e-5
+
+
+def test_targets_of_another_length_are_refused_in_torchs_words():
+  """Eager torch names both lengths; a traced chunked loss would fail inside jax instead."""
+  jm = tot.ShardedModule(test_plan.Tiny(), mesh=tot.make_mesh(fsdp=-1), seed=0)
+  loss_fn = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()[:-1])  # noqa: E731
+  step = tot.make_train_step(jm, loss_fn, optax.sgd(1e-3))
+  tokens = torch.randint(0, 512, (8, 4), generator=torch.Generator().manual_seed(1))
+  with pytest.raises(ValueError, match=r"^Expected input batch_size \(32\) to match target batch_size \(31\)\."):
+    step.gradients(tokens, tokens)

@@ -209,6 +209,8 @@ def cross_entropy(
     )
   rows = input.shape[0]
   classes = input.shape[1]
+  if target.shape[0] != rows:  # torch's own words; a traced loop over unequal rows would fail inside jax
+    raise ValueError(f"Expected input batch_size ({rows}) to match target batch_size ({target.shape[0]}).")
   device_checks.index_in_range(
     jax_view(target), classes, what=f"cross_entropy as a target (logits of {classes} classes)", allowed=int(ignore_index)
   )
