@@ -242,7 +242,10 @@ def test_the_fused_bf16_head_rounds_as_torch_does():
   d x and d weight each one bf16 rounding of an fp32 sum, as torch's bf16 linear backward (only
   the order of the sums differs). Over 4 devices each device's d weight is its rows' (rounded to
   bf16, as every weight gradient of a bf16 FSDP step is) and the devices' sum is reduce-scattered:
-  torch's per-rank bf16 gradients summed, not one rounding of the whole sum."""
+  torch's per-rank bf16 gradients summed, not one rounding of the whole sum. The order of the
+  fp32 sums is the CPU's (torch's bf16 matmul on a CPU with AVX512-BF16 sums otherwise): a bf16
+  ulp apart here and there, 2e-5 at most seen; chunks each rounded to bf16, then summed, are
+  2.8e-3 off."""
   xt, wt = _head_case(1000, torch.bfloat16)
   t = torch.tensor(_targets(64, 1000, -100))
   want = F.cross_entropy(F.linear(xt, wt).float(), t, label_smoothing=0.1)
@@ -250,7 +253,7 @@ def test_the_fused_bf16_head_rounds_as_torch_does():
   loss, (gx, gw) = _head_grads(xt, wt, t, 1, chunk=128, label_smoothing=0.1)
   assert gx.dtype == gw.dtype == jnp.bfloat16
   assert abs(float(loss) - want.item()) <= 1e-6 * want.item()
-  assert h.rel(_f32(gx), _f32(xt.grad)) < 1e-5 and h.rel(_f32(gw), _f32(wt.grad)) < 1e-5
+  assert h.rel(_f32(gx), _f32(xt.grad)) < 1e-4 and h.rel(_f32(gw), _f32(wt.grad)) < 1e-4
 
   _, (gx4, gw4) = _head_grads(xt, wt, t, 4, chunk=128, label_smoothing=0.1)
   ranks = []
@@ -260,7 +263,7 @@ def test_the_fused_bf16_head_rounds_as_torch_does():
     part.backward()
     ranks.append(w.grad.float())
   per_rank = sum(ranks).to(torch.bfloat16).float()
-  assert h.rel(_f32(gx4), _f32(xt.grad)) < 1e-5
+  assert h.rel(_f32(gx4), _f32(xt.grad)) < 1e-4
   assert h.rel(_f32(gw4), per_rank) < 1e-4 < h.rel(per_rank, _f32(wt.grad))  # 4.6e-6; 2.8e-3
 
 

@@ -103,18 +103,22 @@ def _kept_head(source: _Wide, out) -> "tuple | None":
   return source.head if same else None
 
 
+def plain_head(module) -> bool:
+  """A bias-free `nn.Linear` computing `F.linear` as is (a subclass too, where it keeps
+  `nn.Linear`'s forward: torchtitan's `Linear`): a head whose logits the loss can recompute."""
+  return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward and module.bias is None
+
+
 class LastLinear:
-  """While active (the model's forward), remembers the last bias-free `nn.Linear` call (a
-  subclass too, where it keeps `nn.Linear`'s forward: torchtitan's `Linear`): where
-  the model's output is that call's result, it is the output head the loss can fuse with. A
+  """While active (the model's forward), remembers the last `plain_head` call: where the
+  model's output is that call's result, it is the output head the loss can fuse with. A
   module hook, as the forward re-enters torchax's env above any torch function mode."""
 
   def __init__(self):
     self.out = self.array = self.x = self.weight = self._handle = None
 
   def _seen(self, module, args, out):
-    linear = isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward  # F.linear, as is
-    if linear and module.bias is None and args and isinstance(out, torch.Tensor):
+    if plain_head(module) and args and isinstance(out, torch.Tensor):
       self.out, self.array, self.x, self.weight = out, jax_view(out), args[0], module.weight
 
   def __enter__(self):

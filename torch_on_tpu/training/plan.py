@@ -428,7 +428,7 @@ def _head_fused(step, s: DecoderShape, token_ways: int, schedule) -> bool:
   if getattr(config, "final_logit_softcapping", None):  # the logits are not the linear's
     return False
   heads = [m for m in model.module.modules() if isinstance(m, torch.nn.Linear) and m.out_features == s.vocab]
-  return bool(heads) and heads[-1].bias is None and type(heads[-1]).forward is torch.nn.Linear.forward
+  return bool(heads) and losses.plain_head(heads[-1])
 
 
 def _suggest(step, shape, global_batch_size, seqlen, remat, plan, limit) -> str:
