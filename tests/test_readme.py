@@ -254,6 +254,7 @@ def run_documented(argv: list[str], directory) -> tuple[int, str]:
   return result.returncode, result.stdout + result.stderr
 
 
+@pytest.mark.timeout(1800)  # some 15 recipe runs and compiles, one after another (256 s alone on 2 cores)
 def test_every_runnable_documented_command_runs_as_written():
   """One pass over the docs in order (a convert command reads the run a recipe command made); a
   command that is also a figure's renders that figure from its output (at the tiny step count)."""

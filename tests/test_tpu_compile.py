@@ -75,6 +75,24 @@ def test_offload_inputs_keeps_every_layer_input_in_host_memory():
   assert abs(reports["offload_inputs"].flops / reports["full"].flops - 1) < 0.05
 
 
+def test_a_policy_keeping_matmul_outputs_keeps_nothing_of_ropes_pair_swap(monkeypatch):
+  """The RoPE pair swap is a matmul (`models/torchtitan/rope.py`); `dots_and_attention` kept its
+  fp32 product per layer like a projection's (Llama 3 1B on v5p-8 at 8 × 8192 tokens: 2.5 GiB).
+  torchtitan's complex product is elementwise and kept by no such policy: neither is ours."""
+  from torch_on_tpu.models.torchtitan import rope
+
+  def temps():
+    mesh = tot.make_mesh(target="v5p-8", fsdp=-1)
+    jm = tot.ShardedModule(titan(512), mesh=mesh, abstract=True, scan=True, remat="dots_and_attention")
+    return compile_step(jm, tokens(8, 512), tokens(8, 512)).temp_bytes
+
+  ours = temps()
+  monkeypatch.setattr(rope, "rotate", rope._rotate)  # the swap's product as any matmul's
+  kept = temps()
+  layers, heads, head_dim = 6, 16 + 16, 16  # debugmodel: 16 query and 16 key heads of 16 dims
+  assert kept - ours >= 0.9 * layers * (8 // 4) * 512 * heads * head_dim * 4, (ours, kept)  # fp32, per chip
+
+
 def test_a_remat_policy_naming_modules_offloads_exactly_their_outputs():
   """MaxText's v6e recipe spelled in torchtitan's module names: each layer's input and its q/k/v
   and out projections in host memory, the rest recomputed. The host holds those three outputs of

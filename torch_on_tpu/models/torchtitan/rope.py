@@ -54,6 +54,13 @@ def _traced(t) -> bool:
 
 
 def rotate(x, cos, sin):
+  """`_rotate` recomputed in the backward, never saved: a remat policy that keeps matmul outputs
+  (`dots_and_attention`) would otherwise keep the pair swap's fp32 product as if it were a
+  projection."""
+  return jax.checkpoint(_rotate, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)(x, cos, sin)
+
+
+def _rotate(x, cos, sin):
   """x [..., D] with its adjacent pairs (x[2i], x[2i+1]) rotated by angle i: (a·c − b·s, a·s + b·c)
   in fp32 with c, s = `cos`, `sin` [..., D/2] (broadcast against x's leading dims), in x's dtype."""
   dim = x.shape[-1]
