@@ -449,7 +449,7 @@ class TrainStep:
     # Whether to update is known before the update (a NaN or Inf loss or gradient norm, a failed
     # index check), so keeping the old state is a `where` inside the optimizer's own fusions: a
     # predicate read from the new state would need a second pass over all of it (8B on v6e-8:
-    # 30 GB of HBM a step). An update that comes out non-finite from finite gradients (an
+    # 22 GB of HBM a step). An update that comes out non-finite from finite gradients (an
     # optimizer or learning rate gone wrong, not a bad batch) is applied and reported
     # (`nonfinite`); the Trainer stops before saving it.
     sound = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
