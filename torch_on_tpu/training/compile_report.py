@@ -28,6 +28,11 @@ class CompileReport:
   output_bytes: int | None = None
   alias_bytes: int | None = None  # outputs written into donated arguments
   temp_bytes: int | None = None
+  # The compiler's own count of its peak (`peak_memory_in_bytes`, arguments included): on TPU,
+  # for a program of GiBs, what its schedule holds at once, below arguments + temporaries (the
+  # allocation is laid out larger); what the plan is calibrated against. Not the fit verdict:
+  # for a small program it reads above the allocation.
+  compiler_peak_bytes: int | None = None
   generated_code_bytes: int | None = None
   host_offloaded_bytes: int | None = None  # host temporaries + host arguments/outputs
   attention_splits: tuple[str, ...] = ()  # how attention crossed a `cp` axis (context parallelism)
@@ -57,7 +62,9 @@ class CompileReport:
       parts.append(
         f"per device: arguments {human_bytes(self.argument_bytes)}, outputs "
         f"{human_bytes(self.output_bytes)} ({human_bytes(self.alias_bytes)} donated), "
-        f"temporaries {human_bytes(self.temp_bytes)}, generated code "
+        f"temporaries {human_bytes(self.temp_bytes)}"
+        + (f" (the compiler's peak {human_bytes(self.compiler_peak_bytes)}, arguments included)" if self.compiler_peak_bytes else "")
+        + f", generated code "
         f"{human_bytes(self.generated_code_bytes)}, host offloaded "
         f"{human_bytes(self.host_offloaded_bytes)}"
       )
@@ -83,6 +90,7 @@ def report(compiled, seconds) -> CompileReport:
     report.output_bytes = mem.output_size_in_bytes
     report.alias_bytes = mem.alias_size_in_bytes
     report.temp_bytes = mem.temp_size_in_bytes
+    report.compiler_peak_bytes = getattr(mem, "peak_memory_in_bytes", 0) or None  # 0 where a backend does not say
     report.generated_code_bytes = mem.generated_code_size_in_bytes
     report.host_offloaded_bytes = sum(
       getattr(mem, f"host_{k}_size_in_bytes", 0) or 0 for k in ("argument", "output", "temp")

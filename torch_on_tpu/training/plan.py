@@ -22,10 +22,10 @@ Per device, it counts:
 
   | remat policy | kept per layer (elements per token) |
   |---|---|
-  | `none` | every intermediate: `dots` + 4·d + (2·h·dh + hk·dh + 2·f)/tp (norms, RoPE, SwiGLU products); on TPU in bf16 also (2·d + f/tp) fp32 (the norms' fp32 inputs, SiLU's fp32 gate) and the attention statistics below |
-  | `dots_saveable`, `dots_with_no_batch_dims_saveable` | the layer input d plus the matmul outputs (h·dh + 2·hk·dh + 2·f)/tp + 2·d |
-  | `dots_and_attention` (a scan's default) | the same plus the attention kernel's residuals 3·h·dh/tp (q after RoPE, its output, that output as wo's input; on TPU also splash's softmax statistics, 128 fp32 lanes per head) |
-  | `offload_dots` | the layer input d on the device; the matmul outputs go to host memory |
+  | `none` | every intermediate: 6·d + (3·h·dh + 3·hk·dh + 4·f)/tp (norms, RoPE, SwiGLU products); on TPU in bf16, as its compiler keeps them: (2·h·dh + 2·hk·dh + 4·f)/tp + 3·d, 6·d in fp32 (the RMSNorms' work, the residual sums) and the attention statistics below |
+  | `dots_saveable`, `dots_with_no_batch_dims_saveable` | the layer input d plus `dots`, the matmul outputs: q, k, v and q, k rotated (torchtitan's RoPE is a matmul to the policies), w1's and w3's, (2·h·dh + 3·hk·dh + 2·f)/tp, and wo's d (w2's feeds only the next layer's input) |
+  | `dots_and_attention` (a scan's default) | the same plus the attention kernel's output h·dh/tp (on TPU also its log-sum-exp, fp32 per head) |
+  | `offload_dots` | the layer input d on the device; `dots` go to host memory |
   | `full` | the layer input d |
   | `offload_inputs` | nothing on the device; the layer input d goes to host memory |
 
@@ -35,6 +35,8 @@ Per device, it counts:
   or two ring blocks);
 * the params cast to the compute dtype when it is narrower than theirs (bf16
   compute over fp32 master weights);
+* with host offload, the transfers' buffers on the device: three layers' worth of what a
+  layer sends to host memory;
 * the backward pass at its busiest, the largest of: the loss head's (the
   output head's weight gathered whole from its fsdp shards, vocab × d/tp in the
   compute dtype, with the logits kept for it and their gradient, tokens × vocab/tp in the compute
@@ -125,6 +127,7 @@ class MemoryPlan:
 
   params: int
   grads: int
+  backward_grads: int  # the gradients as the backward pass holds them (in the compute dtype)
   optimizer: int
   compute_params: int  # the params cast to the compute dtype, for the forward and backward
   saved_activations: int
@@ -134,6 +137,9 @@ class MemoryPlan:
   logits_grad: int
   cpu_upcasts: int  # what XLA CPU adds widening a scan's bf16 residuals to fp32 (0 elsewhere)
   host_offloaded: int
+  # On the device while layers go to host memory and come back: three layers' worth of what a
+  # layer offloads (the one written, the one in flight, the one prefetched; fitted to the TPU compiler).
+  host_staging: int
   # With index checks (device_checks) the update is a branch that skips it on a bad index;
   # XLA holds a copy of the trained params across that branch instead of updating in place.
   update_branch: int
@@ -151,15 +157,15 @@ class MemoryPlan:
     layers' (the gradients and one layer's recomputed intermediates)."""
     return max(
       self.head_weight + self.logits + self.logits_grad,
-      self.head_weight + self.logits_grad + self.grads,
-      self.grads + self.layer_backward,
+      self.head_weight + self.logits_grad + self.backward_grads,
+      self.backward_grads + self.layer_backward,
     )
 
   @property
   def total(self) -> int:
     return (
       self.params + self.optimizer + self.compute_params + self.saved_activations + self.cpu_upcasts
-      + self.update_branch + self.backward_peak
+      + self.update_branch + self.host_staging + self.backward_peak
     )
 
   @property
@@ -179,12 +185,13 @@ class MemoryPlan:
       ("activations saved for backward", self.saved_activations),
       ("+ widened to fp32 (XLA CPU)", self.cpu_upcasts),
       ("params kept across the checked update", self.update_branch),
+      ("buffers of the host transfers", self.host_staging),
       ("backward peak, the largest of:", self.backward_peak),
       ("  head fused with the loss" if self.fused_head else "  head, logits + their gradient",
        self.head_weight + self.logits + self.logits_grad),
       ("  head's backward, gradients" if self.fused_head else "  head, logits' gradient, gradients",
-       self.head_weight + self.logits_grad + self.grads),
-      ("  gradients + one layer's backward", self.grads + self.layer_backward),
+       self.head_weight + self.logits_grad + self.backward_grads),
+      ("  gradients + one layer's backward", self.backward_grads + self.layer_backward),
       ("total", self.total),
     ]
     lines = [f"Memory plan per device ({self.description}):"]
@@ -311,6 +318,11 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
   compute = np.dtype(step.compute_dtype or _float_dtype(model.params)).itemsize
   narrower = {k: v for k, v in model.params.items() if _is_float(v) and np.dtype(v.dtype).itemsize > compute}
   compute_params = _sharded_bytes(narrower, {k: shardings[k] for k in narrower}, itemsize=compute)
+  # The backward makes the gradients of those compute-dtype copies, in that dtype; the params' own
+  # dtype appears after it, once its activations are freed (the TPU compiler's scan: bf16 stacks).
+  cast = {k: v for k, v in trained.items() if k in narrower}
+  cast_shardings = {k: shardings[k] for k in cast}
+  backward_grads = grads - _sharded_bytes(cast, cast_shardings) + _sharded_bytes(cast, cast_shardings, itemsize=compute)
 
   data_ways, cp = split or (math.prod(mesh.shape[a] for a in model.data_axes), mesh_lib.sequence_ways(mesh))
   if schedule is None and model.pipeline is not None:
@@ -328,20 +340,28 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
   cpu_upcast = mesh.devices.flat[0].platform == "cpu" and compute < 4
   scanned = any(f".{scan_lib.SCAN}.{scan_lib.LAYER}." in k for k in model.params)
   s = shape
-  dots = (s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim + 2 * s.ffn_dim) / tp + 2 * s.dim
-  everything = dots + 4 * s.dim + (2 * s.heads * s.head_dim + s.kv_heads * s.head_dim + 2 * s.ffn_dim) / tp
+  q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+  # The matmul outputs a policy keeping them keeps (read off the TPU compiler's scan residuals):
+  # q, k and v; q and k rotated (torchtitan's RoPE is a matmul to the policies, `rope.rotate`);
+  # w1's and w3's; wo's (the residual sum after it is recomputed from it). w2's only feeds the
+  # next layer's input, which is kept as that layer's.
+  dots = (2 * q + 3 * kv + 2 * s.ffn_dim) / tp + s.dim
+  everything = (3 * q + 3 * kv + 4 * s.ffn_dim) / tp + 6 * s.dim
   policy = remat or "none"
-  # The attention kernel's residuals: q after RoPE, its output, and that output as wo's input;
-  # on TPU also splash's softmax statistics (fp32, a row of 128 lanes per head and token).
+  # The attention kernel's residuals beyond its inputs: its output and its log-sum-exp (fp32 per head).
   on_tpu = mesh.devices.flat[0].platform == "tpu"
-  stats = 128 * 4 * s.heads / tp / compute if on_tpu else 0
-  attention_out = 3 * s.heads * s.head_dim / tp + stats
-  # Without remat, a bf16 layer on TPU also keeps the fp32 tensors it makes: both RMSNorms'
-  # fp32 inputs and SiLU's fp32 gate (measured against the TPU compiler: tools/plan_calibration.py).
-  wide = (2 * s.dim + s.ffn_dim / tp) * 4 / compute if on_tpu and compute < 4 else 0
+  stats = 4 * s.heads / tp / compute if on_tpu else 0
+  attention_out = q / tp + stats
+  if on_tpu and compute < 4:
+    # A bf16 layer without remat on TPU keeps q, k, v and the attention's output and statistics,
+    # w1's and w3's outputs, SiLU's and their product; three hidden-size tensors in bf16 and six
+    # in fp32 (the RMSNorms' work and the residual sums).
+    everything_kept = (2 * q + 2 * kv + 4 * s.ffn_dim) / tp + stats + 3 * s.dim + 6 * s.dim * 4 / compute
+  else:
+    everything_kept = everything
   spelled = remat_lib.named(policy)
   if spelled is not None:  # what it names, per token: the layer input, the attention kernel's, its modules' outputs
-    widths = {"input": s.dim, "attention": s.heads * s.head_dim / tp + stats}
+    widths = {"input": s.dim, "attention": attention_out}
     saved_width, offloaded_width = (
       sum(widths.get(g, 0) for g in globs) + _module_widths(model, spelled, tag, s.dim, tp)
       for globs, tag in ((spelled.save, remat_lib.SAVED_NAME), (spelled.offload, remat_lib.OFFLOADED_NAME))
@@ -350,7 +370,7 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
     offloaded = offloaded_width if _can_offload(mesh) else 0
   else:
     kept = {
-      "none": everything + stats + wide, "full": s.dim, "offload_dots": s.dim, "offload_inputs": 0,
+      "none": everything_kept, "full": s.dim, "offload_dots": s.dim, "offload_inputs": 0,
       "dots_and_attention": s.dim + dots + attention_out,
     }.get(policy, s.dim + dots)
     offloaded = {"offload_dots": dots, "offload_inputs": s.dim}.get(policy, 0) if _can_offload(mesh) else 0
@@ -399,6 +419,7 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
   return MemoryPlan(
     params=params,
     grads=grads,
+    backward_grads=backward_grads,
     optimizer=optimizer,
     compute_params=compute_params,
     saved_activations=saved,
@@ -409,6 +430,7 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
     fused_head=fused_head,
     cpu_upcasts=saved * (4 - compute) // compute if cpu_upcast and scanned else 0,
     host_offloaded=int(s.layers * offloaded * per_token),
+    host_staging=int(3 * offloaded * per_token),
     update_branch=_sharded_bytes(trained, {k: shardings[k] for k in trained})
     if step.check_indices and not step.skip_nonfinite else 0,
     device_bytes=None,

@@ -18,8 +18,10 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from torch_on_tpu.core import _compat
+from torch_on_tpu.lowering import remat as remat_lib
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
@@ -54,10 +56,11 @@ def _traced(t) -> bool:
 
 
 def rotate(x, cos, sin):
-  """`_rotate` recomputed in the backward, never saved: a remat policy that keeps matmul outputs
-  (`dots_and_attention`) would otherwise keep the pair swap's fp32 product as if it were a
-  projection."""
-  return jax.checkpoint(_rotate, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)(x, cos, sin)
+  """`_rotate`, its output a matmul's to the remat policies (`remat.MATMUL_NAME`): a policy that
+  keeps matmul outputs (`dots_and_attention`, the scan's default) keeps the rotated query and key
+  in their own dtype. Untagged, it kept the pair swap's fp32 product instead and redid the rotation
+  from it (a policy sees through a nested `jax.checkpoint`): twice the bytes per layer."""
+  return checkpoint_name(_rotate(x, cos, sin), remat_lib.MATMUL_NAME)
 
 
 def _rotate(x, cos, sin):
