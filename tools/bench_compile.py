@@ -46,6 +46,7 @@ def main(argv=None) -> None:
   import torch_on_tpu as tot
   from torch_on_tpu.models.torchtitan import llama3_config
 
+  tot.setup()  # before jax.devices() starts the backend: our XLA flags, libtpu quiet where no TPU is
   base = llama3_config("debugmodel", attention="sdpa", max_seq_len=args.seq)
   gen = torch.Generator().manual_seed(0)
   shape = (args.batch, args.seq)

@@ -39,6 +39,7 @@ def main(argv=None) -> int:
 
   import torch_on_tpu as tot
 
+  tot.setup()  # before jax.devices() starts the backend: our XLA flags, libtpu quiet where no TPU is
   gen = importlib.import_module("torch_on_tpu.training.generation")
   config = transformers.LlamaConfig(
     vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=args.dim * 8 // 3, num_hidden_layers=args.layers,

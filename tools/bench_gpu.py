@@ -278,8 +278,10 @@ def ours_worker(args, seqlen: int, batch: int, float8: str | None) -> dict:
   import optax
   import torch
 
-  import torch_on_tpu as tot  # before jax starts: it adds its XLA flag defaults
+  import torch_on_tpu as tot
   from recipes.flags import default_scan
+
+  tot.setup()  # before jax starts its backend: our XLA flag defaults, and libtpu quiet where no TPU is
 
   config = llama3_config(args.model, layers=args.layers, seqlen=seqlen, float8=float8)
   with torch.device("meta"):

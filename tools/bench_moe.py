@@ -76,6 +76,7 @@ def main(argv=None) -> int:
 
   import torch_on_tpu as tot
 
+  tot.setup()  # before jax.devices() starts the backend: our XLA flags, libtpu quiet where no TPU is
   ref = build(args)
   ours = tot.ShardedModule(copy.deepcopy(ref), mesh=tot.make_mesh(fsdp=1, devices=jax.devices()[:1]), scan=True)
   g = torch.Generator().manual_seed(0)
