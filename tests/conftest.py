@@ -34,9 +34,10 @@ def pytest_configure(config):
 def _quick_cpu_codegen(request, monkeypatch):
   """Modules marked `compile_bound` are mostly XLA:CPU compiling (77% of test_moe and
   test_bf16_training with an empty cache, at -O2): their programs compile with LLVM at -O0, 30-40%
-  faster (olmoe's parity test: 37.5 -> 26.4 s of compiling). Not suite-wide: at -O0 the 64-expert
-  recipe run took 491 s instead of 107. Code generation only: XLA:CPU has no fast math at any level,
-  and the whole suite passed at -O0 (2026-11-29)."""
+  faster (olmoe's parity test: 37.5 -> 26.4 s of compiling). Not suite-wide: tests that run many
+  steps lose more than they gain (the 64-expert recipe run: 491 s instead of 107; test_recipe_torchtitan
+  254 -> 310 s, test_pipeline and test_context_parallel even, 2026-12-02). Code generation only:
+  XLA:CPU has no fast math at any level, and the whole suite passed at -O0 (2026-11-29)."""
   if request.node.get_closest_marker("compile_bound"):
     default = xla_flags.compile_options
     quick = {"xla_backend_optimization_level": 0}

@@ -19,6 +19,8 @@ import torch
 import torch_on_tpu as tot
 from torch_on_tpu.core import _compat
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 
 def _run(code: str) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -16,6 +16,8 @@ from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.io import data, export
 from torch_on_tpu.training import lora
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 TOL = 1e-5
 
 

@@ -19,6 +19,8 @@ from tests import helpers as h
 from torch_on_tpu.lowering import float8
 from torch_on_tpu.models.hf import build_causal_lm
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 # the numerics tool's rows (tools/float8_parity.py): this file runs a slice of them with their bars
 parity = h.load_module(pathlib.Path(__file__).parent.parent / "tools" / "float8_parity.py")
 rel, mse = parity.rel, parity.mse

@@ -22,6 +22,8 @@ from torch_on_tpu.training import losses
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 
 def _targets(rows, vocab, ignore_index, seed=0):
   t = np.random.default_rng(seed).integers(0, vocab, rows)

@@ -10,6 +10,8 @@ import torch
 import torch_on_tpu as tot
 from tests import helpers as h
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 
 def _stats_match(ours: dict, cpu: dict, skip=()):
   """Per-tensor mean/std of our init vs torch's own init on CPU."""

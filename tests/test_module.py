@@ -13,6 +13,8 @@ from jax.sharding import PartitionSpec as P
 import torch_on_tpu as tot
 from tests import helpers as h
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 CASES = [
   ("titan", h.titan, dict(fsdp=8), "fsdp"),
   ("titan", h.titan, dict(fsdp=4, tp=2), "fsdp_tp"),

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 _spec = importlib.util.spec_from_file_location("op_sweep", Path(__file__).parent.parent / "tools" / "op_sweep.py")
 op_sweep = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(op_sweep)

@@ -10,6 +10,8 @@ import torch_on_tpu as tot
 from torch_on_tpu.models.torchtitan import build_llama3
 from torch_on_tpu.training import plan
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 SHAPE = plan.DecoderShape(layers=2, dim=64, ffn_dim=128, heads=4, kv_heads=2, head_dim=16, vocab=512)
 
 

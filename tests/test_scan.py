@@ -15,6 +15,8 @@ from tests.helpers import jax_view, torch_view
 from torch_on_tpu import models
 from torch_on_tpu.wrapper import scan as scan_lib
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 CASES = [
   ("titan", h.titan, dict(fsdp=8), "fsdp"),
   ("titan", h.titan, dict(fsdp=4, tp=2), "fsdp_tp"),

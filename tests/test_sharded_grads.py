@@ -20,6 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 import torch_on_tpu as tot
 from tests import helpers as h
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 ROWS, DIM = 64, 8
 TOL = 1e-5
 BOUNDARY_IDS = [0, 7, 8, 9, 15, 16, 23, 24, 31, 32, 39, 40, 47, 48, 55, 56, 63]

@@ -22,6 +22,8 @@ from torch_on_tpu.errors import TorchOnTpuError
 from torch_on_tpu.models.torchtitan import LANGUAGE_FAMILIES
 from torch_on_tpu.training.lr_schedule import warmup_stable_decay
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 # What cannot run here, by config function: the sentence says why.
 REFUSED = {
   "float8(?!_emulate)|nvfp4|mxfp8|405b": r"torchtitan could not build its config .*(float8|NVFP4|MXFP8)",

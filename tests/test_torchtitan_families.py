@@ -18,6 +18,8 @@ from tests import helpers as h
 from torch_on_tpu import models
 from torch_on_tpu.training import metrics
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 tp = h.titan_parity()
 
 

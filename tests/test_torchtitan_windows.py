@@ -28,6 +28,8 @@ from torch_on_tpu.models import torchtitan as titan
 from torch_on_tpu.models.torchtitan import attention as titan_attention
 
 torchax = _compat.import_torchax()
+
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
 from torchax.interop import jax_view, torch_view  # noqa: E402
 
 HP = dict(lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)

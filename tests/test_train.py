@@ -16,6 +16,8 @@ from torch_on_tpu.lowering import remat as remat_lib
 from torch_on_tpu.models.hf import build_causal_lm
 from torch_on_tpu.models.torchtitan import llama3_config
 
+pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
+
 VOCAB = 2048
 HP = dict(lr=3e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
 
