@@ -501,7 +501,8 @@ def target_verdict(report, memory, target: str) -> str:
   lines = [
     f"TPU compiler, per chip of {target} ({human_bytes(hbm)} HBM): arguments {human_bytes(report.argument_bytes)} + "
     f"temporaries {human_bytes(report.temp_bytes)} = {human_bytes(report.peak_bytes)} ({report.peak_bytes / hbm:.1%}: {verdict}); "
-    + (f"the compiler's peak {human_bytes(report.compiler_peak_bytes)}; " if report.compiler_peak_bytes else "")
+    + (f"the compiler's peak {human_bytes(report.compiler_peak_bytes)}{' (host memory included)' if report.host_offloaded_bytes else ''}; "
+       if report.compiler_peak_bytes else "")
     + f"host offloaded {human_bytes(report.host_offloaded_bytes)}; plan {human_bytes(memory.total)}",
     f"Collectives per chip per step (loops counted): {report.collective_bytes or 'none'}",
   ]

@@ -105,6 +105,7 @@ def test_a_remat_policy_naming_modules_offloads_exactly_their_outputs():
     report = compile_step(jm, tokens(8, 512), tokens(8, 512))
     assert report.host_offloaded_bytes == 6 * 512 * width * 2, (remat, report)
     assert report.cost.host_bytes >= 2 * report.host_offloaded_bytes  # written in the forward, read in the backward
+    assert "(the compiler's peak " in str(report) and ", arguments and host memory included)" in str(report)  # it counts them
 
 
 def test_context_parallel_step_keeps_splash_across_the_cp_axis():
