@@ -96,8 +96,10 @@ def scratch_directory() -> Iterator[Path]:
 
 
 def user_env() -> dict:
-  """The environment a user's shell has: the repo importable, no simulated devices or test settings."""
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "PYTEST_", "TOT_"))}
+  """The environment a user's shell has: the repo importable, no simulated devices or test settings
+  (nor the answers to libtpu's start-up questions that this process may have set)."""
+  test_settings = ("XLA_", "JAX_", "PYTEST_", "TOT_", "TPU_", "ALLOW_MULTIPLE_LIBTPU_LOAD")
+  env = {k: v for k, v in os.environ.items() if not k.startswith(test_settings)}
   env["PYTHONPATH"] = str(ROOT)
   return env
 
