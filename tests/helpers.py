@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,21 @@ torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
 
 SEQ = 16
+# What libtpu prints when it starts on a machine without TPU chips, unless answered (runtime.libtpu).
+LIBTPU_START_UP = ("could not determine TPU", "Failed to find host bounds", "TPU_WORKER_HOSTNAMES")
+
+
+def libtpu_start_up_lines(output: str) -> list[str]:
+  """The lines of `output` that are libtpu's start-up noise (none, where we start it quietly)."""
+  return [line for line in output.splitlines() if any(n in line for n in LIBTPU_START_UP)]
+
+
+def env_without_libtpu_answers() -> dict:
+  """This process's environment less the answers to libtpu's questions that pytest's set-up gave:
+  what a user's shell has, for a subprocess that must answer them itself."""
+  from torch_on_tpu.runtime import libtpu
+
+  return {k: v for k, v in os.environ.items() if k not in libtpu._WITHOUT_CHIPS}
 BATCH = 8
 
 

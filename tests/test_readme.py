@@ -69,7 +69,6 @@ figures = h.load_module(ROOT / "tools" / "readme_figures.py")
 FENCE = re.compile(r"(?:^<!-- ci: (?P<mark>[^\n]*?) -->\n)?^```(?P<lang>[^\n]*)\n(?P<body>.*?)^```$", re.M | re.S)
 SHELL = ("bash", "sh", "shell", "console")
 CI_SCRIPT = (ROOT / ".ci" / "run").read_text()
-LIBTPU_START_UP = ("could not determine TPU", "Failed to find host bounds", "TPU_WORKER_HOSTNAMES")  # where no TPU is
 TINY_STEPS = "2"  # a documented training command runs this many steps here
 
 
@@ -274,7 +273,7 @@ def test_every_runnable_documented_command_runs_as_written():
       returncode, output = run_documented(argv, directory)
       print(f"{time.monotonic() - start:6.1f} s  {command.where}  {shlex.join(command.argv)}")  # with -s: where the time goes
       assert returncode == 0, f"{command.where}: `{shlex.join(command.argv)}` exited {returncode}:\n{output[-3000:]}"
-      noise = [line for line in output.splitlines() if any(n in line for n in LIBTPU_START_UP)]
+      noise = h.libtpu_start_up_lines(output)
       assert not noise, f"{command.where}: `{shlex.join(command.argv)}` printed libtpu's start-up lines: {noise[:2]}"
       for figure in regions.get(tuple(figures.argv_of(shlex.join(command.argv))), []):
         rendered.append(figures.RENDERERS[figure.renderer](output, 1.0, directory))  # its figure renders from it
