@@ -73,6 +73,9 @@ def run(flags: Flags, recipe_for: Callable[[Flags], Recipe]) -> dict:
     setup_platform(flags.cpu_devices)
     check_flags(flags)
     initialize_distributed()
+    from torch_on_tpu.runtime import xla_flags
+
+    xla_flags.COLLECTIVE_MATMUL = flags.collective_matmul  # read by every program's compile options
 
     import jax
 

@@ -96,3 +96,19 @@ def test_late_setup_says_the_defaults_did_not_apply(caplog):
     xla_flags.apply_defaults(environ)
   assert environ["XLA_FLAGS"] == DEFAULTS
   assert "call tot.setup() first" in caplog.text
+
+
+def test_tpu_programs_compile_without_collective_matmuls_unless_asked_or_the_user_decides(monkeypatch):
+  """The TPU compiler's windowed einsums are off by the threshold MaxText's tuned recipes use;
+  `COLLECTIVE_MATMUL` (the recipes' `--collective_matmul`) or the user's own flag in
+  LIBTPU_INIT_ARGS leaves the compiler its choice. Nothing of it reaches CPU or GPU programs."""
+  threshold = "xla_jf_spmd_threshold_for_windowed_einsum_mib"
+  monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+  assert xla_flags.compile_options("tpu")[threshold] == "1000000"
+  assert threshold not in xla_flags.compile_options("cpu") and threshold not in xla_flags.compile_options("gpu")
+  monkeypatch.setattr(xla_flags, "COLLECTIVE_MATMUL", True)
+  assert threshold not in xla_flags.compile_options("tpu")
+  monkeypatch.setattr(xla_flags, "COLLECTIVE_MATMUL", False)
+  for own in ("--xla_jf_spmd_threshold_for_windowed_einsum_mib=64", "--xla_tpu_enable_windowed_einsum_for_all_gather=true"):
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", f"--xla_tpu_enable_latency_hiding_scheduler=true {own}")
+    assert threshold not in xla_flags.compile_options("tpu"), own

@@ -3,11 +3,14 @@
     python tools/bench_tpu.py                                   # both rows, remat full and offload
     python tools/bench_tpu.py --rows=1b-v5p --remats=full       # one cell
     python tools/bench_tpu.py --maxtext=/work/maxtext-src --maxtext_python=/work/maxtext-venv/bin/python
+    python tools/bench_tpu.py --rows=8b-v6e --remats=full --collective_matmul=true   # the compiler's windowed einsums
 
 Rows: Llama 3.1 8B on v6e-8 (global batch 8 × 8192, torchprime's and MaxText's v6e recipe) and
 Llama 3 1B on v5p-8 (batch 4 × 8192; MaxText's `default` decoder at the same sizes, tied
 embeddings as torchtitan's 1B). Both sides: fsdp over every chip, fp32 weights and AdamW, bf16
-compute, splash attention, the layer stack scanned. Remat `full` is MaxText's default; `offload`
+compute, splash attention, the layer stack scanned, and (`--collective_matmul=false`, the default)
+the TPU compiler's collective matmuls off on both sides: ours by default (`runtime.xla_flags`),
+MaxText's by the libtpu flag its tuned recipes set. Remat `full` is MaxText's default; `offload`
 is MaxText's v6e recipe (`remat_policy=custom`: the layer input and the q/k/v/out projections
 offloaded) on both sides, ours spelled by torchtitan's module names
 (`--remat=offload:input,attention.qkv_linear.wqkv,attention.wo`).
@@ -66,6 +69,9 @@ def parse_args(argv=None):
   p.add_argument("--remats", default="full,offload", help="comma-separated subset of full, offload")
   p.add_argument("--maxtext", default=os.environ.get("MAXTEXT_SRC"), help="MaxText source checkout (its src/ on PYTHONPATH)")
   p.add_argument("--maxtext_python", default=os.environ.get("MAXTEXT_PYTHON"), help="the Python that runs MaxText")
+  p.add_argument("--collective_matmul", default="false", choices=("false", "true"),
+                 help="both sides: let the TPU compiler run sharded matmuls as collective matmuls (its default; "
+                      "ours turns them off unless asked, MaxText's tuned recipes do so by a libtpu flag)")
   p.add_argument("--json", default=None, help="also write every cell's numbers here")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # ROW:REMAT, ours, in this process
   p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -119,13 +125,14 @@ def cell_numbers(report_like: dict, row: dict, remat: str) -> dict:
   )
 
 
-def ours(row_name: str, remat: str) -> dict:
+def ours(row_name: str, remat: str, collective_matmul: bool) -> dict:
   """Our step through the recipe's own path (`recipes.llama3 --target --dry_run`), in this process."""
   from recipes import llama3
 
   row = ROWS[row_name]
   flags = llama3.Llama3Flags(model=row["flavor"], seqlen=row["seqlen"], global_batch_size=row["batch"], dtype="bfloat16",
-                             remat=OURS_REMAT[remat], target=row["target"], dry_run=True, compile_cache="off")
+                             remat=OURS_REMAT[remat], target=row["target"], dry_run=True, compile_cache="off",
+                             collective_matmul=collective_matmul)
   try:
     report = llama3.run(flags)["compile"]
   except Exception as e:  # noqa: BLE001 (a refusal, e.g. the compiler's own out-of-memory, is a cell too)
@@ -135,7 +142,7 @@ def ours(row_name: str, remat: str) -> dict:
   return numbers
 
 
-def maxtext(row_name: str, remat: str, source: str, python: str) -> dict:
+def maxtext(row_name: str, remat: str, source: str, python: str, collective_matmul: bool) -> dict:
   """MaxText's own `train_compile` for the same cell, in its own process; its optimized HLO read
   with our estimator."""
   from torch_on_tpu.parallel import collectives
@@ -152,6 +159,8 @@ def maxtext(row_name: str, remat: str, source: str, python: str) -> dict:
     ]
     env = {**os.environ, **LIBTPU_ENV, "DECOUPLE_GCLOUD": "TRUE", "PYTHONPATH": f"{source}/src"}
     env.pop("XLA_FLAGS", None)  # MaxText sets its own dump flags
+    if not collective_matmul:  # MaxText's DISABLE_COLLECTIVE_MATMUL (benchmarks/xla_flags_library.py)
+      env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") + " --xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000").strip()
     run = subprocess.run(command, env=env, capture_output=True, text=True, cwd=dump)
     memory = re.search(r"argument_size_in_bytes=(\d+).*?temp_size_in_bytes=(\d+).*?host_argument_size_in_bytes=(\d+)"
                        r".*?host_output_size_in_bytes=(\d+).*?host_temp_size_in_bytes=(\d+)", run.stdout + run.stderr)
@@ -210,15 +219,15 @@ def main(argv=None) -> int:
     from torch_on_tpu.runtime import libtpu
 
     libtpu.quiet_without_chips()
-    row, remat = args.worker.split(":")
-    json.dump(ours(row, remat), open(args.out, "w"))
+    row, remat, collective_matmul = args.worker.split(":")
+    json.dump(ours(row, remat, collective_matmul == "true"), open(args.out, "w"))
     return 0
   results = {}
   for row in args.rows.split(","):
     for remat in args.remats.split(","):
-      sides = {"torch_on_tpu": in_worker(__file__, f"{row}:{remat}")}
+      sides = {"torch_on_tpu": in_worker(__file__, f"{row}:{remat}:{args.collective_matmul}")}
       if args.maxtext:
-        sides["MaxText"] = maxtext(row, remat, args.maxtext, args.maxtext_python)
+        sides["MaxText"] = maxtext(row, remat, args.maxtext, args.maxtext_python, args.collective_matmul == "true")
       results[(row, remat)] = sides
       print(f"{row} {remat}: done", file=sys.stderr, flush=True)
   if not args.maxtext:

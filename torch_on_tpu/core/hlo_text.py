@@ -2,14 +2,16 @@
 each computation runs per execution (loops by trip count), for what the reports count from it:
 collective bytes (`parallel.collectives`), FLOPs and HBM bytes (`training.program_cost`).
 
-A loop's trip count is its `known_trip_count`, else the largest integer constant its condition
-compares with. A computation called by a fusion is marked fused: its instructions run inside one
+A loop's trip count is its `known_trip_count`, else what its induction variable gives (start,
+step and the bound its condition compares with), else the largest integer constant of its
+condition. A computation called by a fusion is marked fused: its instructions run inside one
 kernel, so only the fusion's own operands and result touch memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -76,6 +78,63 @@ class Module:
     return {callee for insts in self.computations.values() for inst in insts if inst.op == "fusion"
             for callee, _ in self.callees(inst)}
 
+  @functools.cached_property
+  def _where(self) -> dict[int, str]:
+    """id(instruction) → the computation it is in."""
+    return {id(i): name for name, insts in self.computations.items() for i in insts}
+
+  def _named(self, computation: str) -> dict[str, Instruction]:
+    return {i.name: i for i in self.computations.get(computation, ())}
+
+  @staticmethod
+  def _constant(named: dict[str, Instruction], name: str) -> int | None:
+    """The integer value `name` holds in a computation (`named`: its instructions by name), where
+    it is a scalar constant (through copies and converts)."""
+    inst = named.get(name)
+    while inst is not None and inst.op in ("copy", "convert", "bitcast") and inst.operands():
+      inst = named.get(inst.operands()[0])
+    if inst is None or inst.op != "constant":
+      return None
+    value = re.match(r"(-?\d+)\)", inst.rest)
+    return int(value.group(1)) if value else None
+
+  def _trip_count(self, loop: Instruction, cond: str, body: str) -> int:
+    """A loop's trip count from its induction variable: the tuple element its condition compares
+    with a constant bound, its start in the loop's operand, its step in the body's result (the
+    TPU compiler's windowed einsums count up by 2). Where the pattern is not found: the largest
+    integer constant the condition holds."""
+    insts = self.computations.get(cond, ())
+    fallback = max((int(c) for i in insts for c in re.findall(r"[su](?:8|16|32|64)\[\](?:\{[^}]*\})? constant\((-?\d+)\)",
+                                                               f"{i.shape} {i.op}({i.rest}")), default=1)
+    at_cond, at_body, at_caller = self._named(cond), self._named(body), self._named(self._where.get(id(loop), ""))
+    root = next((i for i in insts if i.root), None)
+    direction = re.search(r"direction=(\w+)", root.rest) if root is not None and root.op == "compare" else None
+    if direction is None or len(root.operands()) != 2:
+      return max(fallback, 1)
+    a, b = root.operands()
+    op = direction.group(1)
+    if self._constant(at_cond, a) is not None:
+      a, b, op = b, a, {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE"}.get(op, op)
+    bound, counter = self._constant(at_cond, b), at_cond.get(a)
+    if bound is None or counter is None or counter.op != "get-tuple-element" or op not in ("LT", "LE", "NE"):
+      return max(fallback, 1)
+    index = int(re.search(r"index=(\d+)", counter.rest).group(1))
+    body_root = next((i for i in self.computations.get(body, ()) if i.root), None)
+    step = None
+    if body_root is not None and body_root.op == "tuple" and index < len(body_root.operands()):
+      update = at_body.get(body_root.operands()[index])
+      if update is not None and update.op == "add":
+        step = next((c for c in (self._constant(at_body, o) for o in update.operands()) if c is not None), None)
+    if not step or step < 0:
+      return max(fallback, 1)
+    start_tuple = at_caller.get(loop.operands()[0]) if loop.operands() else None
+    start = None
+    if start_tuple is not None and start_tuple.op == "tuple" and index < len(start_tuple.operands()):
+      start = self._constant(at_caller, start_tuple.operands()[index])
+    start = 0 if start is None else start  # a start computed at run time: from 0, as loops mostly count
+    span = bound - start + (1 if op == "LE" else 0)
+    return max(-(-span // step), 0)
+
   def callees(self, inst: Instruction) -> list[tuple[str, int]]:
     """(computation, times it runs per run of `inst`)."""
     if inst.op == "while":
@@ -84,10 +143,10 @@ class Module:
       trips = re.search(r'known_trip_count":\{"n":"(\d+)"', inst.rest)
       if trips:
         times = int(trips.group(1))
+      elif cond and body:
+        times = self._trip_count(inst, cond.group(1), body.group(1))
       else:
-        constants = [int(c) for i in self.computations.get(cond.group(1), ()) if cond
-                     for c in re.findall(r"s32\[\](?:\{[^}]*\})? constant\((\d+)\)", f"{i.shape} {i.op}({i.rest}")]
-        times = max(constants, default=1)
+        times = 1
       return [(body.group(1), times)] + ([(cond.group(1), times + 1)] if cond else []) if body else []
     names = _CALLS.findall(inst.rest)
     branches = re.search(r"branch_computations=\{([^}]*)\}", inst.rest)

@@ -57,6 +57,21 @@ jax's backend started. They guard correctness:
   backward of `silu(a) * b` in bf16 matched torch eager bit for bit in 75% of
   elements, without it in 100% (`tools/bf16_sweep.py`; docs/precision.md has the
   model-level figures and the cost).
+
+And one that only changes speed and memory, on TPU:
+
+- `xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000` (TPU; `COLLECTIVE_MATMUL = False`,
+  recipes' `--collective_matmul`). Left to itself the TPU compiler runs each large matmul with a
+  sharded operand as a "collective matmul": a loop that passes blocks of an operand or of the
+  partial result round the ring, one matmul per block, to hide each transfer behind compute.
+  For FSDP's step that moved about twice the bytes FSDP needs: Llama 3.1 8B on v6e-8 (batch
+  8 × 8192, remat full) sent 79.9 GiB a chip per step, 2.04× FSDP's ideal, and read 903 GB of
+  HBM with 12.6 GiB of temporaries; with whole all-gathers before the matmuls and whole
+  reduce-scatters after them, which the latency-hiding scheduler overlaps with neighbouring
+  layers, 38.2 GiB (0.97×), 501 GB and 11.2 GiB, a 0.72 s roofline step instead of 0.84
+  (docs/performance.md, "Collective matmuls off on TPU"). MaxText's tuned Trillium recipes set
+  the same threshold (its `DISABLE_COLLECTIVE_MATMUL`). A threshold or windowed-einsum flag the
+  user puts in `LIBTPU_INIT_ARGS` is left to rule.
 """
 
 from __future__ import annotations
@@ -86,11 +101,21 @@ _COMPILE_OPTIONS = {
 # False rounds where torch rounds; set True to trade that for fewer converts.
 EXCESS_PRECISION = False
 
+# Whether the TPU compiler may run sharded matmuls as collective matmuls (windowed einsums; its
+# default: yes). False gathers and reduce-scatters whole, as FSDP's ideal counts (module docstring).
+COLLECTIVE_MATMUL = False
+_NO_COLLECTIVE_MATMUL = {"xla_jf_spmd_threshold_for_windowed_einsum_mib": "1000000"}
+# LIBTPU_INIT_ARGS flags by which a user decides collective matmuls themselves.
+_COLLECTIVE_MATMUL_FLAGS = ("--xla_jf_spmd_threshold_for_windowed_einsum_mib", "--xla_tpu_enable_windowed_einsum_for_")
+
 
 def compile_options(platform: str) -> dict[str, str | bool]:
   """The per-program XLA options for programs compiled for `platform` (a device's `.platform`)."""
   options = dict(_COMPILE_OPTIONS.get(platform, {}))
   options["xla_allow_excess_precision"] = EXCESS_PRECISION
+  user_decides = any(f.startswith(_COLLECTIVE_MATMUL_FLAGS) for f in os.environ.get("LIBTPU_INIT_ARGS", "").split())
+  if platform == "tpu" and not COLLECTIVE_MATMUL and not user_decides:
+    options.update(_NO_COLLECTIVE_MATMUL)
   return options
 
 

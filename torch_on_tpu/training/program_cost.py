@@ -93,12 +93,7 @@ def _bytes(inst: hlo_text.Instruction, module: hlo_text.Module, shapes: dict, wh
     return size(result) + sum(operands)
   (callee, _), *_ = module.callees(inst) or [(None, 0)]
   body = module.computations.get(callee, [])
-  params = {re.search(r"^(\d+)", i.rest).group(1): i.name for i in body if i.op == "parameter"}
-  users = {name: [] for name in params.values()}
-  for i in body:  # one pass: a fusion's body can hold thousands of instructions and parameters
-    for name in dict.fromkeys(i.operands()):
-      if name in users:
-        users[name].append(i)
+  params, users = _parameter_users(body)
   root = next((i for i in body if i.root), None)
   written = size(inst.shape)
   in_place = None
@@ -110,11 +105,43 @@ def _bytes(inst: hlo_text.Instruction, module: hlo_text.Module, shapes: dict, wh
     name = params.get(str(index))
     if name == in_place:
       continue  # the buffer updated in place is neither read nor written whole
-    if name is not None and users[name] and all(u.op in ("slice", "dynamic-slice") and u.operands()[0] == name for u in users[name]):
-      total += sum(hlo_text.nbytes(u.shape) for u in users[name]) if operand else 0  # it reads its slices only
-    else:
-      total += operand
+    sliced = _sliced_bytes(module, name, users[name]) if name is not None else None
+    total += operand if sliced is None else sliced if operand else 0  # what it reads only in slices, its slices
   return total
+
+
+def _parameter_users(body: list) -> tuple[dict, dict]:
+  """A fusion body's parameters by index, and each one's users, in one pass (a body can hold
+  thousands of instructions and parameters)."""
+  params = {re.search(r"^(\d+)", i.rest).group(1): i.name for i in body if i.op == "parameter"}
+  users = {name: [] for name in params.values()}
+  for i in body:
+    for name in dict.fromkeys(i.operands()):
+      if name in users:
+        users[name].append(i)
+  return params, users
+
+
+def _sliced_bytes(module: hlo_text.Module, name: str, users: list) -> int | None:
+  """The bytes a fusion reads of its parameter `name` when it reads it only through slices,
+  directly or as the operand of a nested fusion that does (the TPU compiler nests the slice of
+  a scan's stacked residual in the loop fusion that feeds a matmul); None when it reads more."""
+  total = 0
+  for user in users:
+    if user.op in ("slice", "dynamic-slice") and user.operands()[0] == name:
+      total += hlo_text.nbytes(user.shape)
+    elif user.op == "fusion" and module.callees(user):
+      (inner, _), *_ = module.callees(user)
+      params, inner_users = _parameter_users(module.computations.get(inner, []))
+      for index, operand in enumerate(user.operands()):
+        if operand == name:
+          read = _sliced_bytes(module, params.get(str(index), ""), inner_users.get(params.get(str(index)), []))
+          if read is None:
+            return None
+          total += read
+    else:
+      return None
+  return total if users else None
 
 
 def _flops(inst: hlo_text.Instruction, module: hlo_text.Module, shapes: dict) -> float:
