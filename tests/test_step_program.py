@@ -155,7 +155,7 @@ class _MLPStack(torch.nn.Module):
   """Two residual MLP blocks, their matmuls large enough that the TPU compiler would run them as
   collective matmuls (windowed einsums)."""
 
-  def __init__(self, dim=1024, hidden=4096):
+  def __init__(self, dim=512, hidden=2048):
     super().__init__()
     self.blocks = torch.nn.ModuleList(
       torch.nn.Sequential(torch.nn.Linear(dim, hidden, bias=False), torch.nn.SiLU(), torch.nn.Linear(hidden, dim, bias=False))
@@ -174,7 +174,7 @@ def _mlp_step_on_v6e(monkeypatch, collective_matmul: bool):
   monkeypatch.setattr(xla_flags, "COLLECTIVE_MATMUL", collective_matmul)
   jm = tot.ShardedModule(_MLPStack(), mesh=tot.make_mesh(target="v6e-8", fsdp=-1), abstract=True)
   step = tot.make_train_step(jm, torch.nn.functional.mse_loss, optax.sgd(1e-3), compute_dtype=jnp.bfloat16)
-  x = jax.ShapeDtypeStruct((8 * 2048, 1024), jnp.float32)
+  x = jax.ShapeDtypeStruct((8 * 2048, 512), jnp.float32)
   ideal = collectives.fsdp_ideal_bytes(sum(v.size for v in jm.params.values()), 8, weight_bytes=2, gradient_bytes=2)
   return step.compile(x, x), ideal
 
