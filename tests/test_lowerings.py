@@ -111,8 +111,11 @@ def test_bf16_ops_round_where_torch_rounds():
     assert rows[op]["forward"] == 1.0 and rows[op]["backward"] == 1.0, rows[op]
   assert rows["gelu"]["forward"] > 0.97 and rows["gelu"]["backward"] > 0.95, rows["gelu"]  # erf's last bit
   assert rows["layer_norm"]["forward"] == 1.0, rows["layer_norm"]
-  for op in ("group_norm", "conv1d_bias"):  # torch's backward kernels; a last bit where sums are ordered differently
-    assert rows[op]["forward"] == 1.0 and rows[op]["backward"] > 0.99, rows[op]
+  assert rows["group_norm"]["forward"] == 1.0 and rows["group_norm"]["backward"] > 0.99, rows["group_norm"]  # a last bit where sums are ordered differently
+  # torch's CPU conv backward is oneDNN's kernel for the machine's vector ISA: bit for bit on an
+  # AVX-512 host, on an AVX2 one 57% of the bits, its gradients within one bf16 rounding of ours
+  # and farther from fp64 than ours (‖Δ‖/‖ref‖ 2.8e-3 against 1.6e-3)
+  assert rows["conv1d_bias"]["forward"] == 1.0 and rows["conv1d_bias"]["backward_rel"] <= 2**-8, rows["conv1d_bias"]
 
 
 class _Scatter(torch.nn.Module):

@@ -56,6 +56,9 @@ _NAMED_MATMULS = jax.checkpoint_policies.save_only_these_names(MATMUL_NAME)
 # custom_vjp, not a dot) carry this name, so a policy can keep them instead of
 # recomputing the whole attention.
 ATTENTION_NAME = "torch_on_tpu.attention"
+# A module forward hook marked with this attribute acts on each output tensor alike (the tags of
+# the named policies), so a module that computes its output in pieces may apply it to the pieces.
+PER_TENSOR_HOOK = "torch_on_tpu_per_tensor_hook"
 # jax's cuDNN attention keeps its softmax statistics as an output of its forward primitive, inside
 # jax's own custom_vjp where no name reaches them; a policy that keeps attention keeps these
 # primitives' outputs, else the backward re-runs the forward kernel (16 → 32 calls per step).

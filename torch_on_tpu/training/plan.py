@@ -22,8 +22,8 @@ Per device, it counts:
 
   | remat policy | kept per layer (elements per token) |
   |---|---|
-  | `none` | every intermediate: 6·d + (3·h·dh + 3·hk·dh + 4·f)/tp (norms, RoPE, SwiGLU products); on TPU in bf16, as its compiler keeps them: (2·h·dh + 2·hk·dh + 4·f)/tp + 3·d, 6·d in fp32 (the RMSNorms' work, the residual sums) and the attention statistics below |
-  | `dots_saveable`, `dots_with_no_batch_dims_saveable` | the layer input d plus `dots`, the matmul outputs: q, k, v and q, k rotated (torchtitan's RoPE is a matmul to the policies), w1's and w3's, (2·h·dh + 3·hk·dh + 2·f)/tp, and wo's d (w2's feeds only the next layer's input) |
+  | `none` | every intermediate: 6·d + (3·h·dh + 3·hk·dh + 4·f)/tp (norms, RoPE, SwiGLU products); on TPU in bf16, as its compiler keeps them: (h·dh' + h·dh + hk·dh' + hk·dh + 4·f)/tp + 3·d, 6·d in fp32 (the RMSNorms' work, the residual sums) and the attention statistics below |
+  | `dots_saveable`, `dots_with_no_batch_dims_saveable` | the layer input d plus `dots`, the matmul outputs: q and k as attention reads them (torchtitan's rotated ones: its RoPE is a matmul to the policies), v, w1's and w3's, (h·dh' + hk·dh' + hk·dh + 2·f)/tp, and wo's d (w2's feeds only the next layer's input); dh' is the head dim padded to 128 lanes on TPU (dh elsewhere) |
   | `dots_and_attention` (a scan's default) | the same plus the attention kernel's output h·dh/tp (on TPU also its log-sum-exp, fp32 per head) |
   | `offload_dots` | the layer input d on the device; `dots` go to host memory |
   | `full` | the layer input d |
@@ -342,21 +342,26 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
   s = shape
   q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
   # The matmul outputs a policy keeping them keeps (read off the TPU compiler's scan residuals):
-  # q, k and v; q and k rotated (torchtitan's RoPE is a matmul to the policies, `rope.rotate`);
-  # w1's and w3's; wo's (the residual sum after it is recomputed from it). w2's only feeds the
-  # next layer's input, which is kept as that layer's.
-  dots = (2 * q + 3 * kv + 2 * s.ffn_dim) / tp + s.dim
+  # v, and q and k as attention reads them (torchtitan's rotated q and k: its RoPE is a matmul to
+  # the policies, `rope.rotate`, and linear, so the projections before it are not kept; HF's q and
+  # k, from which its elementwise RoPE is recomputed); w1's and w3's; wo's (the residual sum after
+  # it is recomputed from it). w2's only feeds the next layer's input, kept as that layer's.
+  # On TPU, q and k as attention reads them keep the head dim minor, padded to the chip's 128 lanes
+  # (Llama 3 1B's 64-wide heads: twice their bytes, in the compiler's scan residuals and host transfers).
+  on_tpu = mesh.devices.flat[0].platform == "tpu"
+  lanes = -(-s.head_dim // 128) * 128 if on_tpu else s.head_dim
+  q_read, k_read = s.heads * lanes, s.kv_heads * lanes
+  dots = (q_read + k_read + kv + 2 * s.ffn_dim) / tp + s.dim
   everything = (3 * q + 3 * kv + 4 * s.ffn_dim) / tp + 6 * s.dim
   policy = remat or "none"
   # The attention kernel's residuals beyond its inputs: its output and its log-sum-exp (fp32 per head).
-  on_tpu = mesh.devices.flat[0].platform == "tpu"
   stats = 4 * s.heads / tp / compute if on_tpu else 0
   attention_out = q / tp + stats
   if on_tpu and compute < 4:
-    # A bf16 layer without remat on TPU keeps q, k, v and the attention's output and statistics,
-    # w1's and w3's outputs, SiLU's and their product; three hidden-size tensors in bf16 and six
-    # in fp32 (the RMSNorms' work and the residual sums).
-    everything_kept = (2 * q + 2 * kv + 4 * s.ffn_dim) / tp + stats + 3 * s.dim + 6 * s.dim * 4 / compute
+    # A bf16 layer without remat on TPU keeps q, k (as attention reads them), v and the attention's
+    # output and statistics, w1's and w3's outputs, SiLU's and their product; three hidden-size
+    # tensors in bf16 and six in fp32 (the RMSNorms' work and the residual sums).
+    everything_kept = (q_read + q + k_read + kv + 4 * s.ffn_dim) / tp + stats + 3 * s.dim + 6 * s.dim * 4 / compute
   else:
     everything_kept = everything
   spelled = remat_lib.named(policy)

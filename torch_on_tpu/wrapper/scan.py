@@ -30,12 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import PartitionSpec
 
 from torch_on_tpu import models
 from torch_on_tpu.core import _compat
 from torch_on_tpu.errors import TorchOnTpuError, arg
-from torch_on_tpu.lowering import device_checks
+from torch_on_tpu.lowering import device_checks, target_device
 from torch_on_tpu.lowering import remat as remat_lib
 from torch_on_tpu.parallel import mesh as mesh_lib
 from torch_on_tpu.wrapper import module_state
@@ -308,11 +309,18 @@ class StackedLayers(torch.nn.Module):
     return jax.tree.map(lambda a: a.dtype, out)
 
   def _pinned(self, h):
-    """The hidden state laid out as `carry_sharding` says (as it is without one)."""
-    if self.carry_sharding is None:
-      return h
-    pin = lambda a: jax.lax.with_sharding_constraint(a, self.carry_sharding(a.ndim, *a.shape[:2])) if a.ndim >= 2 else a  # noqa: E731
-    return jax.tree.map(pin, h)
+    """The hidden state laid out as `carry_sharding` says (as it is without one), and, where the
+    layers keep their inputs on a TPU beside matmul outputs sent to host memory (`offload_dots`),
+    row-major: the TPU compiler otherwise stores the kept inputs token-minor, as the transfers
+    leave, and copies the whole stack back before the backward loop (Llama 3.1 8B on v6e-8:
+    temporaries 16.5 → 12.9 GiB, HBM traffic 487 → 478 GB; elsewhere its own choice reads less)."""
+    if self.carry_sharding is not None:
+      pin = lambda a: jax.lax.with_sharding_constraint(a, self.carry_sharding(a.ndim, *a.shape[:2])) if a.ndim >= 2 else a  # noqa: E731
+      h = jax.tree.map(pin, h)
+    if self.remat == "offload_dots" and target_device.device().platform == "tpu":
+      row_major = lambda a: with_layout_constraint(a, Layout(major_to_minor=tuple(range(a.ndim)))) if a.ndim >= 2 else a  # noqa: E731
+      h = jax.tree.map(row_major, h)
+    return h
 
   def _pipelined(self, hidden, args, kwargs) -> list[tuple]:
     """The stack as pipeline stages (`torch_on_tpu.parallel.pipeline`): the last layer's output,
@@ -902,6 +910,7 @@ def _tagged_outputs(layer: torch.nn.Module, named: remat_lib.Named | None):
       tag = lambda a: checkpoint_name(a, name) if isinstance(a, jax.Array) else a  # noqa: E731
       return torch_view(jax.tree.map(tag, jax_view(output)))
 
+    setattr(hook, remat_lib.PER_TENSOR_HOOK, True)
     return hook
 
   handles = [module.register_forward_hook(tagger(named.tag(path))) for path, module in layer.named_modules()

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from torch_on_tpu.models.family import DecoderShape, Family
-from torch_on_tpu.models.torchtitan import export, linear_attention, moe, rope
+from torch_on_tpu.models.torchtitan import export, linear_attention, moe, qkv, rope
 from torch_on_tpu.models.torchtitan.attention import flex_routed_to, varlen_routed_to
 from torch_on_tpu.models.torchtitan.configs import is_torchtitan
 from torch_on_tpu.models.torchtitan.export import adapter as export_adapter
@@ -131,7 +131,8 @@ class TorchtitanFamily(Family):
     before = titan_distributed.get_spmd_backend()
     titan_distributed.set_spmd_backend("partial_dtensor")
     try:
-      with linear_attention.routed(), moe.combine_by_rows(), moe.experts_per_data_shard(mesh, data_axes), rope.pairs_rotated():
+      with linear_attention.routed(), moe.combine_by_rows(), moe.experts_per_data_shard(mesh, data_axes), rope.pairs_rotated(), \
+          qkv.projected_apart(mesh):
         yield
     finally:
       titan_distributed.set_spmd_backend(before)
