@@ -40,7 +40,8 @@ Per device, it counts:
 * the backward pass at its busiest, the largest of: the loss head's (the
   output head's weight gathered whole from its fsdp shards, vocab × d/tp in the
   compute dtype, with the logits kept for it and their gradient, tokens × vocab/tp in the compute
-  dtype each: the chunked cross-entropy builds no fp32 copy), just after it
+  dtype each: the chunked cross-entropy builds no fp32 copy, and off the CPU writes the gradient
+  over the logits, one buffer for both), just after it
   (that weight, the logits' gradient and the params' gradients) and the layers' (the
   gradients, one layer's `none` figure, its recomputed intermediates, and that
   layer's weights gathered whole from their fsdp shards in the compute dtype,
@@ -148,6 +149,7 @@ class MemoryPlan:
   description: str
   suggestion: str = ""
   fused_head: bool = False  # the loss reads the output head's linear: no logits (losses.head_cross_entropy)
+  logits_in_place: bool = False  # the loss's gradient written over the logits (off the CPU)
   _context: tuple = dataclasses.field(default=(), repr=False)  # what `suggest` re-plans from
 
   @property
@@ -156,10 +158,15 @@ class MemoryPlan:
     gradient), just after it (that gradient and the params' gradients) or the
     layers' (the gradients and one layer's recomputed intermediates)."""
     return max(
-      self.head_weight + self.logits + self.logits_grad,
+      self.head_weight + self._head_phase,
       self.head_weight + self.logits_grad + self.backward_grads,
       self.backward_grads + self.layer_backward,
     )
+
+  @property
+  def _head_phase(self) -> int:
+    """The loss head's backward: the logits and their gradient, or one where it is written over them."""
+    return max(self.logits, self.logits_grad) if self.logits_in_place else self.logits + self.logits_grad
 
   @property
   def total(self) -> int:
@@ -187,8 +194,9 @@ class MemoryPlan:
       ("params kept across the checked update", self.update_branch),
       ("buffers of the host transfers", self.host_staging),
       ("backward peak, the largest of:", self.backward_peak),
-      ("  head fused with the loss" if self.fused_head else "  head, logits + their gradient",
-       self.head_weight + self.logits + self.logits_grad),
+      ("  head fused with the loss" if self.fused_head
+       else "  head, logits' gradient over them" if self.logits_in_place else "  head, logits + their gradient",
+       self.head_weight + self._head_phase),
       ("  head's backward, gradients" if self.fused_head else "  head, logits' gradient, gradients",
        self.head_weight + self.logits_grad + self.backward_grads),
       ("  gradients + one layer's backward", self.backward_grads + self.layer_backward),
@@ -433,6 +441,7 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
     head_weight=head_weight,
     logits_grad=logits_grad,
     fused_head=fused_head,
+    logits_in_place=not fused_head and mesh.devices.flat[0].platform != "cpu",  # losses._gradient_chunk
     cpu_upcasts=saved * (4 - compute) // compute if cpu_upcast and scanned else 0,
     host_offloaded=int(s.layers * offloaded * per_token),
     host_staging=int(3 * offloaded * per_token),
