@@ -71,6 +71,21 @@ def test_a_fused_output_head_plans_no_logits_and_fuse_head_false_keeps_them():
   assert "head, logits + their gradient" in str(kept)
 
 
+def test_off_the_cpu_the_plan_counts_the_logits_once_for_the_loss_head():
+  """On a TPU target the loss writes its gradient over the logits (losses._gradient_chunk): the
+  head's phase holds one [tokens, vocab] buffer; on the CPU, its loop's second buffer as well."""
+  with torch.device("meta"):
+    model = Tiny()
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(target="v5p-8", fsdp=-1), abstract=True)
+  tpu = plan.plan_memory(tot.make_train_step(jm, ce, optax.adamw(1e-3)), SHAPE, global_batch_size=16, seqlen=64)
+  cpu = plan.plan_memory(abstract_step(), SHAPE, global_batch_size=16, seqlen=64)
+  assert tpu.logits_in_place and not cpu.logits_in_place
+  assert tpu.backward_peak >= tpu.head_weight + tpu.logits
+  assert "head, logits' gradient over them" in str(tpu) and "head, logits + their gradient" in str(cpu)
+  tpu_head = next(line for line in str(tpu).splitlines() if "gradient over them" in line)
+  assert plan.human_bytes(tpu.head_weight + tpu.logits) in tpu_head  # not the logits twice
+
+
 def test_trainable_subset_has_no_gradients_or_optimizer_state_for_the_rest():
   memory = plan.plan_memory(abstract_step(trainable="out.*"), SHAPE, global_batch_size=16, seqlen=64)
   assert memory.grads == 512 * 64 * 4 // 8 and memory.optimizer == 2 * memory.grads + 4
