@@ -305,10 +305,15 @@ def _check_backend_started():
 
 def _check_persistent_cache_off():
   import jax
+  from jax._src import compilation_cache
 
+  jax.jit(lambda x: x + 1)(1.0)  # a compile: jax has decided, once for the process, that it uses its cache
+  backend = jax.devices()[0].client
+  assert compilation_cache.is_cache_used(backend)  # conftest points it at .cache/jax-tests
   with _compat.without_persistent_cache():
     assert not jax.config.jax_enable_compilation_cache
-  assert jax.config.jax_enable_compilation_cache
+    assert not compilation_cache.is_cache_used(backend)
+  assert jax.config.jax_enable_compilation_cache and compilation_cache.is_cache_used(backend)
 
 
 def _check_clusters():
@@ -520,7 +525,7 @@ _INTERNAL_API_CHECKS = {
   "torch.utils._pytree": _check_pytree,
   "jax._src.interpreters.partial_eval.dce_jaxpr": _check_dce_jaxpr,
   "jax._src.xla_bridge.backends_are_initialized": _check_backend_started,
-  "jax._src.config.enable_compilation_cache": _check_persistent_cache_off,
+  "jax._src.config.enable_compilation_cache, jax._src.compilation_cache._cache_checked/_cache_used": _check_persistent_cache_off,
   "jax._src.clusters.ClusterEnv": _check_clusters,
   "torchax.device_module.is_available": _check_device_module,
   "torchax.device_module.get_amp_supported_dtype": _check_amp_supported_dtypes,

@@ -238,6 +238,24 @@ def test_the_grouped_matmul_compiled_for_a_tpu_is_xlas_ragged_dot():
   assert "tpu_custom_call" in compiled.as_text() or "ragged" in compiled.as_text()
 
 
+def test_a_step_compiled_again_for_a_target_reads_nothing_back_from_the_compile_cache():
+  """A compile-only client writes its executables to jax's persistent cache but cannot read them
+  back. jax decides once per process whether it uses that cache, so after any other compile (the
+  recipe's own) the second compile of the same step read what the first had written and warned
+  that the cache was damaged (`--target=v6e-8 --dry_run` run twice)."""
+  import warnings
+
+  jax.jit(lambda x: x * 2)(jnp.ones(2))  # conftest's cache is in use for this process from here on
+  mesh = tot.make_mesh(target="v5p-8", fsdp=-1)
+  inputs = jax.ShapeDtypeStruct((8, 256), jnp.float32)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(2):  # two steps: each compiles the same program
+      jm = tot.ShardedModule(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)), mesh=mesh, abstract=True)
+      tot.make_train_step(jm, lambda out, y: ((out - y) ** 2).mean(), optax.sgd(0.1)).compile(inputs, inputs)
+  assert not [w for w in caught if "persistent compilation cache" in str(w.message)], [str(w.message) for w in caught]
+
+
 def test_llama3_recipe_dry_run_on_a_target_prints_the_chip_verdict(capsys):
   summary = llama3_recipe.run(llama3_recipe.Llama3Flags(target="v6e-8", dry_run=True, seqlen=128, dtype="bfloat16"))
   out = capsys.readouterr().out

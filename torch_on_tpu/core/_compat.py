@@ -179,7 +179,7 @@ INTERNAL_APIS = {
   "torch.utils._pytree": "torch's pytree utilities (no public twin)",
   "jax._src.interpreters.partial_eval.dce_jaxpr": "pruning a traced init to the outputs of one chunk",
   "jax._src.xla_bridge.backends_are_initialized": "whether XLA_FLAGS and a distributed join still apply",
-  "jax._src.config.enable_compilation_cache": "off while compiling for a compile-only TPU target (its executables cannot be read back)",
+  "jax._src.config.enable_compilation_cache, jax._src.compilation_cache._cache_checked/_cache_used": "off while compiling for a compile-only TPU target (its executables cannot be read back)",
   "jax._src.clusters.ClusterEnv": "the clusters jax.distributed would detect by itself",
   "torchax.device_module.is_available": "kept False so torch.accelerator (and torch.compile) ignore torchax's backend",
   "jax._src.distributed.global_state.client": "the coordination service's client: key-value store, barriers, live processes",
@@ -428,11 +428,18 @@ def backend_started() -> bool:
 @contextlib.contextmanager
 def without_persistent_cache():
   """jax's persistent compilation cache off for the programs compiled inside: a compile-only
-  client's executables are written there but cannot be read back (a warning on every reuse)."""
-  from jax._src import config  # the flag's own context manager; jax.config.update would be process-wide
+  client's executables are written there but cannot be read back (a warning on every reuse).
+  jax decides once per process whether it uses the cache, so its flag alone is not enough
+  once anything has compiled: the decision it memoized is set aside too, and restored."""
+  from jax._src import compilation_cache, config  # the flag's own context manager; jax.config.update would be process-wide
 
-  with config.enable_compilation_cache(False):
-    yield
+  decided = compilation_cache._cache_checked, compilation_cache._cache_used
+  compilation_cache._cache_checked, compilation_cache._cache_used = True, False
+  try:
+    with config.enable_compilation_cache(False):
+      yield
+  finally:
+    compilation_cache._cache_checked, compilation_cache._cache_used = decided
 
 
 def managed_cluster_size() -> int:
