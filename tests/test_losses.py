@@ -65,6 +65,40 @@ def test_bf16_logits_get_a_bf16_gradient_from_fp32_statistics():
   np.testing.assert_array_equal(grad, want_vjp(jnp.ones_like(want))[0].astype(jnp.bfloat16))
 
 
+@pytest.mark.parametrize("chunk", [None, 128])
+def test_logits_in_the_models_own_shape_get_their_gradient_in_that_shape(chunk):
+  """[batch, seq, vocab] logits with [batch·seq] targets: the same loss and gradient as the flat
+  rows, the gradient in the logits' own shape (what XLA:TPU needs to write it over them)."""
+  x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 8, 300)) * 3, jnp.bfloat16)
+  t = jnp.asarray(_targets(16, 300, -100))
+  kw = dict(chunk=chunk, label_smoothing=0.1)
+  loss, vjp = jax.vjp(lambda a: losses.chunked_cross_entropy(a, t, **kw), x)
+  (grad,) = vjp(jnp.ones_like(loss))
+  want, want_vjp = jax.vjp(lambda a: losses.chunked_cross_entropy(a, t, **kw), x.reshape(16, 300))
+  assert grad.shape == x.shape and grad.dtype == jnp.bfloat16
+  assert float(loss) == float(want)
+  np.testing.assert_array_equal(grad.reshape(16, 300), want_vjp(jnp.ones_like(want))[0])
+
+
+def test_the_loss_reads_the_models_output_in_its_own_shape():
+  """Flattened rows of the model's bf16 output reach the chunked loss as that output itself
+  ([batch, seq, vocab]); rows that are not its leading dims flattened get their own view."""
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 4, 40)), jnp.bfloat16)
+  t = torch_view(jnp.asarray(_targets(8, 40, -100)))
+  upcasts = losses.Upcasts()
+  model = tot.ShardedModule(torch.nn.Linear(1, 1), mesh=tot.make_mesh(fsdp=-1))
+  with torchax.default_env(), losses.installed(model, upcasts), upcasts, mock.patch.object(losses, "chunked_cross_entropy") as chunked:
+    wide = upcasts.to_fp32(torch_view(x))
+    F.cross_entropy(wide.flatten(0, 1), t)
+    assert chunked.call_args.args[0].shape == (2, 4, 40) and chunked.call_args.args[0].dtype == jnp.bfloat16
+    F.cross_entropy(wide.view(8, 40), t)
+    assert chunked.call_args.args[0].shape == (2, 4, 40)
+    F.cross_entropy(wide.transpose(0, 1).reshape(8, 40), t)  # other rows: not a rearrangement kept
+    assert chunked.call_args.args[0].shape == (8, 40) and chunked.call_args.args[0].dtype == jnp.float32
+    F.cross_entropy(wide[:1].flatten(0, 1), t[:4])  # a slice: its own rows, in bf16
+    assert chunked.call_args.args[0].shape == (4, 40) and chunked.call_args.args[0].dtype == jnp.bfloat16
+
+
 @pytest.mark.parametrize(
   "call",
   [
@@ -148,7 +182,8 @@ def _bf16_step(vocab, layers=1, abstract=True, **kw):
 
 def _no_source():
   """The step as it was: the chunked head reads the fp32 copy."""
-  return mock.patch.object(losses.Upcasts, "source", staticmethod(lambda t: None))
+  none = staticmethod(lambda t: None)
+  return mock.patch.multiple(losses.Upcasts, source=none, whole=none)
 
 
 def test_the_bf16_step_builds_no_fp32_copy_of_the_logits():

@@ -8,7 +8,7 @@ chunks: the forward keeps a running max and sum of exponentials (fp32 whatever
 the logits' dtype) plus the target logit, and saves only the logits and one
 logsumexp per row; the backward recomputes each chunk's softmax and writes the
 gradient into a buffer of the logits' own dtype; off the CPU by default in one
-fused pass, written over the logits (`_gradient_chunk`).
+fused pass, written over the logits (`_gradient_chunk`) in the shape the model made them.
 
 Where the logits are the model's last `F.linear` (a bias-free output head: torchtitan's
 and HF's `lm_head`) reshaped at most, the loss reads that linear's input and weight
@@ -75,18 +75,20 @@ class _Wide(torchax.tensor.Tensor):
 
   low: torch.Tensor
   head: "tuple | None" = None  # (x, weight): its rows are F.linear(x, weight)'s, flattened
+  whole: "torch.Tensor | None" = None  # the model's own output whose leading dims these rows are
 
   def flatten(self, start_dim=0, end_dim=-1):
     out = super().flatten(start_dim, end_dim)
     if not _unchanged(self):
       return out
-    return _wide(out, self.low.flatten(start_dim, end_dim), _kept_head(self, out))
+    return _wide(out, self.low.flatten(start_dim, end_dim), *_kept_rows(self, out))
 
 
-def _wide(t, low, head=None) -> _Wide:
+def _wide(t, low, head=None, whole=None) -> _Wide:
   wide = _Wide(jax_view(t), _compat.tensor_env(t))
   wide.low = low
   wide.head = head
+  wide.whole = whole
   wide.made = jax_view(wide)
   return wide
 
@@ -97,11 +99,12 @@ def _unchanged(t) -> bool:
   return isinstance(t, _Wide) and jax_view(t) is t.made
 
 
-def _kept_head(source: _Wide, out) -> "tuple | None":
-  """`source`'s head where `out` has its elements in the same order with the same last dim
-  (a reshape, a flatten of the leading dims, a slice that keeps everything): the same rows."""
+def _kept_rows(source: _Wide, out) -> tuple:
+  """(head, whole) of `source` where `out` has its elements in the same order with the same
+  last dim (a reshape, a flatten of the leading dims, a slice that keeps everything): the same
+  rows; (None, None) otherwise."""
   same = out.ndim >= 1 and out.shape[-1] == source.shape[-1] and out.numel() == source.numel()
-  return source.head if same else None
+  return (source.head, source.whole) if same else (None, None)
 
 
 def plain_head(module) -> bool:
@@ -148,8 +151,8 @@ class Upcasts(TorchFunctionMode):
     def up(t):
       head = last_linear.head_of(t) if last_linear is not None and isinstance(t, torch.Tensor) else None
       if isinstance(t, torch.Tensor) and t.is_floating_point() and torch.finfo(t.dtype).bits < 32:
-        return _wide(t.float(), t, head)
-      return t if head is None else _wide(t, t, head)
+        return _wide(t.float(), t, head, t)
+      return t if head is None else _wide(t, t, head, t)
 
     return _compat.torch_pytree.tree_map(up, outputs)
 
@@ -161,6 +164,11 @@ class Upcasts(TorchFunctionMode):
   def head(t):
     return t.head if _unchanged(t) else None
 
+  @staticmethod
+  def whole(t):
+    """The model's output `t`'s rows were flattened from, in its own shape and dtype (or None)."""
+    return t.whole if _unchanged(t) else None
+
   def __torch_function__(self, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
     out = func(*args, **kwargs)
@@ -169,7 +177,7 @@ class Upcasts(TorchFunctionMode):
       and out.dtype == torch.float32 and _by_position(args[1:], kwargs)
     ):
       low = args[0].low
-      return _wide(out, low if func is torch.Tensor.float else func(low, *args[1:], **kwargs), _kept_head(args[0], out))
+      return _wide(out, low if func is torch.Tensor.float else func(low, *args[1:], **kwargs), *_kept_rows(args[0], out))
     return out
 
 
@@ -227,9 +235,12 @@ def cross_entropy(
       label_smoothing=float(label_smoothing),
     )
     return torch_view(loss)
-  low = upcasts.source(input)
+  # The model's own [batch, seq, vocab] where these rows are its leading dims flattened: the
+  # gradient then comes out in the shape of the matmul that made the logits, which XLA:TPU
+  # needs to write it over them (with [rows, vocab] it did only where batch was one a chip).
+  logits = upcasts.whole(input) if upcasts.whole(input) is not None else upcasts.source(input)
   loss = chunked_cross_entropy(
-    jax_view(input if low is None else low), jax_view(target), ignore_index=int(ignore_index), reduction=reduction,
+    jax_view(input if logits is None else logits), jax_view(target), ignore_index=int(ignore_index), reduction=reduction,
     label_smoothing=float(label_smoothing),
     sharding=_rows_sharding(model, rows),
   )
@@ -262,8 +273,9 @@ def _rows_sharding(model, rows: int):
 
 
 def chunked_cross_entropy(logits, targets, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, chunk=None, sharding=None):
-  """torch's cross-entropy of `logits` [N, V] against class ids `targets` [N], in fp32;
-  `sharding` (of the logits, rows over the data axes) is kept through the loops."""
+  """torch's cross-entropy of `logits` [N, V] (or [..., V], its leading dims the N rows) against
+  class ids `targets` [N], in fp32; `sharding` (of the [N, V] rows over the data axes) is kept
+  through the loops. The gradient has the logits' own shape."""
   valid = targets != ignore_index
   targets = jnp.where(valid, targets, 0).astype(jnp.int32)
   rows = _row_losses(logits, targets, valid, label_smoothing, chunk, sharding)
@@ -346,12 +358,12 @@ def _row_losses(logits, targets, valid, smoothing, chunk, sharding):
 
 
 def _row_losses_fwd(logits, targets, valid, smoothing, chunk, sharding):
-  logits = _pin(logits, sharding)
-  lse = _logsumexp(logits, chunk)
-  picked = jnp.take_along_axis(logits, targets[:, None], axis=1)[:, 0].astype(jnp.float32)
+  flat = _pin(logits.reshape(targets.shape[0], logits.shape[-1]), sharding)
+  lse = _logsumexp(flat, chunk)
+  picked = jnp.take_along_axis(flat, targets[:, None], axis=1)[:, 0].astype(jnp.float32)
   rows = (1.0 - smoothing) * (lse - picked)
   if smoothing:
-    rows = rows + smoothing * (lse - logits.sum(axis=1, dtype=jnp.float32) / logits.shape[1])
+    rows = rows + smoothing * (lse - flat.sum(axis=1, dtype=jnp.float32) / flat.shape[1])
   return jnp.where(valid, rows, 0.0), (logits, targets, valid, lse)
 
 
@@ -359,31 +371,37 @@ def _row_losses_bwd(smoothing, chunk, sharding, residuals, grad):
   """d logits = g (softmax - (1-ε) onehot - ε/V), chunk by chunk, in the logits' dtype.
 
   The overlapping last chunk rewrites its neighbour's columns with the same values; one chunk
-  is the gradient itself, with no buffer to write it into (XLA then writes it over the logits)."""
+  is the gradient itself, with no buffer to write it into (XLA then writes it over the logits),
+  computed in the logits' own shape: XLA:TPU writes over a buffer only what has its shape."""
   logits, targets, valid, lse = residuals
-  n, vocab = logits.shape
+  vocab = logits.shape[-1]
+  n = targets.shape[0]
   width, count = _starts(n, vocab, _gradient_chunk(chunk, vocab))
-  g = jnp.where(valid, grad, 0.0)[:, None]
+  g = jnp.where(valid, grad, 0.0)
 
-  def block_grads(start):
-    block = _columns(logits, start, width).astype(jnp.float32)
-    columns = start + jnp.arange(width)[None, :]
-    softmax = jnp.exp(block - lse[:, None])
-    target = jnp.where(columns == targets[:, None], 1.0 - smoothing, 0.0)
-    return (g * (softmax - target - smoothing / vocab)).astype(logits.dtype)
-
-  def body(i, out):
-    start = jnp.minimum(i * width, vocab - width)
-    return _bits(jax.lax.dynamic_update_slice_in_dim(_bits(out), _bits(block_grads(start)), start, axis=1), out.dtype)
+  def block_grads(block, start, lse, targets, g):
+    """The gradient of `block` (columns `start` on, any leading dims: those of `lse`, `targets`, `g`)."""
+    columns = start + jnp.arange(block.shape[-1])
+    softmax = jnp.exp(block.astype(jnp.float32) - lse[..., None])
+    target = jnp.where(columns == targets[..., None], 1.0 - smoothing, 0.0)
+    return (g[..., None] * (softmax - target - smoothing / vocab)).astype(block.dtype)
 
   if count == 1:
-    out = block_grads(0)
+    lead = logits.shape[:-1]
+    out = block_grads(logits, 0, lse.reshape(lead), targets.reshape(lead), g.reshape(lead)).reshape(n, vocab)
   else:
-    out = jax.lax.fori_loop(0, count, body, _pin(jnp.empty_like(logits), sharding))
+    flat = _pin(logits.reshape(n, vocab), sharding)
+
+    def body(i, out):
+      start = jnp.minimum(i * width, vocab - width)
+      grads = block_grads(_columns(flat, start, width), start, lse, targets, g)
+      return _bits(jax.lax.dynamic_update_slice_in_dim(_bits(out), _bits(grads), start, axis=1), out.dtype)
+
+    out = jax.lax.fori_loop(0, count, body, _pin(jnp.empty_like(flat), sharding))
   # pinned after the loop too: a buffer left to take the split the head's backward wants
   # (its vocabulary over `tp`) was gathered whole for every chunk's update at a moving column
   # (Llama 3 1B, fsdp=4 × tp=2 on v6e-8: 63 GiB of all-gather per chip per step)
-  return _pin(out, sharding), None, None
+  return _pin(out, sharding).reshape(logits.shape), None, None
 
 
 _row_losses.defvjp(_row_losses_fwd, _row_losses_bwd)
