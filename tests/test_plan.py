@@ -86,6 +86,19 @@ def test_off_the_cpu_the_plan_counts_the_logits_once_for_the_loss_head():
   assert plan.human_bytes(tpu.head_weight + tpu.logits) in tpu_head  # not the logits twice
 
 
+@pytest.mark.parametrize("remat, staged", [("offload_dots", 4), ("offload_inputs", 3)])
+def test_what_goes_to_host_memory_holds_layers_of_it_on_the_device(remat, staged):
+  """Transfers pass through device buffers: three layers' worth (written, in flight, prefetched),
+  four with every matmul output offloaded, as the TPU compiler allocates them (Llama 3 1B and 8B
+  on v5p-8 and v6e-8: 2.4-4.9 layers beyond `full`)."""
+  with torch.device("meta"):
+    model = Tiny()
+  jm = tot.ShardedModule(model, mesh=tot.make_mesh(target="v6e-8", fsdp=-1), abstract=True)
+  memory = plan.plan_memory(tot.make_train_step(jm, ce, optax.adamw(1e-3)), SHAPE, global_batch_size=16, seqlen=64, remat=remat)
+  assert memory.host_offloaded > 0
+  assert memory.host_staging == pytest.approx(staged * memory.host_offloaded / SHAPE.layers, rel=1e-6)
+
+
 def test_trainable_subset_has_no_gradients_or_optimizer_state_for_the_rest():
   memory = plan.plan_memory(abstract_step(trainable="out.*"), SHAPE, global_batch_size=16, seqlen=64)
   assert memory.grads == 512 * 64 * 4 // 8 and memory.optimizer == 2 * memory.grads + 4

@@ -36,7 +36,7 @@ Per device, it counts:
 * the params cast to the compute dtype when it is narrower than theirs (bf16
   compute over fp32 master weights);
 * with host offload, the transfers' buffers on the device: three layers' worth of what a
-  layer sends to host memory;
+  layer sends to host memory, four with `offload_dots` (`STAGED_LAYERS`);
 * the backward pass at its busiest, the largest of: the loss head's (the
   output head's weight gathered whole from its fsdp shards, vocab × d/tp in the
   compute dtype, with the logits kept for it and their gradient, tokens × vocab/tp in the compute
@@ -90,6 +90,11 @@ from torch_on_tpu.training import losses
 from torch_on_tpu.wrapper import scan as scan_lib
 
 USABLE = 0.9  # fraction of device memory a plan may use
+# Layers' worth of host transfers on the device at once, fitted to the TPU compiler: three (the one
+# written, the one in flight, the one prefetched); four where every matmul output goes
+# (`offload_dots`: Llama 3 1B and 8B at 8 × 8192 on v5p-8 and v6e-8 allocate 2.4–4.9 layers'
+# transfers beyond `full`'s temporaries, docs/performance.md).
+STAGED_LAYERS, STAGED_LAYERS_DOTS = 3, 4
 
 
 def decoder_shape(module) -> DecoderShape:
@@ -138,8 +143,7 @@ class MemoryPlan:
   logits_grad: int
   cpu_upcasts: int  # what XLA CPU adds widening a scan's bf16 residuals to fp32 (0 elsewhere)
   host_offloaded: int
-  # On the device while layers go to host memory and come back: three layers' worth of what a
-  # layer offloads (the one written, the one in flight, the one prefetched; fitted to the TPU compiler).
+  # On the device while layers go to host memory and come back: `STAGED_LAYERS` of what a layer offloads.
   host_staging: int
   # With index checks (device_checks) the update is a branch that skips it on a bad index;
   # XLA holds a copy of the trained params across that branch instead of updating in place.
@@ -444,7 +448,7 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
     logits_in_place=not fused_head and mesh.devices.flat[0].platform != "cpu",  # losses._gradient_chunk
     cpu_upcasts=saved * (4 - compute) // compute if cpu_upcast and scanned else 0,
     host_offloaded=int(s.layers * offloaded * per_token),
-    host_staging=int(3 * offloaded * per_token),
+    host_staging=int((STAGED_LAYERS_DOTS if policy == "offload_dots" else STAGED_LAYERS) * offloaded * per_token),
     update_branch=_sharded_bytes(trained, {k: shardings[k] for k in trained})
     if step.check_indices and not step.skip_nonfinite else 0,
     device_bytes=None,
