@@ -79,7 +79,9 @@ def test_an_fsdp_tp_step_on_tpu_moves_what_fsdp_and_tp_need(monkeypatch):
   logits gathered over tp once for the loss, which reads whole rows. The loss's gradient buffer
   is pinned to its rows' split after its chunk loop: left to take the head's vocabulary split,
   it was gathered whole for every chunk (Llama 3 1B at batch 8 × 2048 on v6e-8: 68.3 → 6.7 GiB
-  of collectives per chip per step; here 38.1 → 22.1 MiB). Within 1.1× of those counts (0.95× measured)."""
+  of collectives per chip per step; here 38.1 → 22.1 MiB). The whole-row gradient keeps the
+  logits' own split: pinned to the rows' split, it was gathered over tp again (0.96×). Within
+  0.94× of those counts (0.915× measured)."""
   from torch_on_tpu.training import losses
 
   monkeypatch.setattr(losses, "MIN_CHUNK", 128)
@@ -100,7 +102,7 @@ def test_an_fsdp_tp_step_on_tpu_moves_what_fsdp_and_tp_need(monkeypatch):
     + collectives.tp_ideal_bytes(rows, dim, tp, layers=layers, activation_bytes=2, recomputed=True)
     + rows * vocab * 2 * (tp - 1) // tp  # the logits, gathered over tp for the loss
   )
-  assert report.collective_bytes.total <= 1.1 * needed, (str(report.collective_bytes), needed)
+  assert report.collective_bytes.total <= 0.94 * needed, (str(report.collective_bytes), needed)
 
 
 def _loss_step_temporaries() -> tuple[int, int, collections.Counter]:

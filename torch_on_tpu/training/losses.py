@@ -386,18 +386,17 @@ def _row_losses_bwd(smoothing, chunk, sharding, residuals, grad):
     target = jnp.where(columns == targets[..., None], 1.0 - smoothing, 0.0)
     return (g[..., None] * (softmax - target - smoothing / vocab)).astype(block.dtype)
 
-  if count == 1:
+  if count == 1:  # in the logits' own split too: pinned to the rows', a vocabulary split over `tp` was gathered
     lead = logits.shape[:-1]
-    out = block_grads(logits, 0, lse.reshape(lead), targets.reshape(lead), g.reshape(lead)).reshape(n, vocab)
-  else:
-    flat = _pin(logits.reshape(n, vocab), sharding)
+    return block_grads(logits, 0, lse.reshape(lead), targets.reshape(lead), g.reshape(lead)), None, None
+  flat = _pin(logits.reshape(n, vocab), sharding)
 
-    def body(i, out):
-      start = jnp.minimum(i * width, vocab - width)
-      grads = block_grads(_columns(flat, start, width), start, lse, targets, g)
-      return _bits(jax.lax.dynamic_update_slice_in_dim(_bits(out), _bits(grads), start, axis=1), out.dtype)
+  def body(i, out):
+    start = jnp.minimum(i * width, vocab - width)
+    grads = block_grads(_columns(flat, start, width), start, lse, targets, g)
+    return _bits(jax.lax.dynamic_update_slice_in_dim(_bits(out), _bits(grads), start, axis=1), out.dtype)
 
-    out = jax.lax.fori_loop(0, count, body, _pin(jnp.empty_like(flat), sharding))
+  out = jax.lax.fori_loop(0, count, body, _pin(jnp.empty_like(flat), sharding))
   # pinned after the loop too: a buffer left to take the split the head's backward wants
   # (its vocabulary over `tp`) was gathered whole for every chunk's update at a moving column
   # (Llama 3 1B, fsdp=4 × tp=2 on v6e-8: 63 GiB of all-gather per chip per step)
