@@ -72,6 +72,40 @@ def existing_path(path, flags) -> None:
     raise TorchOnTpuError(f"{path!r} does not exist; pass an existing file or directory.")
 
 
+GROUP_SETTINGS = ("pattern", "lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+def _param_groups(spec, flags) -> None:
+  """--param_groups is a JSON list of groups, each a regex and some of AdamW's settings."""
+  import json
+  import re
+
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  if spec is None:
+    return
+  try:
+    groups = json.loads(spec)
+    for group in groups:
+      re.compile(group["pattern"])
+  except (ValueError, TypeError, KeyError, re.error) as e:
+    raise TorchOnTpuError(f"{spec!r} is not a JSON list of groups each with a regex \"pattern\" ({type(e).__name__}: {e}).") from None
+  odd = sorted({k for group in groups for k in group} - set(GROUP_SETTINGS))
+  if odd:
+    raise TorchOnTpuError(f"a group sets {odd[0]!r}, which is none of {', '.join(GROUP_SETTINGS)}; drop it.")
+
+
+FRESH_PARTS = ("optimizer", "data", "step")
+
+
+def _fresh_parts(spec, flags) -> None:
+  from torch_on_tpu.errors import TorchOnTpuError
+
+  odd = [p for p in spec.split(",") if p and p not in FRESH_PARTS]
+  if odd:
+    raise TorchOnTpuError(f"{odd[0]!r} is not a part of the saved state; name some of {', '.join(FRESH_PARTS)}, comma-separated.")
+
+
 def _target_name(name, flags) -> None:
   """--target names a TPU slice libtpu's compile-only client knows."""
   if name is not None:
@@ -86,7 +120,7 @@ def _profile_format(spec, flags) -> None:
   try:
     profile_steps(spec)
   except ValueError:
-    raise TorchOnTpuError(f"{spec!r} is not FIRST,LAST step numbers; write e.g. --profile=10,12.") from None
+    raise TorchOnTpuError(f"{spec!r} is not FIRST,LAST (or FIRST,LAST,EVERY) step numbers; write e.g. --profile=10,12.") from None
 
 
 @dataclasses.dataclass
@@ -95,7 +129,7 @@ class Flags:
 
   seqlen: int = flag(128, "tokens per sequence", minimum=1)
   global_batch_size: int = flag(8, "sequences per optimizer step, over all devices", minimum=1)
-  steps: int = flag(100, "optimizer steps to train to", minimum=1)
+  steps: int = flag(100, "optimizer steps to train to (0: save the initial weights as checkpoint step 0 and train nothing, torchtitan's seed checkpoint)", minimum=0)
   lr: float = flag(3e-3, "peak learning rate (AdamW)")
   warmup_steps: int = flag(10, "linear warmup steps (update k takes lr·(k+1)/warmup_steps)", minimum=0)
   lr_decay: str = flag("cosine", "the decay to lr·--min_lr_factor after the peak: cosine, linear or sqrt (torchtitan's decay_type)", choices=_lr_decays)
@@ -105,15 +139,16 @@ class Flags:
   beta2: float = flag(0.95, "AdamW's β2", minimum=0)
   eps: float = flag(1e-8, "AdamW's ε", minimum=0)
   weight_decay: float = flag(0.1, "AdamW weight decay", minimum=0)
+  param_groups: str | None = flag(None, "AdamW settings by parameter name (torchtitan's optimizer.param_groups): a JSON list of {\"pattern\": a regex, and any of lr, beta1, beta2, eps, weight_decay}; a parameter takes the first group whose pattern its name matches (re.search), the others --lr etc.; every group's lr follows the one schedule (default: one group)", check=_param_groups)
   clip_norm: float = flag(1.0, "gradient clipping by global norm (0: off)", minimum=0)
   max_skips: int = flag(5, "skip a step whose loss or gradient is NaN/Inf (state kept); stop after this many in a row (0: stop at the first)", minimum=0)
-  fsdp: int = flag(-1, "devices on the fsdp mesh axis (-1: all that --tp leaves)", minimum=-1)
+  fsdp: int = flag(-1, "data-parallel devices sharding the parameters (-1: all that --tp, --cp and --pp leave; --ep borrows from them)", minimum=-1)
   tp: int = flag(1, "devices on the tensor-parallel mesh axis", minimum=1)
   pp: int = flag(1, "pipeline stages: devices on the pp mesh axis (the outermost), which splits the scanned layers into stages", minimum=1)
   microbatches: int | None = flag(None, "pipeline microbatches per pass (default with --pp: the largest divisor of the batch per pass up to 4·pp)", minimum=1)
   virtual_stages: int = flag(1, "pipeline: blocks of layers per stage, visited round-robin (circular schedule; the bubble shrinks by this factor)", minimum=1)
   cp: int = flag(1, "devices on the context-parallel mesh axis: each sequence split into cp pieces (long context; params shard over fsdp and cp)", minimum=1)
-  ep: int = flag(1, "devices on the expert-parallel mesh axis (MoE experts sharded over it, the batch too; not with --tp)", minimum=1)
+  ep: int = flag(1, "expert parallelism, as torchtitan's expert_parallel_degree: MoE experts split this many ways over devices borrowed from fsdp x cp x tp (a multiple of cp x tp), each token's rows sent to its experts' devices", minimum=1)
   scan: bool | None = flag(None, "run the layer stack as one lax.scan (compile time flat in depth); default: a scan, except on GPU, where the layer loop is faster (default_scan)")
   unroll: int = flag(1, "layers per scan iteration", minimum=1)
   remat: str = flag("auto", "per-layer remat: auto (the least recomputation the memory plan says fits, printed after the plan: the stack's default (scanned: dots_and_attention; loop: none), then dots_with_no_batch_dims_saveable, full, offload_inputs; with --target and --dry_run the TPU compiler has the last word), none, full, dots_saveable, dots_with_no_batch_dims_saveable, dots_and_attention, offload_dots, offload_inputs (full, the layer inputs in host memory), or what each layer keeps by module name: save:<globs> and/or offload:<globs> joined by + (e.g. offload:input,attention.wo; `input` and `attention` name the layer's input and the attention kernel's outputs)", check=_remat_policy)
@@ -126,16 +161,20 @@ class Flags:
   grad_accum: int = flag(1, "microbatches per step (activations shrink by this factor)", minimum=1)
   data: str | None = flag(None, "text/JSONL/Parquet files, a glob, a directory or a datasets dir (default: built-in corpus)", check=_existing_data)
   data_field: str = flag("text", "the JSONL/Parquet/datasets field holding the text", argument="field")
-  weights: str | None = flag(None, "pretrained weights to start from: safetensors (a file or directory) under the model's own state_dict names, an HF checkpoint directory of the architecture (torchtitan models read it through their family's state_dict_adapter), or a torch.distributed.checkpoint step such as torchtitan's checkpoint/step-N (its checkpoint directory: the latest step) (default: the model's init)", check=existing_path)
+  weights: str | None = flag(None, "pretrained weights to start from: safetensors (a file or directory) under the model's own state_dict names, an HF checkpoint directory of the architecture (torchtitan models read it through their family's state_dict_adapter), a torch.distributed.checkpoint step such as torchtitan's checkpoint/step-N, or a step of this recipe's own checkpoints such as runs/a/ckpt/4 (either's directory: its latest step) (default: the model's init)", check=existing_path)
   tokenizer: str | None = flag(None, "tokenizer.json or HF tokenizer dir (default: byte-level BPE trained on the data)", check=existing_path)
   ckpt_dir: str | None = flag(None, "checkpoint directory (default: runs/<run>/ckpt)")
-  save_every: int = flag(50, "save a checkpoint every N steps (and at the end)", minimum=1)
+  save_every: int = flag(50, "save a checkpoint every N steps (and at the end); 0: no checkpoint is saved or resumed (torchtitan's checkpoint.enable=False)", minimum=0)
+  last_save: str = flag("full", "what the last step's checkpoint holds: full (the training state, to resume), model (the weights alone, in --last_save_dtype: torchtitan's last_save_model_only), hf (model, and the weights as an HF directory at <ckpt_dir>/step-N: torchtitan's last_save_in_hf)", choices=("full", "model", "hf"))
+  last_save_dtype: str | None = flag(None, "with --last_save=model or hf: the weights' dtype there, float32, bfloat16 or float16 (torchtitan's export_dtype; default: as trained)", choices=("float32", "bfloat16", "float16"))
   keep_checkpoints: int = flag(3, "the newest checkpoints kept in --ckpt_dir, older ones deleted (0: keep all)", minimum=0)
   resume: bool = flag(True, "continue from the newest good checkpoint in --ckpt_dir; False: set its checkpoints aside as <step>.replaced (nothing deleted) and start afresh")
   resume_step: int | None = flag(None, "resume from this saved step instead of the newest (newer steps are set aside as <step>.superseded)", minimum=0)
+  resume_fresh: str = flag("", "comma-separated parts of the saved state a resume starts afresh instead of restoring: optimizer (Adam's moments and the schedule's position), data (the data order from its start), step (the step count from 0); torchtitan's checkpoint.exclude_from_loading", check=_fresh_parts)
   eval_every: int = flag(25, "eval loss on held-out data every N steps (0: never)", minimum=0)
   eval_batches: int = flag(4, "held-out batches per eval", minimum=1)
-  profile: str | None = flag(None, "steps to trace with jax.profiler, 'FIRST,LAST' (into <log_dir>/profile)", check=_profile_format)
+  profile: str | None = flag(None, "steps to trace with jax.profiler, 'FIRST,LAST' (into --profile_dir), or 'FIRST,LAST,EVERY': those steps and the same ones every EVERY steps after, each into <profile_dir>/iteration_<LAST>", check=_profile_format)
+  profile_dir: str | None = flag(None, "where --profile's traces go (default: <log_dir>/profile)")
   log_dir: str | None = flag(None, "metrics.jsonl, TensorBoard and training.png (default: runs/<run>)")
   wandb_project: str | None = flag(None, "also log every metric to this Weights & Biases project, the run's config beside them (default: off; WANDB_MODE=offline keeps it on disk under --log_dir for `wandb sync`)")
   wandb_run: str | None = flag(None, "the Weights & Biases run's name (default: the name of --log_dir)")
@@ -166,13 +205,14 @@ def check_flags(flags: Flags, mesh=None, *, read_files: bool = True) -> None:
   flags (`STARTUP_CHECKS`); with `mesh`, the checks that need the devices. Runs before the
   model is built, so a mistyped or impossible flag stops the run within seconds of start.
   `read_files=False` skips the `check=`s, which look at files (a command for another machine)."""
-  from torch_on_tpu.errors import TorchOnTpuError
+  from torch_on_tpu import errors
 
-  if mesh is None:
-    for field in dataclasses.fields(flags):
-      _check_value(field, flags, TorchOnTpuError, read_files)
-  for check in STARTUP_CHECKS:
-    check(flags, mesh)
+  with errors.spoken_as_flags({**flag_spelling(type(flags)), **errors.spoken()}):  # flags are named as the command line wrote them
+    if mesh is None:
+      for field in dataclasses.fields(flags):
+        _check_value(field, flags, errors.TorchOnTpuError, read_files)
+    for check in STARTUP_CHECKS:
+      check(flags, mesh)
 
 
 def _check_value(field, flags: Flags, error, read_files: bool) -> None:
@@ -228,25 +268,36 @@ def _target_only_compiles(flags: Flags, mesh) -> None:
 
 
 @startup_check
-def _experts_over_one_axis(flags: Flags, mesh) -> None:
-  """The presets shard experts over ep or over tp, never both."""
+def _experts_split(flags: Flags, mesh) -> None:
+  """--ep borrows whole cp x tp groups from the fsdp devices, as torchtitan's expert_parallel_degree does."""
   from torch_on_tpu.errors import TorchOnTpuError
 
-  if flags.ep > 1 and flags.tp > 1:
-    raise TorchOnTpuError(f"--ep={flags.ep} with --tp={flags.tp}: the presets shard experts over ep or tp, not both; drop one.")
+  if flags.ep == 1:
+    return
+  group = flags.cp * flags.tp
+  if flags.ep % group:
+    raise TorchOnTpuError(
+      f"--ep={flags.ep} with --cp={flags.cp} --tp={flags.tp}: the experts split over devices borrowed from fsdp x cp x tp, "
+      f"whole cp x tp groups of {group}; use a multiple of {group}."
+    )
+  if flags.fsdp != -1 and flags.fsdp % (flags.ep // group):
+    raise TorchOnTpuError(
+      f"--ep={flags.ep} borrows {flags.ep // group} of the --fsdp={flags.fsdp} data-parallel devices (with cp x tp = {group}), "
+      f"which does not divide them; use an --ep that does, or --fsdp=-1."
+    )
 
 
 @startup_check
 def _batch_splits(flags: Flags, mesh) -> None:
   """The global batch splits into --grad_accum microbatches, and over the data devices."""
-  from torch_on_tpu.errors import TorchOnTpuError
+  from torch_on_tpu.errors import TorchOnTpuError, arg
   from torch_on_tpu.parallel import mesh as mesh_lib
 
   batch = flags.global_batch_size
   if mesh is None:
     if batch % flags.grad_accum:
       raise TorchOnTpuError(
-        f"--global_batch_size={batch} does not divide into --grad_accum={flags.grad_accum} "
+        f"{arg('global_batch_size', batch)} does not divide into {arg('grad_accum', flags.grad_accum)} "
         f"microbatches; make the batch a multiple of {flags.grad_accum}."
       )
     return
@@ -255,22 +306,22 @@ def _batch_splits(flags: Flags, mesh) -> None:
   if batch % ways:
     over = " × ".join(f"{a}={mesh.shape[a]}" for a in axes)
     raise TorchOnTpuError(
-      f"--global_batch_size={batch} does not split over the {ways} data devices ({over}); "
-      f"use a multiple of {ways}, e.g. --global_batch_size={ways * -(-batch // ways)}."
+      f"{arg('global_batch_size', batch)} does not split over the {ways} data devices ({over}); "
+      f"use a multiple of {ways}, e.g. {arg('global_batch_size', ways * -(-batch // ways))}."
     )
 
 
 @startup_check
 def _pipeline_splits(flags: Flags, mesh) -> None:
   """--microbatches and --virtual_stages come with --pp; the microbatches divide one pass's rows."""
-  from torch_on_tpu.errors import TorchOnTpuError
+  from torch_on_tpu.errors import TorchOnTpuError, arg, named
 
   if flags.pp == 1 and (flags.microbatches is not None or flags.virtual_stages != 1):
     raise TorchOnTpuError("--microbatches and --virtual_stages set up pipeline stages; give --pp=N (N > 1) too, or drop them.")
   if flags.pp > 1 and flags.cp > 1:
     raise TorchOnTpuError(
-      f"--pp={flags.pp} and --cp={flags.cp} do not compose yet (a stage's attention would need the cp ring inside "
-      f"the pipeline's loop); use --cp=1 with those devices on --fsdp, or --pp=1."
+      f"{arg('pp', flags.pp)} and {arg('cp', flags.cp)} do not compose yet (a stage's attention would need the cp ring inside "
+      f"the pipeline's loop); use {arg('cp', 1)} with those devices on {named('fsdp')}, or {arg('pp', 1)}."
     )
   rows = flags.global_batch_size // flags.grad_accum
   if flags.microbatches is not None and rows % flags.microbatches:
@@ -283,22 +334,26 @@ def _pipeline_splits(flags: Flags, mesh) -> None:
 @startup_check
 def _sequence_splits(flags: Flags, mesh) -> None:
   """The sequence cuts into 2·cp equal chunks (context parallelism's causal balance)."""
-  from torch_on_tpu.errors import TorchOnTpuError
+  from torch_on_tpu.errors import TorchOnTpuError, arg, named
 
   if mesh is None and flags.seqlen % (2 * flags.cp):
     raise TorchOnTpuError(
-      f"--seqlen={flags.seqlen} does not split into 2*cp={2 * flags.cp} equal chunks (causal load balance); "
-      f"make --seqlen a multiple of {2 * flags.cp} or pick another --cp."
+      f"{arg('seqlen', flags.seqlen)} does not split into 2*cp={2 * flags.cp} equal chunks (causal load balance); "
+      f"make {named('seqlen')} a multiple of {2 * flags.cp} or pick another {named('cp')}."
     )
 
 
 def mesh_axes(flags: Flags) -> dict:
-  """The recipe's mesh: pp outermost (stages across slices), fsdp, then cp, tp, and ep
-  innermost; pp, cp and ep only when asked for (a run without them keeps its mesh)."""
+  """The recipe's mesh: pp outermost (stages across slices), fsdp, then ep, cp and tp innermost;
+  pp, ep and cp only when asked for (a run without them keeps its mesh). --ep takes its devices
+  from fsdp x cp x tp as torchtitan does: the mesh's `ep` axis is ep / (cp x tp) of the fsdp
+  devices, and the experts split over ep x cp x tp (`mesh.expert_axes`)."""
   pp = {"pp": flags.pp} if flags.pp > 1 else {}
   cp = {"cp": flags.cp} if flags.cp > 1 else {}
-  ep = {"ep": flags.ep} if flags.ep > 1 else {}
-  return {**pp, "fsdp": flags.fsdp, **cp, "tp": flags.tp, **ep}
+  borrowed = flags.ep // (flags.cp * flags.tp) if flags.ep > 1 else None
+  ep = {"ep": borrowed} if borrowed else {}
+  fsdp = flags.fsdp if flags.fsdp == -1 or not borrowed else flags.fsdp // borrowed
+  return {**pp, "fsdp": fsdp, **ep, **cp, "tp": flags.tp}
 
 
 def float8_converted(target, flags: Flags):
@@ -328,11 +383,12 @@ def layer_remat(flags: Flags) -> str | None:
   return None if flags.remat == "auto" else flags.remat
 
 
-def profile_steps(spec) -> tuple[int, int] | None:
-  """`--profile`: 'FIRST,LAST', or one step N (traces N to N+2)."""
+def profile_steps(spec) -> tuple[int, int, int | None] | None:
+  """`--profile`: 'FIRST,LAST' or 'FIRST,LAST,EVERY', or one step N (traces N to N+2) → (first, last, every or None)."""
   if spec is None:
     return None
   steps = [int(x) for x in (spec if isinstance(spec, (tuple, list)) else str(spec).split(","))]
-  if len(steps) not in (1, 2):
+  if len(steps) not in (1, 2, 3) or (len(steps) == 3 and steps[2] < steps[1] - steps[0] + 1):
     raise ValueError(spec)
-  return (steps[0], steps[0] + 2) if len(steps) == 1 else (steps[0], steps[1])
+  first, last = (steps[0], steps[0] + 2) if len(steps) == 1 else steps[:2]
+  return first, last, steps[2] if len(steps) == 3 else None

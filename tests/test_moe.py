@@ -19,6 +19,7 @@ import transformers
 import torch_on_tpu as tot
 from tests import helpers as h
 from torch_on_tpu.lowering.aten import model_ops
+from torch_on_tpu.parallel import mesh as mesh_lib
 
 pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
 
@@ -210,7 +211,7 @@ def test_eager_experts_loop_runs_the_grouped_path_with_the_same_numbers():
   assert h.rel(tot.to_cpu(jm(**forward).logits), want) < 1e-5
 
 
-EXPERT_PARALLEL = [(f, dict(ep=4, fsdp=2)) for f in FAMILIES] + [("mixtral", dict(fsdp=8))]
+EXPERT_PARALLEL = [(f, dict(ep=4, fsdp=2)) for f in FAMILIES] + [("mixtral", dict(fsdp=8)), ("qwen3_moe", dict(fsdp=2, ep=2, tp=2))]
 
 
 @pytest.mark.parametrize(
@@ -218,13 +219,15 @@ EXPERT_PARALLEL = [(f, dict(ep=4, fsdp=2)) for f in FAMILIES] + [("mixtral", dic
   ids=[f"{f}-" + ",".join(f"{k}={v}" for k, v in m.items()) for f, m in EXPERT_PARALLEL],
 )
 def test_expert_parallel_splits_experts_and_matches_one_device(family, mesh_axes):
-  """Experts split over 4 devices (2 of 8 each; or over all 8 on a plain fsdp mesh),
-  scanned where the family scans: logits, loss and gradients as torch eager's."""
+  """Experts split over 4 devices (2 of 8 each; or over all 8 on a plain fsdp mesh; or over ep × tp,
+  the tokens split over tp inside the MoE), scanned where the family scans: logits, loss and
+  gradients as torch eager's."""
   ref = build(family)
   inputs, labels = left_padded_batch()
   ref_logits, ref_loss, ref_grads = torch_loss_and_grads(ref, inputs)
   jm = tot.ShardedModule(copy.deepcopy(ref), mesh=tot.make_mesh(**mesh_axes), sharding="ep", scan=True)
-  expert_axis = "ep" if "ep" in mesh_axes else "fsdp"
+  expert_axis = mesh_lib.expert_axes(jm.mesh) if "ep" in mesh_axes else "fsdp"
+  expert_axis = expert_axis[0] if len(expert_axis) == 1 else expert_axis
   experts = [(n, s.spec) for n, s in jm.param_shardings.items() if ".experts." in n and len(s.spec) >= 2]
   assert experts and all(
     spec[1 if ".scan." in n else 0] == expert_axis for n, spec in experts

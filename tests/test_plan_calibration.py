@@ -25,12 +25,12 @@ def test_a_cell_that_offloads_is_held_to_the_lower_bound_of_the_chips_peak(calib
   """The compiler's peak counts host memory: Llama 3 8B at offload_dots on v6e-8 read 32.85 GiB,
   its arguments (11.35) plus all 21.5 GiB on the host, over an allocation of 28.19 GiB."""
   results = {
-    ("8B", "v6e-8", "full"): cell(19.98, 11.35, 12.62, 20.88),
-    ("8B", "v6e-8", "offload_dots"): cell(22.00, 11.35, 16.85, 32.85, host=21.5),
-    ("8B", "v6e-8", "maxtext_offload"): cell(18.64, 11.35, 12.33, 18.54, host=7.0),
-    ("8B", "v6e-8", "auto"): {"tpu": {**cell(43.5, 11.2, 44.08, None)["tpu"], "refused": True}},
+    ("8B", "v6e-8", "fsdp", "full"): cell(19.98, 11.35, 12.62, 20.88),
+    ("8B", "v6e-8", "fsdp", "offload_dots"): cell(22.00, 11.35, 16.85, 32.85, host=21.5),
+    ("8B", "v6e-8", "fsdp", "maxtext_offload"): cell(18.64, 11.35, 12.33, 18.54, host=7.0),
+    ("8B", "v6e-8", "fsdp", "auto"): {"tpu": {**cell(43.5, 11.2, 44.08, None)["tpu"], "refused": True}},
   }
-  held = {remat: calibration.yardstick(sides["tpu"]) for (_, _, remat), sides in results.items()}
+  held = {remat: calibration.yardstick(sides["tpu"]) for (_, _, _, remat), sides in results.items()}
   assert held["full"] == 20.88 * GiB  # no host memory: the compiler's peak itself
   assert held["offload_dots"] == (11.35 + 16.85) * GiB  # the allocation, below the peak that counts the host
   assert held["maxtext_offload"] == 18.54 * GiB  # the peak, below the allocation

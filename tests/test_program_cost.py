@@ -141,20 +141,32 @@ def test_a_loop_runs_as_its_counter_says_from_its_start_by_its_step():
 
 def test_bench_tpu_tables_both_programs_and_refuses_what_it_does_not_know(capsys):
   bench = h.load_module("tools/bench_tpu.py")
-  cell = dict(arguments=2**30, temporaries=2**31, host=0, collectives={"all-gather": 2**30}, flops=1e12, hbm_bytes=1e9,
-              roofline_s=0.4, hbm_budget=int(31.25 * 2**30), fsdp_ideal=2**31)
-  text = bench.table({("8b-v6e", "full"): {"torch_on_tpu": cell, "MaxText": {**cell, "roofline_s": 0.5}}})
-  assert "| 8b-v6e | full | torch_on_tpu | 1.00 + 2.00 = 3.00 (31.25) | 0.0 | 1.0 (1.0 / 0.0 / 0.0 / 0.0) | 0.50 | 1.0 | 1 | 0 | 0.400 | 0.80 × |" in text
+  cell = dict(arguments=2**30, temporaries=2**31, host=0, collectives={"all-gather": 2**30}, bounds={}, expert_gathers=0,
+              flops=1e12, expert_flops=0, hbm_bytes=1e9, roofline_s=0.4, hbm_budget=int(31.25 * 2**30), fsdp_ideal=2**31)
+  moe = {**cell, "collectives": {"all-gather": 2**30, "ragged-all-to-all": 2**31}, "bounds": {"ragged-all-to-all": 2**32},
+         "expert_gathers": 2**29, "flops": 3e12, "expert_flops": 2e12}
+  text = bench.table({("8b-v6e", "full"): {"torch_on_tpu": cell, "MaxText": {**cell, "roofline_s": 0.5}},
+                      ("qwen3-30b-v5p-ep8", "full"): {"torch_on_tpu": moe}})
+  assert ("| 8b-v6e | full | torch_on_tpu | 1.00 + 2.00 = 3.00 (31.25) | 0.0 | 1.0 (1.0 / 0.0 / 0.0 / 0.0 / 0.0 / 0.0) | 0.0 "
+          "| 0.50 | 1.0 | 1 | 0 | 0.400 | 0.80 × |") in text
+  assert "| 3.0 (1.0 / 0.0 / 0.0 / 0.0 / 0.0 / 2.0 (≤ 4.0)) | 0.5 | 1.50 | 3.0 (2.0) |" in text
   for bad in (["--rows=70b"], ["--remats=some"], ["--maxtext=/src"]):
     with pytest.raises(SystemExit):
       bench.parse_args(bad)
   assert "--maxtext and --maxtext_python go together" in capsys.readouterr().err
+  assert "deepseek-671b-v5p" not in bench.parse_args([]).rows  # opt-in: MaxText's side takes ~35 min
 
 
-def test_bench_tpus_fsdp_ideal_is_bf16_gathers_twice_and_a_bf16_reduce_scatter():
-  """Llama 3.1 8B's 8,030,261,248 weights on 8 chips: (2·2 + 2) bytes · N · 7/8 = 39.3 GiB."""
+def test_bench_tpus_rows_read_their_model_and_count_experts_at_balanced_routing():
+  """Llama 3.1 8B's 8,030,261,248 weights (FSDP's ideal: (2·2 + 2) bytes · N · 7/8 = 39.3 GiB on 8
+  chips); Qwen3-30B-A3B at ep=8: our receive buffers hold twice the balanced rows, MaxText's the
+  worst case, 8 × min(8, 16) / 8 = 8 times."""
   bench = h.load_module("tools/bench_tpu.py")
-  assert bench.fsdp_ideal("8B", 8) == int(6 * 8_030_261_248 * 7 / 8)
+  assert bench.model_facts(bench.ROWS["8b-v6e"])["params"] == 8_030_261_248
+  facts = bench.model_facts(bench.ROWS["qwen3-30b-v5p-ep8"])
+  assert facts["experts"] == {"count": 128, "top_k": 8, "shape": (768, 2048)}
+  assert bench.buffer_factor(facts, 8, ours=True) == 2 and bench.buffer_factor(facts, 8, ours=False) == 8
+  assert bench.buffer_factor(facts, 1, ours=False) == 1
 
 
 OFFLOAD_HLO = "\n".join([
@@ -291,3 +303,56 @@ def test_a_slice_inside_a_nested_fusion_reads_only_its_slice():
   kernels = program_cost.program_cost(NESTED_SLICE_HLO).kernels
   layer, stack, weight, out, index = 64 * 128 * 2, 32 * 64 * 128 * 2, 128 * 128 * 2, 64 * 128 * 2, 4
   assert sorted(b for _, b, _ in kernels) == [layer + index + weight + out, stack + weight + out]
+
+
+# `ragged_dot`'s weight gradient as the TPU compiler writes it (8 experts, 512 rows, 256 → 128):
+# a convolution batched over the experts by a window as wide as the input's dilation, and a
+# Mosaic kernel (its forward) run twice by a loop, with the cost estimate its backend_config carries.
+RAGGED_HLO = "\n".join([
+  "%cond (p: (s32[], f32[512,128])) -> pred[] {",
+  "  %p = (s32[], f32[512,128]) parameter(0)",
+  "  %c = s32[] constant(2)",
+  "  %i = s32[] get-tuple-element(%p), index=0",
+  "  ROOT %lt = pred[] compare(%i, %c), direction=LT",
+  "}",
+  "%body (p: (s32[], f32[512,128])) -> (s32[], f32[512,128]) {",
+  "  %p = (s32[], f32[512,128]) parameter(0)",
+  "  %i = s32[] get-tuple-element(%p), index=0",
+  "  %one = s32[] constant(1)",
+  "  %next = s32[] add(%i, %one)",
+  "  %x = bf16[512,256]{1,0} parameter(1)",
+  "  %w = bf16[8,256,128]{2,1,0} parameter(2)",
+  '  %k = f32[512,128]{1,0:T(8,128)} custom-call(%x, %w), custom_call_target="tpu_custom_call", '
+  'backend_config={"flag_configs":[],"custom_call_config":{"body":"...","cost_estimate":{"flops":"33554432",'
+  '"transcendentals":"0","bytes_accessed":"1048608","remote_bytes_transferred":"0"},"needs_layout_passes":true}}',
+  "  ROOT %t = (s32[], f32[512,128]) tuple(%next, %k)",
+  "}",
+  "%convolution_select_fusion (a: bf16[8,512,256], k: f32[8,512,128]) -> bf16[8,256,128] {",
+  "  %a = bf16[8,512,256]{2,1,0} parameter(0)",
+  "  %k = f32[8,512,128]{2,1,0} parameter(1)",
+  "  ROOT %c = bf16[8,256,128]{2,1,0} convolution(%a, %k), window={size=8 stride=7 lhs_dilate=8}, dim_labels=0fb_0io->0bf",
+  "}",
+  "ENTRY %main (a: bf16[8,512,256], k: f32[8,512,128], t: (s32[], f32[512,128])) -> bf16[8,256,128] {",
+  "  %a = bf16[8,512,256]{2,1,0} parameter(0)",
+  "  %k = f32[8,512,128]{2,1,0} parameter(1)",
+  "  %t = (s32[], f32[512,128]) parameter(2)",
+  "  %loop = (s32[], f32[512,128]) while(%t), condition=%cond, body=%body",
+  "  ROOT %dw = bf16[8,256,128]{2,1,0} fusion(%a, %k), kind=kOutput, calls=%convolution_select_fusion",
+  "}",
+])
+
+
+def test_a_convolution_batched_by_a_dilated_window_reads_one_position_per_output():
+  """`window={size=8 stride=7 lhs_dilate=8}` over 8 experts: each output position's window holds
+  one real input position (the rest are the dilation's holes): the dense masked product XLA runs,
+  2·G·M·K·N, not 8× that. (So read, the real transpose compiled for Qwen3-30B-A3B's 32,768 rows ×
+  2,048 → 768 over 128 experts on a v5p chip is 2·G·M·K·N to the FLOP: 13.19 TFLOP.)"""
+  assert program_cost.program_cost(RAGGED_HLO).flops == 2 * 8 * 512 * 256 * 128
+
+
+def test_mosaic_kernels_flops_are_their_cost_estimates_counted_apart_loops_counted():
+  """A Mosaic kernel's FLOPs are what its cost estimate says, times the loop's trips, in
+  `kernel_flops`; `flops` keeps the matmuls XLA writes (callers add attention's from the model)."""
+  cost = program_cost.program_cost(RAGGED_HLO)
+  assert cost.kernel_flops == 2 * 33554432
+  assert cost.flops == 2 * 8 * 512 * 256 * 128  # the kernel's not in it

@@ -59,6 +59,18 @@ def test_a_target_mesh_is_the_slices_compile_only_devices():
     tot.make_mesh(devices=mesh.devices.flat, target="v5p-8")
 
 
+@pytest.mark.parametrize("target,axes", [("v6e-16", dict(fsdp=-1, cp=2)), ("v6e-256", dict(fsdp=-1, ep=8)),
+                                         ("v5p-64", dict(fsdp=4, ep=2, cp=2, tp=2))])
+def test_an_axis_no_whole_torus_axis_fits_splits_one(target, axes):
+  """jax maps mesh axes onto whole physical torus axes and refused these (cp=2 on a 4x4 v6e slice:
+  "Failed to find assignment for logical_axis_index 1 of size 2"); every device once, each axis
+  its size."""
+  mesh = tot.make_mesh(target=target, **axes)
+  chips = targets.parse(target).chips * targets.parse(target).generation.devices_per_chip
+  assert all(mesh.shape[a] == n for a, n in axes.items() if n != -1) and mesh.size == chips
+  assert len({d.id for d in mesh.devices.flat}) == chips
+
+
 def test_several_slices_put_the_first_axis_across_them():
   mesh = tot.make_mesh(target="2xv5e-4", dp=2, fsdp=-1)
   first = mesh.devices[0]

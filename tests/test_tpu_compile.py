@@ -3,14 +3,16 @@
 Small shapes on compile-only devices (`tot.make_mesh(target=...)`): each test asserts that the
 step compiled for the slice, fits its HBM (the compiler's arguments + temporaries against the
 budget it reports), and holds the kernels that mode is for on TPU: Mosaic (splash attention,
-`tpu_custom_call`) where attention runs, XLA's ragged matmul for MoE experts. Nothing runs.
+`tpu_custom_call`) where attention runs and for MoE experts (megablox). Nothing runs.
 """
 
 import contextlib
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 import torch
@@ -20,10 +22,11 @@ from recipes import hf as hf_recipe
 from recipes import llama3 as llama3_recipe
 from tests import helpers as h
 from tests import test_bf16_training as bf16_training
+from torch_on_tpu.core import _compat
 from torch_on_tpu.lowering import ragged, target_device
 from torch_on_tpu.models.torchtitan import build_llama3, moe
 from torch_on_tpu.parallel import collectives, targets
-from torch_on_tpu.training import lora
+from torch_on_tpu.training import compile_report, lora, program_cost
 from torch_on_tpu.training.trainer import default_split
 
 MOSAIC = "tpu_custom_call"
@@ -214,30 +217,93 @@ def test_qwen3_5s_linear_attention_moves_only_what_fsdp_needs_on_v6e():
   ideal = collectives.fsdp_ideal_bytes(sharded, jm.mesh.size, weight_bytes=2, gradient_bytes=2)
   assert report.collective_bytes.total <= 1.1 * ideal, (str(report.collective_bytes), ideal)
 
-def test_expert_parallel_moe_compiles_for_v5p(monkeypatch):
-  """The experts' outputs are added to their tokens' rows (`moe.combine_by_rows`): torchtitan's
-  scatter by an index expanded to every element holds that int32 index, and its backward a gather
-  by it, as real TPU buffers (DeepSeek-V3 671B on v5p-1024, one sequence per chip: 79.4 → 76.1 GiB)."""
+def test_expert_parallel_moves_tokens_to_the_experts_on_v5p(monkeypatch):
+  """Experts split over ep=4: each chip keeps its 2 of the 8 experts and the tokens travel to them
+  in ragged all-to-alls (counted at balanced routing, the receive buffer's bound beside it), so the
+  step gathers less than plain FSDP, which brings every expert to every chip. The experts' outputs
+  are added to their tokens' rows (`moe.combine_by_rows`): torchtitan's scatter by an index
+  expanded to every element holds that int32 index, and its backward a gather by it, as real TPU
+  buffers (more HBM traffic here; DeepSeek-V3 671B on v5p-1024, one sequence per chip: 79.4 → 76.1
+  GiB of temporaries)."""
+  fsdp = _family_step("qwen3:debugmodel_moe", "v5p-8")
   report = _family_step("qwen3:debugmodel_moe", "v5p-8", ep=4)
-  assert report.collective_bytes.total > 0
+  moved = report.collective_bytes
+  assert 0 < moved.by_kind["ragged-all-to-all"] < moved.bounds["ragged-all-to-all"], moved
+  assert moved.by_kind["all-gather"] < fsdp.collective_bytes.by_kind["all-gather"] and moved.total < fsdp.collective_bytes.total
   monkeypatch.setattr(moe, "combine_by_rows", contextlib.nullcontext)
   by_element = _family_step("qwen3:debugmodel_moe", "v5p-8", ep=4)
-  assert report.temp_bytes < by_element.temp_bytes and report.cost.hbm_bytes < by_element.cost.hbm_bytes
+  assert report.cost.hbm_bytes < by_element.cost.hbm_bytes
 
 
-def test_the_grouped_matmul_compiled_for_a_tpu_is_xlas_ragged_dot():
-  """Traced for a TPU device (here a compile-only one, on a CPU-only machine), MoE experts run
-  `lax.ragged_dot`, which the TPU compiler builds as its own kernel; elsewhere the blocked loop."""
+def _grouped_matmul_step(x, w, sizes, dy):
+  """MoE experts' grouped matmul as `_grouped_mm` runs it (an fp32 product rounded to bf16), and its VJP."""
+  out, vjp = jax.vjp(lambda x, w: ragged.ragged_matmul(x, w, sizes, preferred_element_type=jnp.float32).astype(x.dtype), x, w)
+  return out, vjp(dy)
+
+
+def _grouped_matmul_args(rows, k, n, groups, sharding=lambda spec: None, specs=(None,) * 4):
+  shapes = (((rows, k), jnp.bfloat16), ((groups, k, n), jnp.bfloat16), ((groups,), jnp.int32), ((rows, n), jnp.bfloat16))
+  return [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding(spec)) for (shape, dtype), spec in zip(shapes, specs)]
+
+
+def test_the_grouped_matmul_compiled_for_a_tpu_runs_megablox_with_no_convolution_over_the_experts():
+  """Traced for a TPU device (here a compile-only one, on a CPU-only machine), MoE experts run jax's
+  megablox kernels, forward and backward; elsewhere the blocked loop. XLA's `ragged_dot` built the
+  weight gradient as a convolution over every expert, G× its FLOPs (Qwen3-30B-A3B's 32,768 rows ×
+  2,048 → 768 over 128 experts on a v5p chip: 13.2 TFLOP instead of 0.1). Here the product, the
+  input and the weight gradient are three Mosaic kernels of 2·M·K·N FLOPs each, and no
+  convolution is left."""
   device = targets.devices("v5p-8")[0]
-  args = (jnp.zeros((64, 32), jnp.bfloat16), jnp.zeros((4, 32, 16), jnp.bfloat16), jnp.full((4,), 16, jnp.int32))
-  traced = lambda: str(jax.make_jaxpr(lambda *a: ragged.ragged_matmul(*a))(*args))  # noqa: E731 (a fresh trace each time)
-  with target_device.compiling_for(device):
+  rows, k, n, groups = 1024, 256, 512, 8
+  args = _grouped_matmul_args(rows, k, n, groups, lambda _: jax.sharding.SingleDeviceSharding(device))
+  traced = lambda: str(jax.make_jaxpr(lambda *a: _grouped_matmul_step(*a))(*args))  # noqa: E731 (a fresh trace each time)
+  with target_device.compiling_for(device), _compat.without_persistent_cache():
     on_tpu = traced()
-  assert "ragged_dot" in on_tpu and "ragged_dot" not in traced()
-  sharding = jax.sharding.SingleDeviceSharding(device)
-  with target_device.compiling_for(device):
-    compiled = jax.jit(ragged.ragged_matmul).lower(*(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args)).compile()
-  assert "tpu_custom_call" in compiled.as_text() or "ragged" in compiled.as_text()
+    compiled = jax.jit(lambda *a: _grouped_matmul_step(*a)).lower(*args).compile()
+  assert "pallas_call" in on_tpu and "ragged_dot" not in on_tpu
+  assert "pallas_call" not in traced() and "ragged_dot" not in traced()
+  text = compiled.as_text()
+  assert " convolution(" not in text and text.count(MOSAIC) >= 3
+  assert abs(program_cost.program_cost(text).kernel_flops / (3 * 2 * rows * k * n) - 1) < 0.05
+
+
+def test_the_grouped_matmul_xlas_partitioner_splits_stays_ragged_dot():
+  """jax refuses a Mosaic kernel the partitioner would split ("Mosaic kernels cannot be automatically
+  partitioned"): across a mesh outside a shard_map the grouped matmul stays `ragged_dot`, which the
+  partitioner splits itself; inside a shard_map over every mesh axis (torchtitan's experts per data
+  shard) each device runs megablox on its own rows."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.sharding.Mesh(np.array(targets.devices("v5p-8")), ("fsdp",))
+  specs = (P("fsdp", None), P(None, "fsdp", None), P(), P("fsdp", None))
+  args = _grouped_matmul_args(1024, 256, 512, 8, lambda spec: NamedSharding(mesh, spec), specs)
+
+  def per_shard(x, w, sizes, dy):
+    out, (dx, dw) = _grouped_matmul_step(x, w, sizes, dy)
+    return out, dx, jax.lax.psum(dw, "fsdp")
+
+  # check_vma off, as `expert_parallel.Layout` runs experts (megablox's kernels declare no varying axes)
+  local = jax.shard_map(per_shard, mesh=mesh, in_specs=(P("fsdp", None), P(), P(), P("fsdp", None)),
+                        out_specs=(P("fsdp", None), P("fsdp", None), P()), check_vma=False)
+  with target_device.compiling_for(mesh.devices.flat[0]), _compat.without_persistent_cache():
+    for step, kernel in ((_grouped_matmul_step, "ragged_dot"), (local, "pallas_call")):
+      fresh = lambda *a, step=step: step(*a)  # noqa: E731 (traced anew, not from another test's trace)
+      assert kernel in str(jax.make_jaxpr(fresh)(*args))
+      jax.jit(fresh).lower(*args).compile()  # "Mosaic kernels cannot be automatically partitioned" with megablox outside
+
+
+def test_moe_experts_of_a_torchtitan_step_on_v5p_run_megablox(monkeypatch):
+  """Qwen3's debug MoE scanned on v5p-8 as the recipe runs it (each data shard's experts under a
+  shard_map): with `ragged_dot` its three expert weights' gradients were convolutions over the 8
+  experts (`lhs_dilate=8`); now none is, and each weight's gradient is a `tgmm` kernel."""
+  texts = []
+  report = compile_report.report
+  keep_text = lambda compiled, seconds: texts.append(compiled.as_text()) or report(compiled, seconds)  # noqa: E731
+  monkeypatch.setattr(compile_report, "report", keep_text)
+  cost = _family_step("qwen3:debugmodel_moe", "v5p-8").cost
+  assert not re.search(r" convolution\(.*lhs_dilate", texts[-1])
+  assert texts[-1].count("jit(tgmm)/pallas_call") == 3 and cost.kernel_flops > 0
 
 
 def test_a_step_compiled_again_for_a_target_reads_nothing_back_from_the_compile_cache():

@@ -2,10 +2,14 @@
 
     python tools/plan_calibration.py                                # the grid: 1B and 8B, v5p-8 and v6e-8, 5 remats
     python tools/plan_calibration.py --models=1B --targets=v5p-8 --remats=full --cpu=false   # one cell
+    python tools/plan_calibration.py --models=8B --targets=v5p-16 --layouts=tp2,cp2 --seqlen=4096 --remats=auto --cpu=false
+    python tools/plan_calibration.py --models=qwen3:30B-A3B --targets=v5p-64 --layouts=fsdp,ep8 --seqlen=4096 --batch=32 --remats=full --cpu=false
 
 Each cell is `python -m recipes.llama3 --model=M --seqlen=8192 --global_batch_size=8
 --dtype=bfloat16 --remat=R --target=T --dry_run` (torchtitan's Llama 3, fsdp over every chip,
-scanned, fp32 weights and AdamW, bf16 compute, splash attention): the plan's total per chip beside
+scanned, fp32 weights and AdamW, bf16 compute, splash attention; a model named `<family>:<flavor>`
+runs `recipes.torchtitan` instead; `--layouts` adds tensor, context and expert parallelism:
+`tp2` is `--tp=2`, `cp2` `--cp=2`, `ep8` `--ep=8`): the plan's total per chip beside
 the TPU compiler's arguments + temporaries, the compiler's own count of its peak
 (`peak_memory_in_bytes`: what its schedule holds at once, what the plan is held to within 10%; the
 temporaries' allocation is laid out larger), what it offloads to host memory, and, with
@@ -39,6 +43,7 @@ sys.path.insert(0, str(ROOT))  # recipes and torch_on_tpu from this checkout, ru
 from bench_tpu import in_worker  # noqa: E402 (tools/ is the script's own folder on sys.path)
 
 MODELS, TARGETS, REMATS = ("1B", "8B"), ("v5p-8", "v6e-8"), ("none", "auto", "full", "offload_dots", "maxtext_offload")
+LAYOUTS = {"fsdp": {}, "tp2": {"tp": 2}, "cp2": {"cp": 2}, "ep8": {"ep": 8}}
 POLICY = {"auto": "dots_and_attention", "maxtext_offload": "offload:input,attention.qkv_linear.wqkv,attention.wo"}
 SEQLEN, BATCH = 8192, 8
 TOLERANCE = 0.10  # the plan's promise: within 10% of the TPU compiler's peak (`yardstick`)
@@ -47,7 +52,11 @@ GiB = 2**30
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
+  p.add_argument("--models", default=",".join(MODELS), help="comma-separated Llama 3 flavors (" + ", ".join(MODELS) +
+                 ") or torchtitan <family>:<flavor> specs")
+  p.add_argument("--layouts", default="fsdp", help="comma-separated subset of " + ", ".join(LAYOUTS))
+  p.add_argument("--seqlen", type=int, default=SEQLEN)
+  p.add_argument("--batch", type=int, default=BATCH, help="global batch")
   p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated TPU slices (tot.parallel.targets names)")
   p.add_argument("--remats", default=",".join(REMATS), help="comma-separated subset of " + ", ".join(REMATS))
   p.add_argument("--cpu", default="true", choices=("true", "false"), help="also compile each cell with XLA:CPU")
@@ -55,7 +64,7 @@ def parse_args(argv=None):
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # MODEL:TARGET:REMAT:PLATFORM, in this process
   p.add_argument("--out", default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  for name, allowed in (("models", MODELS), ("remats", REMATS)):
+  for name, allowed in (("layouts", LAYOUTS), ("remats", REMATS)):
     for value in getattr(args, name).split(","):
       if value not in allowed:
         p.error(f"--{name}: {value!r} is not one of {', '.join(allowed)}")
@@ -70,20 +79,22 @@ def parse_args(argv=None):
   return args
 
 
-def cell(model: str, target: str, remat: str, platform: str) -> dict:
+def cell(model: str, target: str, remat: str, platform: str, layout: str = "fsdp", seqlen: int = SEQLEN, batch: int = BATCH) -> dict:
   """One dry run through the recipe, in this process: the plan's total and the compiler's figures."""
-  from recipes import llama3
+  from recipes import llama3, torchtitan
   from torch_on_tpu.errors import TorchOnTpuError
   from torch_on_tpu.parallel import targets
 
   slice_ = targets.parse(target)
   where = dict(target=target) if platform == "tpu" else dict(cpu_devices=slice_.chips * slice_.generation.devices_per_chip)
-  flags = llama3.Llama3Flags(model=model, seqlen=SEQLEN, global_batch_size=BATCH, dtype="bfloat16", remat=POLICY.get(remat, remat),
-                             dry_run=True, compile_cache="off", memory_gib=4096, **where)
+  common = dict(seqlen=seqlen, global_batch_size=batch, dtype="bfloat16", remat=POLICY.get(remat, remat), dry_run=True,
+                compile_cache="off", memory_gib=4096, **LAYOUTS[layout], **where)
+  recipe, flags = (torchtitan, torchtitan.TorchtitanFlags(model=model, **common)) if ":" in model else (
+    llama3, llama3.Llama3Flags(model=model, **common))
   printed = io.StringIO()
   try:
     with contextlib.redirect_stdout(printed):
-      summary = llama3.run(flags)
+      summary = recipe.run(flags)
   except TorchOnTpuError as e:  # the TPU compiler's own refusal: its temporaries alone exceed HBM
     needed = re.search(r"needs ([\d.]+) GiB of temporaries", str(e))
     if needed is None:
@@ -98,15 +109,15 @@ def cell(model: str, target: str, remat: str, platform: str) -> dict:
 
 def table(results: dict) -> str:
   lines = [
-    "| model | slice | remat | plan GiB | TPU compiler: args + temps GiB (of HBM) | plan / TPU | compiler's peak GiB | plan / peak "
+    "| model | slice | layout | remat | plan GiB | TPU compiler: args + temps GiB (of HBM) | plan / TPU | compiler's peak GiB | plan / peak "
     "| host offloaded GiB: plan / TPU | XLA:CPU args + temps GiB |",
-    "|---|---|---|---|---|---|---|---|---|---|",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
   ]
-  for (model, target, remat), sides in results.items():
+  for (model, target, layout, remat), sides in results.items():
     tpu, cpu = sides["tpu"], sides.get("cpu")
     cpu_cell = "-" if cpu is None else cpu.get("error") or f"{(cpu['arguments'] + cpu['temporaries']) / GiB:.2f}"
     if "error" in tpu:
-      lines.append(f"| {model} | {target} | {remat} | | {tpu['error']} | | | | | {cpu_cell} |")
+      lines.append(f"| {model} | {target} | {layout} | {remat} | | {tpu['error']} | | | | | {cpu_cell} |")
       continue
     peak = tpu["arguments"] + tpu["temporaries"]
     refused = " (refused: over HBM; arguments = the plan's params + optimizer state)" if tpu.get("refused") else ""
@@ -119,7 +130,7 @@ def table(results: dict) -> str:
       bound = "the peak" if held_to == compiler_peak else "the allocation"
       peak_cells = f"{compiler_peak / GiB:.2f} (host counted) | {_ratio(tpu['plan'], held_to)} of {bound}, the chip's bound"
     lines.append(
-      f"| {model} | {target} | {remat} | {tpu['plan'] / GiB:.2f} | {tpu['arguments'] / GiB:.2f} + {tpu['temporaries'] / GiB:.2f} = "
+      f"| {model} | {target} | {layout} | {remat} | {tpu['plan'] / GiB:.2f} | {tpu['arguments'] / GiB:.2f} + {tpu['temporaries'] / GiB:.2f} = "
       f"{peak / GiB:.2f} ({tpu['hbm'] / GiB:.2f}){refused} | {_ratio(tpu['plan'], peak)} | {peak_cells} "
       f"| {tpu['plan_host'] / GiB:.1f} / {tpu['host'] / GiB:.1f} | {cpu_cell} |"
     )
@@ -144,27 +155,30 @@ def _ratio(plan: float, compiled: float) -> str:
 def main(argv=None) -> int:
   args = parse_args(argv)
   if args.worker:
-    model, target, remat, platform = args.worker.split(":", 3)
-    if platform == "tpu":
+    spec = json.loads(args.worker)
+    if spec["platform"] == "tpu":
       from torch_on_tpu.runtime import libtpu
 
       libtpu.quiet_without_chips()
-    json.dump(cell(model, target, remat, platform), open(args.out, "w"))
+    json.dump(cell(**spec), open(args.out, "w"))
     return 0
   results = {}
   for model in args.models.split(","):
     for target in args.targets.split(","):
-      for remat in args.remats.split(","):
-        sides = {"tpu": in_worker(__file__, f"{model}:{target}:{remat}:tpu", "tpu compile")}
-        if args.cpu == "true":  # a CPU cell needs its device count before jax starts: its own process too
-          sides["cpu"] = in_worker(__file__, f"{model}:{target}:{remat}:cpu", "cpu compile")
-        results[(model, target, remat)] = sides
-        print(f"{model} {target} {remat}: {json.dumps(sides)}", file=sys.stderr, flush=True)
+      for layout in args.layouts.split(","):
+        for remat in args.remats.split(","):
+          spec = dict(model=model, target=target, remat=remat, layout=layout, seqlen=args.seqlen, batch=args.batch)
+          sides = {"tpu": in_worker(__file__, json.dumps({**spec, "platform": "tpu"}), "tpu compile")}
+          if args.cpu == "true":  # a CPU cell needs its device count before jax starts: its own process too
+            sides["cpu"] = in_worker(__file__, json.dumps({**spec, "platform": "cpu"}), "cpu compile")
+          results[(model, target, layout, remat)] = sides
+          print(f"{model} {target} {layout} {remat}: {json.dumps(sides)}", file=sys.stderr, flush=True)
   print(table(results))
   if args.json:
-    json.dump([{"model": m, "target": t, "remat": r, **sides} for (m, t, r), sides in results.items()], open(args.json, "w"), indent=1)
+    json.dump([{"model": m, "target": t, "layout": lay, "remat": r, **sides} for (m, t, lay, r), sides in results.items()],
+              open(args.json, "w"), indent=1)
   # A refused cell has no schedule to hold the plan to: the temporaries its refusal names are
-  # larger than what the same per-chip program holds where it fits (docs/performance.md).
+  # larger than what the same per-chip program holds where it fits (CHANGELOG.md).
   worst = [abs(s["tpu"]["plan"] / yardstick(s["tpu"]) - 1) for s in results.values() if yardstick(s["tpu"])]
   return 0 if worst and max(worst) <= TOLERANCE else 1
 

@@ -55,7 +55,17 @@ SPECS = (
   "qwen3_5:debugmodel_moe",
   "gpt_oss:debugmodel",
 )
-MODES = ("forward", "scan", "train", "scan_train", "tp", "ep", "spread")
+MODES = ("forward", "scan", "train", "scan_train", "tp", "ep", "ep_train", "ep_tp_train", "ep_pp_train", "spread")
+# The sharded modes' meshes and presets: torchtitan's TP plan; experts over ep=8; experts over
+# ep x tp (its expert-parallel group borrowing tp: the tokens split over tp inside the MoE); experts
+# over ep inside pipeline stages (the MoE's token counts carried through the stages).
+LAYOUTS = {
+  "tp": (dict(fsdp=4, tp=2), "fsdp_tp"),
+  "ep": (dict(ep=8), "ep"),
+  "ep_train": (dict(ep=8), "ep"),
+  "ep_tp_train": (dict(fsdp=2, ep=2, tp=2), "fsdp_tp"),
+  "ep_pp_train": (dict(pp=2, fsdp=2, ep=2), "ep"),
+}
 SEQ = 32
 BATCH = 8
 VOCAB = 256
@@ -530,9 +540,9 @@ def all_tensors(jm):
 def wrap(config, mode):
   import torch_on_tpu as tot
 
-  axes = {"tp": dict(fsdp=4, tp=2), "ep": dict(ep=8)}.get(mode, dict(fsdp=8))
-  sharding = {"tp": "fsdp_tp", "ep": "ep"}.get(mode, "fsdp")
-  return tot.ShardedModule(build(config), mesh=tot.make_mesh(**axes), sharding=sharding, scan=mode.startswith("scan"))
+  axes, sharding = LAYOUTS.get(mode, (dict(fsdp=8), "fsdp"))
+  scan = mode.startswith("scan") or mode in LAYOUTS and mode != "tp"
+  return tot.ShardedModule(build(config), mesh=tot.make_mesh(**axes), sharding=sharding, scan=scan)
 
 
 def precision_of(spec: str) -> str:
@@ -729,7 +739,7 @@ def main(argv=None):
   xla_flags.simulate_cpu_devices(8, replace=False)
   for spec in args.specs:
     for mode in args.modes.split(","):
-      if mode == "ep" and "moe" not in spec and spec.split(":")[0] not in ("deepseek_v3", "kimi_k2_7", "gpt_oss"):
+      if mode.startswith("ep") and "moe" not in spec and spec.split(":")[0] not in ("deepseek_v3", "kimi_k2_7", "gpt_oss"):
         continue
       start = time.perf_counter()
       try:

@@ -5,7 +5,9 @@ collective bytes (`parallel.collectives`), FLOPs and HBM bytes (`training.progra
 A loop's trip count is its `known_trip_count`, else what its induction variable gives (start,
 step and the bound its condition compares with), else the largest integer constant of its
 condition. A computation called by a fusion is marked fused: its instructions run inside one
-kernel, so only the fusion's own operands and result touch memory.
+kernel, so only the fusion's own operands and result touch memory. A loop or conditional traced
+under the jax name scope `UNCOUNTED_SCOPE` runs only in unusual cases (an expert-parallel device
+receiving more rows than its buffer holds: `parallel.expert_parallel`): counted as not running.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ _SHAPE = re.compile(r"\b(pred|[sufc]\d+|bf16|f8e4m3fn|f8e5m2)\[([\d,]*)\](\{[^}]
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")  # a layout's memory space: none or 0 is HBM, 5 pinned host memory,
 HOST_MEMORY_SPACE = 5                     # others on-chip memory (on TPU, 1 is VMEM; 2 its synchronisation flags)
 _CALLS = re.compile(r"(?:calls|to_apply|true_computation|false_computation)=%([^\s,}]+)")
+UNCOUNTED_SCOPE = "tot_uncounted"
 
 
 @dataclasses.dataclass
@@ -137,6 +140,8 @@ class Module:
 
   def callees(self, inst: Instruction) -> list[tuple[str, int]]:
     """(computation, times it runs per run of `inst`)."""
+    if inst.op in ("while", "conditional") and re.search(rf'op_name="[^"]*/{UNCOUNTED_SCOPE}/', inst.rest):
+      return []
     if inst.op == "while":
       body = re.search(r"body=%([^\s,]+)", inst.rest)
       cond = re.search(r"condition=%([^\s,]+)", inst.rest)
@@ -175,6 +180,8 @@ def parse(text: str) -> Module:
         root, name, shape, op, rest = inst.groups()
         computations[current].append(Instruction(name, shape, op, rest, root=bool(root)))
         shapes[current][name] = shape
+      elif computations[current]:  # an instruction's text continued (a Mosaic kernel's metadata spans lines)
+        computations[current][-1].rest += "\n" + line
   return Module(computations, entry, shapes)
 
 

@@ -29,6 +29,10 @@ class DecoderShape:
   attention_layers: int | None = None  # layers with softmax attention; None: all of them
   inactive_params: int = 0  # parameters a token does not touch (routed experts not chosen)
   predictions: int = 1  # lm_head applications per token: 1 + multi-token-prediction depths
+  moe_layers: int = 0  # layers with routed experts
+  experts: int = 0  # routed experts per MoE layer
+  top_k: int = 0  # of them each token is sent to
+  expert_ffn: int = 0  # one expert's hidden units
 
 
 @dataclasses.dataclass(frozen=True)

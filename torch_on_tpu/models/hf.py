@@ -13,6 +13,7 @@ import torch
 
 from torch_on_tpu.core import _compat, extras
 from torch_on_tpu.errors import TorchOnTpuError, first_line
+from torch_on_tpu.models import hf_experts
 from torch_on_tpu.models._maps import present_rules
 from torch_on_tpu.models.family import CacheNotCarried, DecoderShape, Family, HFForm
 from torch_on_tpu.parallel.sharding import compile_pattern
@@ -190,8 +191,14 @@ def torch_reference_kernels(module: torch.nn.Module):
   kernel package is installed (flash-linear-attention, causal-conv1d, mamba-ssm) transformers
   calls it instead, and its Triton/CUDA kernels cannot run on traced tensors; where none is,
   its wrapper would log that the slow torch path runs and to install the package.
-  A packed-sequence call is refused: the torch code cannot keep the sequences apart."""
-  swapped = []
+  A packed-sequence call is refused: the torch code cannot keep the sequences apart.
+  Its method caches (`compile_compatible_method_lru_cache`: Data2Vec's relative position index)
+  are bypassed, as under torch.compile: a tensor cached by an eager call is a CPU tensor in the
+  program, one cached by a trace a tracer outside it."""
+  from transformers import pytorch_utils
+
+  swapped = [(vars(pytorch_utils), "is_torchdynamo_compiling", pytorch_utils.is_torchdynamo_compiling)]
+  vars(pytorch_utils)["is_torchdynamo_compiling"] = lambda: True  # read only by that cache's wrapper
   for name in {type(m).__module__ for m in module.modules()}:
     namespace = vars(sys.modules[name]) if name in sys.modules else {}
     for attr, fn in list(namespace.items()):
@@ -340,6 +347,7 @@ class HFFamily(Family):
       kv_heads=getattr(config, "num_key_value_heads", None) or heads,
       head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
       vocab=config.vocab_size,
+      **hf_experts.routed_shape(module),
     )
 
   def sharding_map(self, module, preset):
@@ -348,8 +356,12 @@ class HFFamily(Family):
   def fsdp_dims(self, module):
     return fsdp_dims(module)
 
+  @contextlib.contextmanager
   def running(self, module, mesh=None, data_axes=()):
-    return torch_reference_kernels(module)
+    """transformers' reference kernels kept (`torch_reference_kernels`); its experts modules run
+    where their experts live (`hf_experts`)."""
+    with torch_reference_kernels(module), hf_experts.where_they_live(module, mesh, data_axes):
+      yield
 
   def attention_routes(self, attend):
     if "transformers" not in sys.modules:  # no HF model in this process to route

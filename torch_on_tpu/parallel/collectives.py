@@ -9,6 +9,11 @@ devices: all-gather out·(n-1)/n, reduce-scatter out·(n-1), all-reduce
 2·out·(n-1)/n, all-to-all out·(n-1)/n, collective-permute out (none where every
 device sends to itself). The TPU compiler runs SPMD's all-reduce-then-slice of a sharded gradient as one reduce-scatter (an
 `all-reduce-scatter` fusion): counted as the reduce-scatter it is.
+
+A ragged all-to-all (expert parallelism's tokens to their experts and back) moves what the
+routing decides: counted at balanced routing, where a device receives as many rows as it sends
+(the smaller of its two buffers: the rows going out, or the rows coming back), ·(n-1)/n; its
+bound, the receive buffer filled from the other devices, output·(n-1)/n, is kept apart (`bounds`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import re
 from torch_on_tpu.core import hlo_text
 from torch_on_tpu.core.sizes import human_bytes
 
-_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute", "ragged-all-to-all")
 
 
 @dataclasses.dataclass
@@ -28,35 +33,46 @@ class CollectiveBytes:
   """Bytes received per device in one execution, by kind of collective."""
 
   by_kind: dict
+  bounds: dict = dataclasses.field(default_factory=dict)  # kinds whose bytes depend on data: their most
 
   @property
   def total(self) -> int:
     return sum(self.by_kind.values())
 
   def __str__(self) -> str:
-    parts = [f"{kind} {human_bytes(n)}" for kind, n in sorted(self.by_kind.items(), key=lambda kv: -kv[1]) if n]
+    bound = lambda kind: f" (at most {human_bytes(self.bounds[kind])})" if kind in self.bounds else ""  # noqa: E731
+    parts = [f"{kind} {human_bytes(n)}{bound(kind)}" for kind, n in sorted(self.by_kind.items(), key=lambda kv: -kv[1]) if n]
     return f"{human_bytes(self.total)} ({', '.join(parts)})" if parts else "none"
 
 
-def collective_bytes(text: str | hlo_text.Module) -> CollectiveBytes:
+def collective_bytes(text: str | hlo_text.Module, select=None) -> CollectiveBytes:
   """Per-device bytes received by the collectives of an optimized HLO module (its text or its
-  parsed `hlo_text.Module`)."""
+  parsed `hlo_text.Module`); `select(result_shape) -> bool` keeps only some of them."""
   module = hlo_text.parse(text) if isinstance(text, str) else text
   scatters = {inst.name: _reduce_scatter_fusion(inst, module) for insts in module.computations.values() for inst in insts}
   inside_scatters = {callee for insts in module.computations.values() for inst in insts if scatters[inst.name]
                      for callee, _ in module.callees(inst)}
   totals: dict[str, float] = {}
+  bounds: dict[str, float] = {}
   for name, times in module.runs().items():
     if name in inside_scatters:
       continue  # counted as the reduce-scatter its fusion is
     for inst in module.computations[name]:
       kind = inst.op.removesuffix("-start")
-      if kind in _KINDS and not inst.op.endswith("-done") and not _stays_put(kind, inst.rest):
+      if select is not None and not select(inst.shape):
+        continue
+      if kind == "ragged-all-to-all" and not inst.op.endswith("-done"):
+        n = _group_size(inst.rest)
+        sent = _bytes(module.shapes[name].get(inst.operands()[0], "")) if inst.operands() else 0
+        balanced = min(sent, _bytes(inst.shape))  # the rows routed, whichever of the two buffers holds exactly them
+        totals[kind] = totals.get(kind, 0) + times * _received("all-to-all", balanced, n)
+        bounds[kind] = bounds.get(kind, 0) + times * _received("all-to-all", _bytes(inst.shape), n)
+      elif kind in _KINDS and not inst.op.endswith("-done") and not _stays_put(kind, inst.rest):
         totals[kind] = totals.get(kind, 0) + times * _received(kind, _bytes(inst.shape), _group_size(inst.rest))
       if scatters[inst.name]:  # the TPU compiler's all-reduce + slice, run as a reduce-scatter
         received = _received("reduce-scatter", _bytes(inst.shape), scatters[inst.name])
         totals["reduce-scatter"] = totals.get("reduce-scatter", 0) + times * received
-  return CollectiveBytes({k: int(v) for k, v in totals.items()})
+  return CollectiveBytes({k: int(v) for k, v in totals.items()}, {k: int(v) for k, v in bounds.items()})
 
 
 def fsdp_ideal_bytes(sharded_elements: int, devices: int, *, weight_bytes: int, gradient_bytes: int, gathers: int = 2) -> int:

@@ -10,6 +10,7 @@ Axes are `Auto`: shardings propagate through torch code like GSPMD does.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
@@ -18,6 +19,8 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 from torch_on_tpu import runtime
 from torch_on_tpu.errors import TorchOnTpuError, call, named
 from torch_on_tpu.parallel import targets
+
+logger = logging.getLogger(__name__)
 
 # Mesh axes that carry the batch, in the order a batch dim is split over them.
 # Expert-parallel devices take their share of the batch too (tokens reach the
@@ -32,7 +35,15 @@ PIPELINE_AXIS = "pp"
 # with one. It is not a data axis; its devices shard the parameters FSDP-style
 # together with `fsdp` (`param_axes`), so CP costs no parameter memory.
 SEQUENCE_AXIS = "cp"
-PARAM_AXIS_NAMES = ("fsdp", SEQUENCE_AXIS)
+# The axes parameters shard over FSDP-style: `fsdp`, and `ep` and `cp`, whose devices hold
+# different tokens too (an expert-parallel device is a data-parallel one outside the experts).
+PARAM_AXIS_NAMES = ("fsdp", "ep", SEQUENCE_AXIS)
+
+# Expert parallelism: MoE experts split over `ep` and, inside an MoE layer, over the axes whose
+# devices hold other tokens there too (torchtitan's expert-parallel group borrows `cp` and `tp`:
+# the tokens are split over both inside the MoE). `parallel.expert_parallel` moves the tokens.
+EXPERT_AXIS = "ep"
+EXPERT_GROUP_AXES = (EXPERT_AXIS, SEQUENCE_AXIS, "tp")
 
 
 def make_mesh(devices=None, *, target: str | None = None, **axes: int) -> Mesh:
@@ -78,9 +89,17 @@ def make_mesh(devices=None, *, target: str | None = None, **axes: int) -> Mesh:
   slices = len({getattr(d, "slice_index", 0) for d in devices})
   if slices > 1:
     return _multislice_mesh(tuple(sizes), names, devices, slices)
-  return jax.make_mesh(
-    tuple(sizes), names, axis_types=(AxisType.Auto,) * len(names), devices=devices
-  )
+  try:
+    return jax.make_mesh(tuple(sizes), names, axis_types=(AxisType.Auto,) * len(names), devices=devices)
+  except NotImplementedError:
+    # jax maps each axis onto whole physical torus axes (or products of them); an axis of 2 on a
+    # 4x4 v6e slice has none. Splitting a torus axis between mesh axes works too, its collectives
+    # running over part of a ring.
+    from jax.experimental import mesh_utils
+
+    logger.info("mesh %s: an axis splits a physical torus axis of the %d devices", dict(zip(names, sizes)), count)
+    grid = mesh_utils.create_device_mesh(tuple(sizes), devices, allow_split_physical_axes=True)
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def _simulate_hint(devices: list, wanted: int) -> str:
@@ -119,8 +138,16 @@ def data_axes(mesh: Mesh) -> tuple[str, ...]:
 
 
 def param_axes(mesh: Mesh) -> tuple[str, ...]:
-  """The mesh axes parameters are FSDP-sharded over: `fsdp` and `cp`, those the mesh has."""
+  """The mesh axes parameters are FSDP-sharded over: `fsdp`, `ep` and `cp`, those the mesh has."""
   return tuple(a for a in PARAM_AXIS_NAMES if a in mesh.shape)
+
+
+def expert_axes(mesh: Mesh | None) -> tuple[str, ...]:
+  """The mesh axes MoE experts split over: with an `ep` axis (of any size), `ep`, `cp` and `tp`,
+  those the mesh has with more than one device, in mesh order; without one, none."""
+  if mesh is None or EXPERT_AXIS not in mesh.shape:
+    return ()
+  return tuple(a for a in mesh.axis_names if a in EXPERT_GROUP_AXES and mesh.shape[a] > 1)
 
 
 def sequence_ways(mesh: Mesh) -> int:

@@ -196,19 +196,26 @@ class Pipeline:
     entries = [*lead, data] + [PartitionSpec.UNCONSTRAINED] * (x.ndim - len(lead) - 1)
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*entries)))
 
-  def run(self, stage_fn, stacked, hidden, per_example):
+  def run(self, stage_fn, stacked, hidden, per_example, state=None):
     """The layer stack on `hidden` [B, ...], pipelined.
 
     `stacked`: pytree of arrays with a leading dim of the stored layers (in
     `storage_order`); `per_example`: pytree of arrays [B, ...] the layers take per
-    row (masks, positions). `stage_fn(block, h, per_example_mb, microbatch)` runs
-    one block of layers (`block`: `stacked` sliced to that block's layers) on one
-    microbatch `h` [B/M, ...]; it is traced once, vmapped over the stages.
-    Returns the last layer's output [B, ...], batch split over the data axes and `pp`.
+    row (masks, positions); `state`: arrays like `stacked` that the layers update as they
+    run (buffers: MoE token counts), carried from tick to tick, each microbatch's update
+    kept in the order the stage runs them, a tick that runs no microbatch changing nothing.
+    `stage_fn(block, h, per_example_mb, microbatch, block_state)` runs one block of layers
+    (`block`: `stacked` sliced to that block's layers, `block_state` its `state`) on one
+    microbatch `h` [B/M, ...] and returns (h, the block's new state); it is traced once,
+    vmapped over the stages. Returns the last layer's output [B, ...], batch split over the
+    data axes and `pp`, and the final `state`.
     """
     s_count, m_count, v_count = self.schedule.stages, self.schedule.microbatches, self.schedule.virtual_stages
     pp = mesh_lib.PIPELINE_AXIS
-    blocks = jax.tree.map(lambda a: a.reshape(s_count, v_count, a.shape[0] // (s_count * v_count), *a.shape[1:]), stacked)
+    to_blocks = lambda a: a.reshape(s_count, v_count, a.shape[0] // (s_count * v_count), *a.shape[1:])  # noqa: E731
+    blocks = jax.tree.map(to_blocks, stacked)
+    state = {} if state is None else state
+    state_blocks = jax.tree.map(to_blocks, state)
     split = lambda a: a.reshape(a.shape[0] // m_count, m_count, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731
     micro = self._constrain(split(hidden), (None,), 1)
     per_example = jax.tree.map(lambda a: self._constrain(split(a), (None,), 1), per_example)
@@ -221,17 +228,21 @@ class Pipeline:
     state = self._constrain(jnp.broadcast_to(micro[0], (s_count, *micro.shape[1:])), (pp,), 1)
     stage_ids = jnp.arange(s_count)
 
-    def one_stage(block_all, h, stage, tick):
+    def one_stage(block_all, h, stage, tick, state_all):
       offset = tick - stage
       microbatch = offset % m_count
       round_ = jnp.clip(offset // m_count, 0, v_count - 1)
       block = jax.tree.map(lambda a: a[round_], block_all)
       mine = jax.tree.map(lambda a: a[microbatch], per_example)
-      return stage_fn(block, h, mine, microbatch)
+      before = jax.tree.map(lambda a: a[round_], state_all)
+      h, after = stage_fn(block, h, mine, microbatch, before)
+      runs = (offset >= 0) & (offset < v_count * m_count)  # a bubble tick's update is dropped
+      after = jax.tree.map(lambda new, old: jax.lax.stop_gradient(jnp.where(runs, new, old)), after, before)
+      return h, jax.tree.map(lambda a, b: a.at[round_].set(b), state_all, after)
 
     run_stages = jax.vmap(
       jax.checkpoint(one_stage, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=True),
-      in_axes=(0, 0, 0, None),
+      in_axes=(0, 0, 0, None, 0),
       spmd_axis_name=pp,
     )
 
@@ -251,14 +262,15 @@ class Pipeline:
       return jnp.stack([own, box[tick % m_count]])[(stage == 0).astype(jnp.int32)]
 
     def tick_fn(carry, tick):
-      inbox, state = carry
+      inbox, state, buffers = carry
       inbox = receive(inbox, state, tick)
       inputs = jax.vmap(take, in_axes=(0, 0, 0, None))(inbox, stage_ids, state, tick)
-      outputs = self._constrain(run_stages(blocks, inputs, stage_ids, tick), (pp,), 1)
-      return (inbox, jnp.roll(outputs, 1, axis=0)), None
+      outputs, buffers = run_stages(blocks, inputs, stage_ids, tick, buffers)
+      outputs = self._constrain(outputs, (pp,), 1)
+      return (inbox, jnp.roll(outputs, 1, axis=0), buffers), None
 
     ticks = self.schedule.ticks
-    (inbox, state), _ = jax.lax.scan(tick_fn, (inbox, state), jnp.arange(ticks))
+    (inbox, state, state_blocks), _ = jax.lax.scan(tick_fn, (inbox, state, state_blocks), jnp.arange(ticks))
     inbox = receive(inbox, state, ticks)
     # Stage 0's inbox holds every microbatch's last output; the masked sum over stages
     # is one reduce-scatter (or all-reduce) of one activation tensor.
@@ -266,4 +278,4 @@ class Pipeline:
     done = jnp.sum(jnp.where(first, inbox, jnp.zeros((), inbox.dtype)), axis=0)[:m_count]
     done = self._constrain(done, (pp if m_count % s_count == 0 else None,), 1)
     out = done.swapaxes(0, 1).reshape(hidden.shape)
-    return out
+    return out, jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), state_blocks)

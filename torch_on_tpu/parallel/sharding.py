@@ -271,28 +271,47 @@ def _resolve_preset(name: str, tensors: Sequence[TensorInfo], mesh: Mesh, expert
   return Resolved(specs=specs, activations={}, uncovered=[])
 
 
+def is_expert(name: str, shape, experts: set | None = None) -> bool:
+  """Whether the "ep" preset splits this tensor on its expert dim: one the model's family names
+  (`experts`), or by the generic rule a tensor of 2+ dims under a module named `experts`."""
+  if experts is not None:
+    return name in experts
+  return "experts" in name.split(".")[:-1] and len(shape) >= 2
+
+
+def with_experts(table: Mapping[str, Spec], tensors: Sequence[TensorInfo], mesh: Mesh, experts=None) -> dict:
+  """A family's map (`"fsdp_tp"`) on a mesh with an `ep` axis: its expert tensors stored as the
+  "ep" preset stores them (`expert_spec`), by exact name so they win over the map's patterns."""
+  if "ep" not in mesh.shape:
+    return dict(table)
+  experts = None if experts is None else set(experts)
+  return {**table, **{t.name: expert_spec(t.shape, mesh) for t in tensors if t.is_param and is_expert(t.name, t.shape, experts)}}
+
+
 def _expert_parallel_spec(t: TensorInfo, mesh: Mesh, experts: set | None = None) -> PartitionSpec:
-  """The "ep" preset for one tensor: an expert weight's expert dim over `ep` (or `fsdp`), its
-  other dims as "fsdp"; any other parameter split over the parameter axes and `ep` together
-  (the `ep` devices hold different data, so the dense weights shard over them as over
-  `fsdp`: their gradients are reduce-scattered over every data device, not all-reduced
-  across `ep`)."""
-  axis = "ep" if "ep" in mesh.shape else "fsdp"
-  if axis not in mesh.shape:
+  """The "ep" preset for one tensor: an expert weight as `expert_spec`; any other parameter
+  split over the parameter axes (`ep` among them: its devices hold different data, so the dense
+  weights shard over them as over `fsdp`, their gradients reduce-scattered over every data
+  device, not all-reduced across `ep`)."""
+  if "ep" not in mesh.shape and "fsdp" not in mesh.shape:
     raise TorchOnTpuError(
       f"The 'ep' sharding preset needs an 'ep' (or 'fsdp') mesh axis but the mesh is {_fmt_mesh(mesh)}; "
       f"build it with make_mesh(ep=..., fsdp=...)."
     )
-  if experts is not None:
-    is_expert = t.name in experts
-  else:
-    is_expert = "experts" in t.name.split(".")[:-1] and len(t.shape) >= 2
-  sharded = bool(mesh_lib.param_axes(mesh))
-  dense_axes = (*mesh_lib.param_axes(mesh), "ep") if axis == "ep" else mesh_lib.param_axes(mesh)
-  rest = fsdp_spec(t.shape, mesh, dense_axes, prefer=t.fsdp_dim) if t.is_param and dense_axes else (None,) * len(t.shape)
-  if not is_expert:
-    return PartitionSpec(*rest)
-  if axis == "fsdp":
-    return check_spec(t.name, t.shape, ("fsdp",) + (None,) * (len(t.shape) - 1), mesh)
-  inner = fsdp_spec(t.shape[1:], mesh) if sharded else (None,) * (len(t.shape) - 1)
-  return check_spec(t.name, t.shape, ("ep", *inner), mesh)
+  if is_expert(t.name, t.shape, experts):
+    return check_spec(t.name, t.shape, expert_spec(t.shape, mesh), mesh)
+  axes = mesh_lib.param_axes(mesh)
+  return PartitionSpec(*(fsdp_spec(t.shape, mesh, axes, prefer=t.fsdp_dim) if t.is_param and axes else (None,) * len(t.shape)))
+
+
+def expert_spec(shape: Sequence[int], mesh: Mesh) -> tuple:
+  """How the "ep" preset stores an expert tensor [experts, ...]: the experts over the
+  expert-parallel group (`mesh.expert_axes`: `ep`, `cp`, `tp`), the other dims
+  FSDP-style over the remaining parameter axes; on a mesh without `ep`, the experts over `fsdp`."""
+  group = mesh_lib.expert_axes(mesh)
+  if "ep" not in mesh.shape:
+    return ("fsdp",) + (None,) * (len(shape) - 1)
+  rest = tuple(a for a in mesh_lib.param_axes(mesh) if a not in group)
+  inner = fsdp_spec(shape[1:], mesh, rest) if rest else (None,) * (len(shape) - 1)
+  lead = None if not group else group[0] if len(group) == 1 else group
+  return (lead, *inner)

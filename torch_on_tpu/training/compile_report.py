@@ -76,7 +76,9 @@ class CompileReport:
         f"{human_bytes(self.host_offloaded_bytes)}"
       )
     if self.flops is not None:
-      parts.append(f"{self.flops / 1e9:.2f} GFLOP, {human_bytes(self.bytes_accessed or 0)} accessed")
+      kernels = self.cost.kernel_flops if self.cost is not None else 0
+      mosaic = f" (+ {kernels / 1e9:.2f} in Mosaic kernels, as they report them)" if kernels else ""
+      parts.append(f"{self.flops / 1e9:.2f} GFLOP{mosaic}, {human_bytes(self.bytes_accessed or 0)} accessed")
     if self.pipeline is not None:
       parts.append(self.pipeline)
     if self.collective_bytes is not None:

@@ -84,6 +84,7 @@ from torch_on_tpu.core.sizes import human_bytes
 from torch_on_tpu.errors import TorchOnTpuError, arg, named
 from torch_on_tpu.lowering import remat as remat_lib
 from torch_on_tpu.models import DecoderShape
+from torch_on_tpu.parallel import expert_parallel
 from torch_on_tpu.parallel import mesh as mesh_lib
 from torch_on_tpu.parallel import targets
 from torch_on_tpu.training import losses
@@ -93,7 +94,7 @@ USABLE = 0.9  # fraction of device memory a plan may use
 # Layers' worth of host transfers on the device at once, fitted to the TPU compiler: three (the one
 # written, the one in flight, the one prefetched); four where every matmul output goes
 # (`offload_dots`: Llama 3 1B and 8B at 8 × 8192 on v5p-8 and v6e-8 allocate 2.4–4.9 layers'
-# transfers beyond `full`'s temporaries, docs/performance.md).
+# transfers beyond `full`'s temporaries, CHANGELOG.md).
 STAGED_LAYERS, STAGED_LAYERS_DOTS = 3, 4
 
 
@@ -419,6 +420,7 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
       layer_backward += int(block * kept * micro * (4 - compute) / compute)
     head_tokens = tokens / schedule.stages
     description += f", pipeline {schedule}"
+  layer_backward += _moe_rows(model, s, tokens / (schedule.microbatches if schedule is not None else 1), compute)
   logits = int(head_tokens * s.vocab * s.predictions / tp * compute)  # multi-token prediction: a logits tensor per depth
   # The output head's weight gathered whole from its fsdp shards for the loss head's matmuls.
   head_weight = int(s.vocab * s.dim / tp * compute) if data_ways * cp > 1 else 0
@@ -598,15 +600,46 @@ def _dtype_name(step, model) -> str:
   return np.dtype(step.compute_dtype or _float_dtype(model.params)).name
 
 
+def _moe_rows(model, shape: DecoderShape, tokens: float, compute: int) -> int:
+  """One MoE layer's token rows in flight in its backward: each token's top-k rows sorted by
+  expert and combined back (N = tokens · top-k rows of the hidden size: four such buffers with
+  their gradients), the experts' hidden activations (six of W rows: w1's, w3's, their product, and
+  their gradients) and, under expert parallelism, the W rows of the receive buffer
+  (`expert_parallel.receive_rows`) in ten buffers of the hidden size: what arrives, the experts'
+  output and its mask, the collectives' copies in their own layout, their gradients (the ten
+  fitted to the TPU compiler's peaks for Qwen3-30B-A3B on v5p-64 and DeepSeek-V3 on v5p-1024 at
+  ep=8). Without expert parallelism W = N. 0 for a dense model."""
+  s = shape
+  if not s.moe_layers:
+    return 0
+  mesh = model.mesh
+  group = mesh_lib.expert_axes(mesh)
+  devices = mesh_lib.batch_ways(mesh, group)
+  rows = int(tokens / (mesh.shape["tp"] if "tp" in group else 1) * s.top_k)
+  window = expert_parallel.receive_rows(rows, s.top_k, s.experts // devices, devices) if devices > 1 else rows
+  exchanged = 10 * window * s.dim if devices > 1 else 0
+  return int((4 * rows * s.dim + 6 * window * s.expert_ffn + exchanged) * compute)
+
+
 def _layer_weights(model, shape: DecoderShape, compute: int, tp: int, shards: int) -> int:
   """Bytes of one layer's weights gathered whole from their fsdp shards in the compute dtype
   (their gradient before its reduce-scatter is as large): from the scanned stack's arrays, else
   the decoder's attention and SwiGLU shapes. 0 where nothing is sharded."""
   if shards <= 1:
     return 0
-  stacked = [v for k, v in model.params.items() if f".{scan_lib.SCAN}.{scan_lib.LAYER}." in k and _is_float(v)]
+  mesh = model.mesh
+  group = mesh_lib.expert_axes(mesh)
+  stacked = [(v, model.param_shardings[k].spec) for k, v in model.params.items()
+             if f".{scan_lib.SCAN}.{scan_lib.LAYER}." in k and _is_float(v)]
   if stacked:
-    return int(sum(v.size // v.shape[0] for v in stacked) * compute / tp)
+    # each gathered over its other axes, still split over tp and, for routed experts (their expert
+    # dim stored over the expert-parallel group: `sharding.expert_spec`), over that group
+    def split(spec) -> int:
+      entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+      experts = group and len(entries) > 1 and entries[1] == group
+      return math.prod(mesh.shape[a] for e in entries for a in e if a == "tp" or (experts and a in group))
+
+    return int(sum(v.size // v.shape[0] // split(spec) for v, spec in stacked) * compute)
   s = shape
   attention = s.dim * (2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim)
   return int((attention + 3 * s.dim * s.ffn_dim) * compute / tp)

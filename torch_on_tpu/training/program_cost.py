@@ -10,8 +10,10 @@ at its HBM bandwidth. Only buffers in HBM count (a layout's default memory space
 compiler placed in on-chip memory (VMEM, `S(1)`) moves no HBM bytes, and what a kernel reads from
 or writes to pinned host memory (host offload, `S(5)`) is counted apart, as host bytes. An
 asynchronous op counts once, at its start: `async-start` by the computation it runs, as often as
-it runs; `copy-start`, `dynamic-slice-start` and the like as the op they start. Custom calls (Mosaic kernels: splash attention) report no FLOPs here: the caller
-adds the attention's FLOPs it knows from the model (`roofline_seconds(extra_flops=)`).
+it runs; `copy-start`, `dynamic-slice-start` and the like as the op they start. Custom calls (Mosaic kernels: splash attention) add no FLOPs to `flops`: the caller
+adds the attention's FLOPs it knows from the model (`roofline_seconds(extra_flops=)`). What the
+Mosaic kernels say they compute (the `cost_estimate` each carries: splash, the grouped matmuls of
+MoE experts) is summed apart, as `kernel_flops`, loops counted.
 Collectives are counted apart (`parallel.collectives`); they overlap compute on TPU.
 """
 
@@ -29,6 +31,7 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "afte
          "all-reduce-done", "collective-permute-done", "async-start", "async-update", "async-done", "send-done",
          "recv-done"}
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute", "send", "recv")
+_KERNEL_FLOPS = re.compile(r'"cost_estimate":\{"flops":"(\d+)"')  # a Mosaic kernel's, in its backend_config
 
 
 @dataclasses.dataclass
@@ -39,6 +42,7 @@ class ProgramCost:
   hbm_bytes: float  # bytes the kernels read and write in device memory
   kernels: list  # (flops, bytes, runs) of every kernel: what the roofline sums
   host_bytes: float = 0.0  # bytes the kernels read from or write to pinned host memory (offloading)
+  kernel_flops: float = 0.0  # the Mosaic kernels' FLOPs, as their cost estimates give them (not in `flops`)
 
   def roofline_seconds(self, peak_flops: float, hbm_bandwidth: float, extra_flops: float = 0.0) -> float:
     """Σ over kernels of max(FLOPs / peak, bytes / bandwidth), plus `extra_flops` (the attention
@@ -50,7 +54,7 @@ class ProgramCost:
 def program_cost(text: str | hlo_text.Module) -> ProgramCost:
   module = hlo_text.parse(text) if isinstance(text, str) else text
   fused = module.fused()
-  kernels, flops, hbm, host = [], 0.0, 0.0, 0.0
+  kernels, flops, hbm, host, kernel_flops = [], 0.0, 0.0, 0.0, 0.0
   for name, runs in module.runs().items():
     if name in fused:
       continue  # inside a fusion: counted with it
@@ -66,7 +70,9 @@ def program_cost(text: str | hlo_text.Module) -> ProgramCost:
       flops += computed * runs
       hbm += moved * runs
       host += _bytes(inst, module, shapes, "host") * runs
-  return ProgramCost(flops, hbm, kernels, host)
+      if inst.op == "custom-call" and (estimate := _KERNEL_FLOPS.search(inst.rest)):
+        kernel_flops += int(estimate.group(1)) * runs
+  return ProgramCost(flops, hbm, kernels, host, kernel_flops)
 
 
 def _bytes(inst: hlo_text.Instruction, module: hlo_text.Module, shapes: dict, where: str) -> float:
@@ -169,13 +175,16 @@ def _flops(inst: hlo_text.Instruction, module: hlo_text.Module, shapes: dict) ->
 
 def _taps(rest: str) -> int:
   """Input positions one output of a convolution reads per feature: its window's size, except
-  along a dim the TPU compiler uses to batch a dot (window padded by size-1 on both sides and
-  reversed: each output reads one position of it)."""
+  along a dim the TPU compiler uses to batch a dot: a window padded by size-1 on both sides and
+  reversed, or one over an input dilated by as much as the window is wide (`size=n stride=n-1
+  lhs_dilate=n`, as it writes `ragged_dot`'s weight gradient): each output reads one position of
+  it. A window over an input dilated by d reads one real position per d taps."""
   window = re.search(r"window=\{([^}]*)\}", rest)
   if window is None:
     return 1
   fields = dict(re.findall(r"(\w+)=(\S+)", window.group(1)))
   sizes = [int(x) for x in fields.get("size", "1").split("x")]
-  pads = fields.get("pad", "").split("x") if "pad" in fields else [""] * len(sizes)
-  reversed_ = fields.get("rhs_reversal", "").split("x") if "rhs_reversal" in fields else ["0"] * len(sizes)
-  return math.prod(1 if r == "1" and p == f"{n - 1}_{n - 1}" else n for n, p, r in zip(sizes, pads, reversed_))
+  per_dim = lambda name, default: fields[name].split("x") if name in fields else [default] * len(sizes)  # noqa: E731
+  pads, reversed_, dilated = per_dim("pad", ""), per_dim("rhs_reversal", "0"), per_dim("lhs_dilate", "1")
+  return math.prod(1 if r == "1" and p == f"{n - 1}_{n - 1}" else -(-n // int(d))
+                   for n, p, r, d in zip(sizes, pads, reversed_, dilated))

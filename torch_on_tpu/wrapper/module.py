@@ -144,13 +144,15 @@ class ShardedModule:
     self._state_dict_names = list(module.state_dict(keep_vars=True))
     self._hooked_modules = _outermost_hooked_modules(module)
     fsdp_dims = self.family.fsdp_dims(module) if sharding in ("fsdp", "ep") else {}
+    tensors = [sharding_lib.TensorInfo(e.name, e.shape, e.is_param, fsdp_dims.get(e.name)) for e in entries]
+    experts = self.family.expert_parameters(module) if isinstance(sharding, str) and sharding != "fsdp" else None
     self._resolved = sharding_lib.resolve(
-      _sharding_map_for(module, sharding, self.mesh),
-      [sharding_lib.TensorInfo(e.name, e.shape, e.is_param, fsdp_dims.get(e.name)) for e in entries],
+      _sharding_map_for(module, sharding, self.mesh, tensors, experts),
+      tensors,
       [name for name, _ in module.named_modules() if name],
       self.mesh,
       strict=strict,
-      experts=self.family.expert_parameters(module) if sharding == "ep" else None,
+      experts=experts if sharding == "ep" else None,
     )
     self.pipeline = self._pipeline(scan, microbatches, virtual_stages)
     self._layout = None
@@ -171,12 +173,17 @@ class ShardedModule:
       stacks = None
     stored = {n: NamedSharding(self.mesh, s) for n, s in self._specs.items()}
 
+    self._views = {}
     if abstract or materialize.is_meta(module):
       arrays = materialize.materialize(
         module, entries, stored, seed=seed, init_fn=init_fn, stacks=stacks, abstract=abstract
       )
     else:
-      arrays = materialize.upload(module, entries, self._resolved.shardings(self.mesh))
+      # each tensor as it is stored: outside a pipeline's stack, over `pp` too (`outside_spec`)
+      placed = {n: stored.get(n, s) for n, s in self._resolved.shardings(self.mesh).items()}
+      arrays = materialize.upload(module, entries, placed)
+      # tensors torch holds as views of a larger storage: `as_strided` on them reads by it
+      self._views = {n: v for n, t in module_state.named_tensors(module) if n in arrays and (v := aten.storage_layout(t))}
       if stacks:
         arrays = materialize.stack_placed(arrays, stacks, stored)
       _to_meta(module)
@@ -291,7 +298,7 @@ class ShardedModule:
     `(output, {name: new jax array})`, each in the buffer's stored dtype and sharding."""
     env = torchax.default_env()
     tensors = {**dict(buffers), **dict(params)}
-    tensors = {k: torch_view(v) if isinstance(v, jax.Array) else v for k, v in tensors.items()}
+    tensors = {k: aten.mark_storage(torch_view(v), self._views.get(k)) if isinstance(v, jax.Array) else v for k, v in tensors.items()}
     before = {n: jax_view(tensors[n]) for n in buffers}
     for alias, name in self._aliases.items():
       if name in tensors:
@@ -355,6 +362,7 @@ class ShardedModule:
     is_tensor = tuple(isinstance(x, torch.Tensor) for x in leaves)
     statics = tuple(None if t else x for x, t in zip(leaves, is_tensor))
     dynamic = [self.place(x) for x, t in zip(leaves, is_tensor) if t]
+    views = tuple(aten.storage_layout(x) if t and not _compat.is_jax_backed(x) else None for x, t in zip(leaves, is_tensor))
     try:
       key = (treedef, is_tensor, statics)
       hash(key)
@@ -363,7 +371,9 @@ class ShardedModule:
         f"A non-tensor argument to the model is unhashable ({e}); pass tensors for data "
         f"and hashable Python values (bools, ints, strings, tuples) for flags."
       ) from None
-    jitted, out_spec = self.program(key, lambda: self._build_forward(treedef, is_tensor, statics))
+    jitted, out_spec = self.program(key, lambda: self._build_forward(treedef, is_tensor, statics, views))
+    if any(views[i] != layout for i, layout in out_spec.get("views_read", {}).items()):  # it read a view's storage
+      jitted, out_spec = self.program((key, views), lambda: self._build_forward(treedef, is_tensor, statics, views))
     self._rng, rng = jax.random.split(self._rng)
     with refusals.translated():  # an op that cannot be compiled: one sentence naming it
       out_leaves, changed, checks = jitted(self.params, self.buffers, dynamic, rng)
@@ -404,16 +414,19 @@ class ShardedModule:
       self._compiled[key] = build()
     return self._compiled[key]
 
-  def _build_forward(self, treedef, is_tensor, statics):
+  def _build_forward(self, treedef, is_tensor, statics, views):
+    """`views`: per argument, the storage layout of a host tensor torch holds as a view, which
+    `as_strided` reads by (`out_spec["views_read"]`: the ones it read, which the program depends on)."""
     out_spec = {}
 
     def forward(params, buffers, dynamic, rng):
       it = iter(dynamic)
-      leaves = [torch_view(next(it)) if t else s for t, s in zip(is_tensor, statics)]
+      leaves = [aten.mark_storage(torch_view(next(it)), v) if t else s for t, s, v in zip(is_tensor, statics, views)]
       args, kwargs = _compat.torch_pytree.tree_unflatten(leaves, treedef)
       env = torchax.default_env()
-      with env.override_property(prng=rng), device_checks.collecting() as collector:
+      with env.override_property(prng=rng), device_checks.collecting() as collector, aten.storage_reads() as read:
         out, changed = self.functional_call_with_buffers(params, buffers, *args, **kwargs)
+      out_spec["views_read"] = {i: views[i] for i, x in enumerate(leaves) if id(x) in read}
       # index checks (device_checks): a failed one keeps the buffers as they were and is
       # raised when an output is read
       checks = collector.checks()
@@ -690,11 +703,13 @@ def _refuse_direct_call(module, args):
     )
 
 
-def _sharding_map_for(module, sharding, mesh):
-  """A preset name as resolution takes it; a family's map (`"fsdp_tp"`) with its
-  `fsdp` entries over all the parameter axes (`cp` too: CP costs no parameter memory)."""
+def _sharding_map_for(module, sharding, mesh, tensors, experts):
+  """A preset name as resolution takes it; a family's map (`"fsdp_tp"`) with its `fsdp` entries
+  over all the parameter axes (`ep` and `cp` too: neither costs parameter memory) and, on a mesh
+  with `ep`, its experts split over the expert-parallel group."""
   if isinstance(sharding, str) and sharding not in ("fsdp", "replicated", "ep"):
-    return sharding_lib.with_param_axes(models.sharding_map(module, sharding), mesh)
+    table = sharding_lib.with_param_axes(models.sharding_map(module, sharding), mesh)
+    return sharding_lib.with_experts(table, tensors, mesh, experts)
   return sharding
 
 

@@ -354,9 +354,13 @@ class StackedLayers(torch.nn.Module):
         f"size other than {h.shape[0]}."
       )
     per_example = [jax_view(x) for x, r in zip(leaves, rows) if r]
+    buffers = {n for n, _ in self._modules[LAYER].named_buffers()}
+    state = {n: a for n, a in stacked.items() if n in buffers}
+    weights = {n: a for n, a in stacked.items() if n not in buffers}
 
-    def stage(block, h_mb, mine, microbatch):
+    def stage(block, h_mb, mine, microbatch, block_state):
       tensors, block_keys = block
+      tensors = {**tensors, **block_state}
       it = iter(mine)
       own = [torch_view(next(it)) if r else x for x, r in zip(leaves, rows)]
       margs, mkwargs = _compat.torch_pytree.tree_unflatten(own, tree)
@@ -372,14 +376,12 @@ class StackedLayers(torch.nn.Module):
           f"captures per layer), which a pipeline cannot hand back per layer; train without pp or "
           f"turn the per-layer outputs off."
         )
-      if any(updates for _, (_, _, updates) in per_layer):
-        raise TorchOnTpuError(
-          f"A {name} layer updates its buffers in forward (e.g. MoE token counts or running "
-          f"statistics), which pipeline stages do not carry back yet; train without pp."
-        )
-      return h_mb
+      return h_mb, _block_buffers(block_state, [updates for _, (_, _, updates) in per_layer])
 
-    out = self.pipeline.run(stage, (stacked, keys), h, per_example)
+    out, state = self.pipeline.run(stage, (weights, keys), h, per_example, state)
+    template = self._modules[LAYER]
+    for name, value in state.items():  # in the stored order, as the stacked buffers keep them
+      _compat.set_array(template.get_buffer(name), value)
     stand_in = (torch_view(jnp.full(h.shape, jnp.nan, h.dtype)), [])
     return [stand_in] * (n - 1) + [(torch_view(out), [])]
 
@@ -979,6 +981,19 @@ def _swapped(layer: torch.nn.Module, tensors: Mapping[str, jax.Array]):
   views = {n: torch_view(a) for n, a in tensors.items()}
   with _compat.reparametrized(layer, views):
     yield
+
+
+def _block_buffers(block_state: dict, updates: list[dict]) -> dict:
+  """A pipeline block's buffers after its layers ran: `updates[j]` holds what period position j's
+  layers wrote, stacked over the block's groups of a period; a buffer no layer wrote keeps its
+  value."""
+  period = len(updates)
+  out = {}
+  for name, old in block_state.items():
+    grouped = old.reshape(old.shape[0] // period, period, *old.shape[1:])
+    written = [updates[j].get(name, grouped[:, j]) for j in range(period)]
+    out[name] = jnp.stack(written, axis=1).reshape(old.shape) if period > 1 else written[0]
+  return out
 
 
 def _buffer_updates(layer: torch.nn.Module, tensors: Mapping[str, jax.Array]) -> dict[str, jax.Array]:

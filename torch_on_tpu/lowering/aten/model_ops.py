@@ -1,9 +1,10 @@
 """What model code and training need from ATen that torchax lacks or lowers wrongly.
 
 torchax lowers most functional ATen ops but misses some in-place variants that
-model init code uses (`erfinv_`, reached from `nn.init.trunc_normal_`). Any
-in-place op `aten.X_` whose functional twin `aten.X` has a lowering gets one:
-compute `X`, write the result back into the mutated tensor.
+model init code uses (`erfinv_`, reached from `nn.init.trunc_normal_`), and lowers others
+through decompositions that write into a copy of a view (`x[a:b].masked_fill_(m, v)` left `x`
+unchanged). Any such in-place op `aten.X_` whose functional twin `aten.X` has a lowering gets
+one: compute `X`, write the result back into the mutated tensor, or through the view into its base.
 
 `.cpu()` on a jax-backed tensor returns a plain CPU tensor even outside the
 torchax environment (torchax only allows it inside), `.item()`, `float()`
@@ -80,23 +81,35 @@ from torchax.view import View  # noqa: E402
 _SHAPE_CHANGING = {"as_strided_", "t_", "transpose_", "squeeze_", "unsqueeze_", "resize_", "set_", "swapdims_", "swapaxes_"}
 
 
-def missing_inplace_variants(env) -> list[tuple[str, object, object]]:
-  """(name, in-place packet, functional packet) for each in-place op torchax cannot lower."""
+def inplace_variants(env) -> list[tuple[str, object, object]]:
+  """(name, in-place overload, functional twin) for each in-place op torchax cannot lower, or
+  lowers through a decomposition: one that runs on a copy of a view, so `x[a:b].masked_fill_(m, v)`
+  (GraniteSpeech's conformer), `.zero_()` or `.addcmul_()` on a slice left `x` as it was."""
   out = []
   for name in dir(torch.ops.aten):
-    if not name.endswith("_") or name.startswith("_") or name.endswith("__"):
-      continue
-    if name in _SHAPE_CHANGING:
+    if not name.endswith("_") or name.startswith("_") or name.endswith("__") or name in _SHAPE_CHANGING:
       continue
     inplace = getattr(torch.ops.aten, name, None)
     functional = getattr(torch.ops.aten, name[:-1], None)
-    if inplace is None or functional is None:
+    if inplace is None or functional is None or _compat.has_lowering(env, inplace):
       continue
-    if _compat.has_lowering(env, inplace) or _compat.has_decomposition(env, inplace):
-      continue
-    if _compat.has_lowering(env, functional):
-      out.append((name, inplace, functional))
+    for overload in inplace.overloads():
+      target, twin = getattr(inplace, overload), getattr(functional, overload, None)
+      if _compat.registered_op(env, target) is None and _same_arguments(target, twin) and _lowered_or_decomposed(env, twin):
+        out.append((name, target, twin))
   return out
+
+
+def _same_arguments(inplace, functional) -> bool:
+  if functional is None:
+    return False
+  spell = lambda op: [(a.name, str(a.type), a.kwarg_only) for a in _compat.op_schema(op).arguments]  # noqa: E731
+  return spell(inplace) == spell(functional)
+
+
+def _lowered_or_decomposed(env, op) -> bool:
+  packet = op.overloadpacket
+  return _compat.registered_op(env, op) is not None or _compat.has_lowering(env, packet) or _compat.decomposition(op) is not None
 
 
 def _normal_(self, mean=0.0, std=1.0, *, generator=None, env=None):
@@ -224,10 +237,32 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     )
   dtype = mappings.t2j_dtype(out_dtype) if out_dtype is not None else mat_a.dtype
   sizes = jnp.diff(offs.astype(jnp.int32), prepend=0)
+  if bias is None:  # the kernels accumulate in fp32 and round once to `dtype`, as torch's does
+    return ragged.ragged_matmul(mat_a, mat_b, sizes, preferred_element_type=dtype)
   out = ragged.ragged_matmul(mat_a, mat_b, sizes, preferred_element_type=jnp.promote_types(dtype, jnp.float32))
-  if bias is not None:
-    out = out + bias
-  return out.astype(dtype)
+  return (out + bias).astype(dtype)
+
+
+def _scatter_value(prior):
+  """`scatter(dim, index, value)` of one value as a mask over the scattered dim: position j of a
+  row takes `value` where the row's indices hold j. torchax's scatter (`prior`) addresses every
+  element by computed coordinates, which XLA's partitioner cannot split along a batch-sharded dim:
+  it gathered the whole operand to every device (torchtitan's MoE routing map, [batch, seq,
+  experts], once per layer). Where the index does not span the other dims, or `reduce` is given,
+  `prior` runs."""
+
+  def lowered(x, dim, index, value, reduce=None):
+    dim = dim % x.ndim if x.ndim else 0
+    others = [d for d in range(x.ndim) if d != dim]
+    if reduce is not None or index.ndim != x.ndim or any(index.shape[d] != x.shape[d] for d in others):
+      return prior(x, dim, index, value, reduce)
+    size = x.shape[dim]
+    device_checks.index_in_range(index, size, what=f"scatter (a dimension of size {size})")
+    hits = jnp.moveaxis(index, dim, -1)[..., None] == jnp.arange(size)  # [..., k, size]
+    mask = jnp.moveaxis(hits.any(axis=-2), -1, dim)
+    return jnp.where(mask, jnp.asarray(value, x.dtype), x)
+
+  return lowered
 
 
 def cpu_linear(mesh):
@@ -256,7 +291,7 @@ def _linear(x, weight):
   Differentiating the einsum gives `dW = dYᵀ·X`, for which XLA CPU transposes
   dY inside the elementwise fusion that produces it (a strided, slow loop);
   written this way it transposes the activation X and the small result
-  instead (docs/performance.md has the measurements).
+  instead (CHANGELOG.md has the measurements).
   """
   return jnp.einsum("...a,ba->...b", x, weight, preferred_element_type=low_precision.accumulator(x, weight))
 
@@ -332,6 +367,7 @@ def register(env) -> list[str]:
   for packet in (torch.ops.aten._embedding_bag, torch.ops.aten._embedding_bag_forward_only):
     _register_jax_lowering(env, packet, _embedding_bag)
   _register_jax_lowering(env, torch.ops.aten._grouped_mm, _grouped_mm)
+  _register_jax_lowering(env, torch.ops.aten.scatter.value, _scatter_value(_compat.registered_op(env, torch.ops.aten.scatter.value).func))
   float8.register(env)  # the scaled (float8) matmuls
   for function in (torch.take_along_dim, torch.Tensor.take_along_dim):
     _register_jax_lowering(env, function, _take_along_dim)
@@ -342,16 +378,42 @@ def register(env) -> list[str]:
   packet = torch.ops.aten._batch_norm_with_update.default
   _compat.set_op(env, packet, _compat.make_operator(packet, _batch_norm_with_update, jax_function=False))
   TorchaxTensor.cpu = _to_host
+  TorchaxTensor.__torch_dispatch__ = classmethod(_outside_the_environment)
   TorchaxTensor.type_as = _type_as
   TorchaxTensor.item = _item
   TorchaxTensor.__float__ = lambda self: float(_item(self))
   TorchaxTensor.__int__ = lambda self: int(_item(self))
   TorchaxTensor.__repr__ = TorchaxTensor.__str__ = _repr
   added = []
-  for name, inplace, functional in missing_inplace_variants(env):
+  for name, inplace, functional in inplace_variants(env):
     _compat.set_op(env, inplace, _compat.make_operator(inplace, op_base.InplaceOp(functional), jax_function=False, view_op=True))
     added.append(name)
   return added
+
+
+_TORCHAX_DISPATCH = TorchaxTensor.__dict__["__torch_dispatch__"].__func__
+
+
+def _outside_the_environment(cls, func, types, args=(), kwargs=None):
+  """Torch math on jax-backed tensors outside torchax's environment (a `ShardedModule`'s outputs in
+  a user's script: `jm(x).logits * 2`, a loss against CPU labels) computed in it, on the device:
+  torchax raises an AssertionError there. CPU tensors it meets go to the device, as torchax does
+  for tensors made inside; an op that gives a Python value (`torch.allclose`) gives one; an output
+  whose program's index check failed raises that first."""
+  if func in (torch.ops._c10d_functional.wait_tensor.default, torch.ops.prim.device.default):
+    return _TORCHAX_DISPATCH(cls, func, types, args, kwargs)
+  leaves = _compat.torch_pytree.tree_leaves((args, kwargs))
+  jax_backed = [t for t in leaves if _compat.is_jax_backed(t)]
+  for t in jax_backed:
+    device_checks.raise_pending(t)
+  env = _compat.tensor_env(jax_backed[0])
+  with env:
+    args, kwargs = _compat.torch_pytree.tree_map_only(torch.Tensor, env.to_xla, (args, kwargs or {}))
+    out = func(*args, **kwargs)
+  returns = [str(r.type) for r in _compat.op_schema(func).returns]
+  if returns in (["bool"], ["int"], ["float"], ["Scalar"]) and _compat.is_jax_backed(out):  # torch.allclose, torch.equal
+    return _item(out)
+  return out
 
 
 def _item(self):

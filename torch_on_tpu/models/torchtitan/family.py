@@ -66,6 +66,7 @@ class TorchtitanFamily(Family):
       attention_layers=len(attentions),
       inactive_params=sum(moe.inactive_expert_params(m) for m in moes),
       predictions=1 + mtp_depths(module),
+      **moe.routed_shape(moes),
     )
 
   def sharding_map(self, module, preset):
@@ -125,14 +126,15 @@ class TorchtitanFamily(Family):
     as single-device code and shards it from outside (its "partial_dtensor" backend,
     which annotates nothing on plain tensors); Qwen3.5's linear-attention kernels
     (flash-linear-attention's Triton, which cannot run under jax) routed to the bridge's; its
-    complex RoPE without complex tensors (`rope.pairs_rotated`)."""
+    complex RoPE without complex tensors (`rope.pairs_rotated`); its routed experts run where they
+    live, every token dispatcher as its local one (`moe`)."""
     from torchtitan.distributed import utils as titan_distributed
 
     before = titan_distributed.get_spmd_backend()
     titan_distributed.set_spmd_backend("partial_dtensor")
     try:
-      with linear_attention.routed(), moe.combine_by_rows(), moe.experts_per_data_shard(mesh, data_axes), rope.pairs_rotated(), \
-          qkv.projected_apart(mesh):
+      with linear_attention.routed(), moe.combine_by_rows(), moe.dispatched_locally(), moe.experts_where_they_live(mesh, data_axes), \
+          rope.pairs_rotated(), qkv.projected_apart(mesh):
         yield
     finally:
       titan_distributed.set_spmd_backend(before)

@@ -1,21 +1,17 @@
 """torchtitan's MoE layers: what a token passes through (for FLOPs and the decoder shape), their
-routed experts run per data shard, and the auxiliary-loss-free load balancing its trainer hooks
-before each optimizer step."""
+routed experts run where they live (tokens sent to them under expert parallelism), and the
+auxiliary-loss-free load balancing its trainer hooks before each optimizer step."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
 
-import jax
 import jax.numpy as jnp
 import torch
-from jax.sharding import PartitionSpec as P
 
 from torch_on_tpu.core import _compat
-from torch_on_tpu.lowering import device_checks
-from torch_on_tpu.parallel import mesh as mesh_lib
-from torch_on_tpu.parallel import sharding as sharding_lib
+from torch_on_tpu.parallel import expert_parallel
 
 torchax = _compat.import_torchax()
 from torchax.interop import jax_view, torch_view  # noqa: E402
@@ -34,6 +30,20 @@ def _routed(moe):
 def inactive_expert_params(moe) -> int:
   params, experts, top_k = _routed(moe)
   return params * (experts - top_k) // experts
+
+
+def routed_shape(moes) -> dict:
+  """`DecoderShape`'s MoE fields for these torchtitan MoE layers (none: {})."""
+  if not moes:
+    return {}
+  inner = moes[0].routed_experts.inner_experts
+  return dict(moe_layers=len(moes), experts=moes[0].router.num_experts, top_k=moes[0].router.top_k,
+              expert_ffn=_down_projection(inner).shape[-1])
+
+
+def _down_projection(experts):
+  """The experts' [E, D, F] down projection: torchtitan's `w2_EDF`, gpt-oss's `mlp2_weight_EDF`."""
+  return experts.w2_EDF if hasattr(experts, "w2_EDF") else experts.mlp2_weight_EDF
 
 
 def ffn_width(block) -> int:
@@ -79,48 +89,84 @@ def combine_by_rows():
 
 
 @contextlib.contextmanager
-def experts_per_data_shard(mesh, data_axes):
-  """While active, torchtitan's routed experts (dispatch, grouped matmuls, combine) run on each
-  data shard's own tokens under `shard_map`, as torchtitan's `local_map` region runs them on each
-  rank, with the expert weights gathered whole. Traced as one program instead, the dispatch's
-  sort over the batch-sharded tokens makes the partitioner replicate it: every token of the
-  global batch times top-k on every device (26 TiB per chip for DeepSeek-V3 671B on v5p-1024).
-  Each token's output depends on its own routing only, so the result is the same. Meshes with
-  other axes than the data axes (tp, cp, pp) keep the one-program dispatch."""
+def dispatched_locally():
+  """While active, torchtitan's expert-parallel token dispatchers (all-to-all, DeepEP, HybridEP,
+  MinimalAsyncEP: each a transport of the same routing over NCCL or CUDA kernels) sort and combine
+  as its local dispatcher does; the bridge moves the rows itself (`experts_where_they_live`),
+  dropless, whatever transport the config names."""
+  dispatcher = sys.modules.get("torchtitan.models.common.token_dispatcher")
+  if dispatcher is None:
+    yield
+    return
+  local = dispatcher.LocalTokenDispatcher
+  classes, stack = [], list(local.__subclasses__())
+  while stack:
+    cls = stack.pop()
+    classes.append(cls)
+    stack.extend(cls.__subclasses__())
+  own = {cls: {k: cls.__dict__[k] for k in ("dispatch", "combine") if k in cls.__dict__} for cls in classes}
+  for cls in classes:
+    cls.dispatch = lambda self, *args: local.dispatch(self, *args)  # looked up per call: combine_by_rows swaps combine
+    cls.combine = lambda self, *args: local.combine(self, *args)
+  try:
+    yield
+  finally:
+    for cls in classes:
+      for k in ("dispatch", "combine"):
+        if k in own[cls]:
+          setattr(cls, k, own[cls][k])
+        else:
+          delattr(cls, k)
+
+
+@contextlib.contextmanager
+def experts_where_they_live(mesh, data_axes):
+  """While active, torchtitan's routed experts (dispatch, grouped matmuls, combine) run in a
+  `shard_map` region (`expert_parallel.Layout`), as torchtitan's `local_map` region runs them on
+  each rank: every device sorts its own tokens with torchtitan's dispatch and adds the results up
+  with its combine. Under expert parallelism the sorted rows go to the devices holding their
+  experts and back (`expert_parallel.exchange`) around torchtitan's own grouped experts; without
+  it, each device runs every expert, gathered whole. Traced as one program instead, the dispatch's
+  sort over the batch-sharded tokens makes the partitioner replicate it: every token of the global
+  batch times top-k on every device (26 TiB per chip for DeepSeek-V3 671B on v5p-1024). Each
+  token's output depends on its own routing only, so the result is the same."""
   titan_moe = sys.modules.get("torchtitan.models.common.moe")
-  axes = tuple(a for a in data_axes if mesh is not None and mesh.shape[a] > 1)
-  others = mesh is not None and any(size > 1 for a, size in mesh.shape.items() if a not in axes)
-  if titan_moe is None or not axes or others:
+  region = expert_parallel.layout(mesh, data_axes)
+  if titan_moe is None or region is None:
     yield
     return
   routed = titan_moe.RoutedExperts
   original = routed.forward
-  ways = mesh_lib.batch_ways(mesh, axes)
-  spec = mesh_lib.batch_spec(axes, 1)
 
   def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E):
-    if x_BLD.shape[0] % ways:
+    if not region.fits(*x_BLD.shape[:2]):
       return original(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
     names, weights = zip(*((n, jax_view(p)) for n, p in self.named_parameters()))
     experts = num_local_tokens_per_expert_E.shape[0]
+    top_k = topk_expert_ids_BLK.shape[-1]
     count_dtype = jax_view(num_local_tokens_per_expert_E).dtype
-    # Each weight enters split as the preset stores it and is gathered inside: its gradient
-    # leaves as a reduce-scatter (entered whole, it would be an all-reduce over every device).
-    stored = [_stored_spec(w.shape, mesh, experts_axis="ep" in axes) for w in weights]
-
     env = torchax.default_env()
+    inner = self.inner_experts
 
     def local(key, x, scores, ids, *weights):
-      counts = jnp.zeros(experts, count_dtype).at[ids.reshape(-1)].add(1)  # this shard's tokens per expert
-      whole = [_gathered(w, parts) for w, parts in zip(weights, stored)]
+      counts = jnp.zeros(experts, count_dtype).at[ids.reshape(-1)].add(1)  # this device's tokens per expert
+      grouped = type(inner).forward
+
+      def run_local(rows, sizes, _ids):
+        return jax_view(grouped(inner, torch_view(rows), torch_view(sizes)))
+
+      def experts_forward(rows_RD, counts_E):  # torchtitan's sorted rows, sent to their experts and back
+        return torch_view(expert_parallel.exchange(jax_view(rows_RD), jax_view(counts_E), run_local, axes=region.group, top_k=top_k))
+
       # a key of its own for the env's random draws inside, which must not leak out of the shard_map
-      with _compat.reparametrized(self, dict(zip(names, map(torch_view, whole)))), env.override_property(prng=key):
+      with _compat.reparametrized(self, dict(zip(names, map(torch_view, weights)))), env.override_property(prng=key), \
+          _instance_forward(inner, experts_forward):
         out = original(self, torch_view(x), torch_view(scores), torch_view(ids), torch_view(counts))
       return jax_view(out)
 
-    in_specs = (P(), *(P(*spec, None, None),) * 3, *(P(*w) for w in stored))
-    out = device_checks.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(*spec, None, None), check_vma=False)(
-      env.get_and_rotate_prng_key(), jax_view(x_BLD), jax_view(topk_scores_BLK), jax_view(topk_expert_ids_BLK), *weights
+    out = region.run(
+      local, [jax_view(x_BLD), jax_view(topk_scores_BLK), jax_view(topk_expert_ids_BLK)], list(weights),
+      extra=(env.get_and_rotate_prng_key(),),
     )
     return torch_view(out)
 
@@ -131,20 +177,14 @@ def experts_per_data_shard(mesh, data_axes):
     routed.forward = original
 
 
-def _stored_spec(shape, mesh, experts_axis: bool) -> tuple:
-  """How the sharding presets store one layer's expert weight: the "ep" preset its experts over
-  `ep` and the rest as "fsdp", else the "fsdp" preset's spec."""
-  if experts_axis and shape and shape[0] % mesh.shape["ep"] == 0:
-    return ("ep", *sharding_lib.fsdp_spec(shape[1:], mesh))
-  return sharding_lib.fsdp_spec(shape, mesh)
-
-
-def _gathered(weight, spec):
-  """Inside the shard_map, `weight` whole from its pieces split as `spec`."""
-  for dim, axes in enumerate(spec):
-    if axes is not None:
-      weight = jax.lax.all_gather(weight, axes, axis=dim, tiled=True)
-  return weight
+@contextlib.contextmanager
+def _instance_forward(module, forward):
+  """`module` calls `forward` instead of its class's while active."""
+  module.forward = forward
+  try:
+    yield
+  finally:
+    del module.forward
 
 
 def load_balancing(module):
