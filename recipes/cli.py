@@ -7,11 +7,23 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import os
 import sys
 import typing
 from collections.abc import Callable
+from pathlib import Path
 
 from recipes.flags import Flags
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def python_command() -> str:
+  """The interpreter a printed command starts with, so that it runs pasted into a fresh shell at the
+  repo root: the repo's own venv by its path (`.venv/bin/python`), any other as `python`."""
+  here = os.path.abspath(sys.executable)
+  venv = REPO / ".venv" / "bin"
+  return ".venv/bin/python" if os.path.dirname(here) == str(venv) else "python"
 
 
 def cli(flags_cls, run_fn: Callable, summary: str) -> Callable:

@@ -9,15 +9,19 @@ are `recipes.flags`'s, the command line `recipes.cli`'s, what must happen before
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import re
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+from recipes.cli import python_command
 from recipes.flags import STATE_FLAGS, Flags, check_flags, default_scan, flag_spelling, layer_remat, mesh_axes, profile_steps
 from recipes.startup import initialize_distributed, setup_platform
 from torch_on_tpu.errors import TorchOnTpuError
@@ -69,7 +73,7 @@ def run(flags: Flags, recipe_for: Callable[[Flags], Recipe]) -> dict:
   """
   from torch_on_tpu import errors
 
-  with errors.spoken_as_flags(flag_spelling(type(flags))):
+  with errors.spoken_as_flags({**flag_spelling(type(flags)), **errors.spoken()}):  # a torchtitan config's own names win
     setup_platform(flags.cpu_devices)
     check_flags(flags)
     initialize_distributed()
@@ -95,8 +99,8 @@ def run(flags: Flags, recipe_for: Callable[[Flags], Recipe]) -> dict:
     latest = None if flags.dry_run else _latest_checkpoint(flags, config)
     if latest is not None and latest >= flags.steps and flags.resume_step is None:
       if main:
-        then = "sampling from it" if flags.sample is not None else "raise --steps to train further or pass another --ckpt_dir"
-        print(f"Nothing to train: {config['ckpt_dir']} already holds step {latest} of --steps={flags.steps}; {then}.", flush=True)
+        then = "sampling from it" if flags.sample is not None else f"raise {errors.named('steps')} to train further or pass another {errors.named('ckpt_dir')}"
+        print(f"Nothing to train: {config['ckpt_dir']} already holds step {latest} of {errors.arg('steps', flags.steps)}; {then}.", flush=True)
       if flags.sample is None:
         return {"finished": True, "steps": 0, "last_step": latest, "ckpt_dir": config["ckpt_dir"], "log_dir": config["log_dir"]}
     config["compile_cache"] = _use_compile_cache(config["compile_cache"])
@@ -109,7 +113,7 @@ def _latest_checkpoint(flags: Flags, config: dict) -> int | None:
   """The newest step in --ckpt_dir the run would resume from, read before anything is
   built (a finished run has nothing to do); None for a fresh start (--resume=False
   sets the old steps aside later, deleting nothing)."""
-  if not flags.resume or not os.path.isdir(config["ckpt_dir"]):
+  if not flags.resume or not flags.save_every or not os.path.isdir(config["ckpt_dir"]):
     return None
   from torch_on_tpu.io import checkpoint
 
@@ -135,13 +139,12 @@ def _use_compile_cache(directory: str | None) -> str | None:
 def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   import jax
   import jax.numpy as jnp
-  import optax
 
   import torch_on_tpu as tot
-  from torch_on_tpu.io import checkpoint, data
+  from torch_on_tpu.io import data
   from torch_on_tpu.lowering import remat as remat_lib
   from torch_on_tpu.runtime import health
-  from torch_on_tpu.training import lora, lr_schedule, plan
+  from torch_on_tpu.training import lora, plan
   from torch_on_tpu.training.trainer import default_split
 
   if main:
@@ -153,13 +156,6 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
 
     name = flags.wandb_run or os.path.basename(os.path.normpath(config["log_dir"]))
     wandb_run = metrics.start_wandb(config["log_dir"], flags.wandb_project, name=name, config=config)
-  schedule = lr_schedule.warmup_stable_decay(
-    flags.lr, flags.steps, warmup_steps=flags.warmup_steps, decay_ratio=flags.decay_ratio, decay=flags.lr_decay,
-    min_lr_factor=flags.min_lr_factor,
-  )
-  optimizer = optax.inject_hyperparams(optax.adamw)(
-    learning_rate=schedule, b1=flags.beta1, b2=flags.beta2, eps=flags.eps, weight_decay=flags.weight_decay
-  )
   compute_dtype = None if flags.dtype == "float32" else jnp.bfloat16
   master_dtype = jnp.bfloat16 if flags.dtype == "bfloat16-all" else None
 
@@ -168,7 +164,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
     return tot.make_train_step(
       jm,
       recipe.loss or _loss,
-      optimizer,
+      _optimizer(flags, jm, lora=bool(recipe.lora)),
       grad_accum=flags.grad_accum,
       clip_norm=flags.clip_norm or None,
       compute_dtype=compute_dtype,
@@ -216,7 +212,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
     later = candidates[candidates.index(flags.remat) + 1:] if auto else []  # what auto would try next
     while True:  # on a compile-only target with remat auto, the TPU compiler has the last word
       try:
-        report = _compile_for(abstract_step, split(abstract_batch), flags, memory)
+        report = _compile_for(abstract_step, split(abstract_batch), flags, memory, main)
         refusal = None if flags.target is None or report.fits(memory.device_bytes) else _does_not_fit(report, memory, flags.target)
       except TorchOnTpuError as e:
         if flags.target is None:
@@ -233,7 +229,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
       raise TorchOnTpuError(refusal)
     if main:
       print(f"Compiled step: {report}", flush=True)
-      if report.peak_bytes is not None:
+      if report.peak_bytes is not None and flags.target is None:  # on a target, its verdict below says it
         print(f"Compiled peak per device: {report.peak_bytes / 2**30:.2f} GiB (plan: {memory.total / 2**30:.2f} GiB)")
       if flags.target is not None:
         print(target_verdict(report, memory, flags.target), flush=True)
@@ -259,22 +255,29 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
     with_positions=titan, with_segment_ids=titan, field=flags.data_field,
     process_index=process_index, process_count=process_count,
   )
-  ckpt = checkpoint.Checkpointer(config["ckpt_dir"], save_every=flags.save_every, keep=flags.keep_checkpoints or None, model=step.model)
+  if flags.last_save == "hf":
+    _check_hf_form(step.model, recipe)
+  ckpt = _checkpointer(flags, config, step.model)
   try:
     restored = _resume(ckpt, step, flags, config, main)
   except BaseException:
     ckpt.close()
     raise
   first_step = step.step_count
-  if first_step >= flags.steps:  # a finished run relaunched with --sample: nothing to compile or train
+  if first_step >= flags.steps:  # a finished run relaunched with --sample (or a seed checkpoint): nothing to compile or train
+    if flags.steps == 0 and not ckpt.all_steps():
+      ckpt.save(0, step.state, config=config, force=True)
     ckpt.close()
     summary = {"steps": first_step, "preempted": False, "records": []}
   else:
     summary = _train(step, flags, config, ckpt, restored, source, tokenizer, data_kwargs, split, abstract_batch, memory, mesh, main, wandb_run)
   summary.update(
     ckpt_dir=config["ckpt_dir"], log_dir=config["log_dir"], tokenizer_dir=tokenizer_dir, plan=memory, train_step=step,
-    last_checkpoint=os.path.join(config["ckpt_dir"], str(summary["steps"])),
+    last_checkpoint=os.path.join(config["ckpt_dir"], str(summary["steps"])) if flags.save_every else None,
+    wandb_offline=wandb_run.settings.sync_dir if wandb_run is not None and wandb_run.offline else None,
   )
+  if flags.last_save == "hf" and flags.save_every and summary["steps"] == flags.steps and not summary["preempted"]:
+    summary["hf_checkpoint"] = _save_hf(step.model, recipe, flags, config)
   if flags.sample is not None:
     summary["sample"] = _sample(step, tokenizer, split, flags, recipe)  # every process runs the program
     if main:
@@ -320,8 +323,8 @@ def _train(step, flags: Flags, config: dict, ckpt, restored, source, tokenizer, 
         eval_data=evals,
         eval_every=flags.eval_every if evals else 0,
         eval_batches=flags.eval_batches,
-        profile_steps=profile_steps(flags.profile),
-        checkpointer=ckpt,
+        **_profiling(flags),
+        checkpointer=_LastStep(ckpt, flags) if flags.last_save != "full" else ckpt,
         stop_requested=guard.should_stop,
         max_skips=max(flags.max_skips, 1),
         run_config=config,
@@ -397,23 +400,28 @@ def _sample(step, tokenizer, split: Callable, flags: Flags, recipe: Recipe) -> s
 
 def where_things_are(summary: dict, recipe: Recipe) -> str:
   """The end of a run: where its logs, last checkpoint and plot are, and how to export it."""
-  lines = [
-    f"Run directory: {summary['log_dir']} (metrics.jsonl, TensorBoard)",
-    f"Last checkpoint: {summary['last_checkpoint']}",
-  ]
+  lines = [f"Run directory: {summary['log_dir']} (metrics.jsonl, TensorBoard)"]
+  lines.append(f"Last checkpoint: {summary['last_checkpoint']}" if summary["last_checkpoint"] else "No checkpoint saved (--save_every=0)")
+  if summary.get("preempted") and summary["last_checkpoint"]:
+    lines.append(f"Stopped at step {summary['steps']} by a signal: the same command resumes from it.")
+  if summary.get("hf_checkpoint"):
+    lines.append(f"HF checkpoint of the last step: {summary['hf_checkpoint']}")
   if summary.get("plot"):
     lines.append(f"Plot: {summary['plot']}")
-  if recipe.convert_model and summary.get("export_refusal"):
+  if summary.get("wandb_offline"):
+    lines.append(f"Weights & Biases run, offline: {summary['wandb_offline']}; upload it with: {python_command()} -m wandb sync {summary['wandb_offline']}")
+  exportable = recipe.convert_model and summary["last_checkpoint"]
+  if exportable and summary.get("export_refusal"):
     out = os.path.join(summary["log_dir"], "export")
     lines.append(f"No export for transformers: {summary['export_refusal']}")
     lines.append(
-      f"Export its state_dict (torch's own names): python tools/convert.py to_safetensors {summary['ckpt_dir']} {out} "
+      f"Export its state_dict (torch's own names): {python_command()} tools/convert.py to_safetensors {summary['ckpt_dir']} {out} "
       f"{recipe.convert_model} --step={summary['steps']}"
     )
-  elif recipe.convert_model:
+  elif exportable:
     out = os.path.join(summary["log_dir"], "export")
     lines.append(
-      f"Export for transformers: python tools/convert.py to_hf {summary['ckpt_dir']} {out} "
+      f"Export for transformers: {python_command()} tools/convert.py to_hf {summary['ckpt_dir']} {out} "
       f"{recipe.convert_model} --tokenizer={summary['tokenizer_dir']} --step={summary['steps']}"
     )
     if recipe.lora:
@@ -437,49 +445,164 @@ def _keep_tokenizer(tokenizer, directory: str) -> None:
 
 
 def _resume(ckpt, step, flags: Flags, config: dict, main: bool):
-  """Restores the checkpoint to continue from into `step` (None: a fresh run), or refuses in one sentence."""
-  from torch_on_tpu.errors import TorchOnTpuError
+  """Restores the checkpoint to continue from into `step` (None: a fresh run), or refuses in one
+  sentence; the parts --resume_fresh names start afresh."""
+  from torch_on_tpu.errors import TorchOnTpuError, arg, named
 
   saved = ckpt.all_steps()
   if not saved:
     if flags.resume_step is not None:
-      raise TorchOnTpuError(f"--resume_step={flags.resume_step} but {config['ckpt_dir']} holds no checkpoint.")
+      raise TorchOnTpuError(f"{arg('resume_step', flags.resume_step)} but {config['ckpt_dir']} holds no checkpoint.")
     return None
   if not flags.resume:
     ckpt.set_aside(saved, "replaced")
     if main:
       print(f"--resume=False: set aside steps {saved} of {config['ckpt_dir']} as <step>.replaced; starting afresh", flush=True)
     return None
-  _check_same_state(ckpt.saved_config(flags.resume_step), config, ckpt.directory)
-  restored = ckpt.restore(step.abstract_state(), step=flags.resume_step)
+  fresh = {part for part in flags.resume_fresh.split(",") if part}
+  saved_config = ckpt.saved_config(flags.resume_step)
+  _check_same_state(saved_config, config, ckpt.directory)
+  if (saved_config or {}).get(HOLDS) == "model":
+    where = ckpt.directory / str(flags.resume_step if flags.resume_step is not None else ckpt.latest_step())
+    raise TorchOnTpuError(
+      f"The checkpoint at {where} holds the model's weights alone (its run's last step: --last_save=model, torchtitan's "
+      f"checkpoint.last_save_model_only), no training state to resume; start a new run from them with "
+      f"{arg('weights', str(where))} and another {named('ckpt_dir')}."
+    )
+  target = step.abstract_state()
+  dropped = {"optimizer": "opt_state", "step": "step"}
+  partial = {k: v for k, v in target.items() if k not in {dropped[p] for p in fresh if p in dropped}}
+  restored = ckpt.restore(partial, step=flags.resume_step, partial=len(partial) < len(target))
   _check_same_state(restored.config, config, ckpt.directory / str(restored.step))  # after a fallback
   newer = [s for s in ckpt.all_steps() if s > restored.step]
   ckpt.set_aside(newer, "superseded")
-  step.state = restored.state
+  step.state = {**step.state, **restored.state}
+  if "data" in fresh:
+    restored = dataclasses.replace(restored, data=None)
   if main:
     aside = f"; set aside the newer steps {newer} as <step>.superseded" if newer else ""
-    print(f"Resumed from step {restored.step} of {config['ckpt_dir']}{aside}", flush=True)
+    afresh = f" ({', '.join(sorted(fresh))} afresh)" if fresh else ""
+    print(f"Resumed from step {restored.step} of {config['ckpt_dir']}{afresh}{aside}", flush=True)
   return restored
 
 
 def _check_same_state(saved: dict | None, config: dict, where) -> None:
-  """Refuses a resume whose flags change what the saved state is, naming the flag and its saved value."""
+  """Refuses a resume whose settings change what the saved state is, naming every one that differs
+  and its saved value."""
+  from torch_on_tpu.errors import TorchOnTpuError, arg, named
+
+  differ = [name for name in STATE_FLAGS if saved and name in saved and name in config and saved[name] != config[name]]
+  if differ:
+    both = "; ".join(f"{arg(name, saved[name])} there, {arg(name, config[name])} here" for name in differ)
+    raise TorchOnTpuError(
+      f"The checkpoint at {where} was saved by a run of other settings ({both}); resume it with the saved ones, "
+      f"or start afresh with --resume=False or another {named('ckpt_dir')}."
+    )
+
+
+HOLDS = "checkpoint_holds"  # the run config's entry a model-only last step carries
+
+
+class _NoCheckpoints:
+  """--save_every=0 (torchtitan's checkpoint.enable=False): nothing is resumed or saved."""
+
+  def __init__(self, directory: str):
+    self.directory = Path(directory)
+
+  def all_steps(self) -> list[int]:
+    return []
+
+  def latest_step(self) -> None:
+    return None
+
+  def should_save(self, step: int) -> bool:
+    return False
+
+  def save(self, *args, **kwargs) -> bool:
+    return False
+
+  def wait(self) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+
+def _checkpointer(flags: Flags, config: dict, model):
+  from torch_on_tpu.io import checkpoint
+
+  if not flags.save_every:
+    return _NoCheckpoints(config["ckpt_dir"])
+  return checkpoint.Checkpointer(config["ckpt_dir"], save_every=flags.save_every, keep=flags.keep_checkpoints or None, model=model)
+
+
+class _LastStep:
+  """The run's Checkpointer, whose last step holds the model's weights alone (--last_save model or
+  hf), in --last_save_dtype: torchtitan's last_save_model_only and export_dtype."""
+
+  def __init__(self, ckpt, flags: Flags):
+    self._ckpt, self._last, self._dtype = ckpt, flags.steps, flags.last_save_dtype
+
+  def __getattr__(self, name):
+    return getattr(self._ckpt, name)
+
+  def save(self, step: int, state, *, data=None, config=None, force: bool = False) -> bool:
+    if step != self._last:
+      return self._ckpt.save(step, state, data=data, config=config, force=force)
+    import jax
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(self._dtype) if self._dtype else None
+    cast = lambda x: x.astype(dtype) if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+    weights = {"params": jax.tree.map(cast, dict(state["params"])), "buffers": dict(state["buffers"])}
+    return self._ckpt.save(step, weights, data=data, config={**(config or {}), HOLDS: "model"}, force=force)
+
+
+def _check_hf_form(model, recipe: Recipe) -> None:
+  """--last_save=hf needs a model transformers has a form for: said before training, not after."""
+  from torch_on_tpu import models
   from torch_on_tpu.errors import TorchOnTpuError
 
-  for name in STATE_FLAGS:
-    if saved and name in saved and name in config and saved[name] != config[name]:
-      raise TorchOnTpuError(
-        f"The checkpoint at {where} was saved with --{name}={saved[name]} but this run has "
-        f"--{name}={config[name]}; resume with --{name}={saved[name]}, or start afresh with "
-        f"--resume=False or another --ckpt_dir."
-      )
+  module = model.module.get_base_model() if recipe.lora else model.module
+  if models.family_of(module).hf_form(module) is None:
+    raise TorchOnTpuError(
+      f"--last_save=hf (torchtitan's checkpoint.last_save_in_hf) writes the last step as an HF directory, and "
+      f"{type(module).__name__} has no HF form here; save it as the model alone (--last_save=model) instead."
+    )
 
 
-def _compile_for(step, batch, flags: Flags, memory):
+def _save_hf(model, recipe: Recipe, flags: Flags, config: dict) -> str:
+  """The last step's weights as an HF directory at <ckpt_dir>/step-N (torchtitan's last_save_in_hf),
+  with an index file, as torchtitan finds an HF step by it."""
+  from torch_on_tpu.errors import TorchOnTpuError
+  from torch_on_tpu.io import export
+
+  out = os.path.join(config["ckpt_dir"], f"step-{flags.steps}")
+  try:
+    export.export(model, out, mode="merged" if recipe.lora else "full", dtype=flags.last_save_dtype, index=True, overwrite=True)
+  except TorchOnTpuError as e:
+    raise TorchOnTpuError(
+      f"The last step's weights are saved at {os.path.join(config['ckpt_dir'], str(flags.steps))}, but not as an HF directory: {e}"
+    ) from None
+  return out
+
+
+def _profiling(flags: Flags) -> dict:
+  """The Trainer's profiling arguments from --profile and --profile_dir."""
+  window = profile_steps(flags.profile)
+  if window is None:
+    return {}
+  first, last, every = window
+  return dict(profile_steps=(first, last), profile_every=every, profile_dir=flags.profile_dir)
+
+
+def _compile_for(step, batch, flags: Flags, memory, main: bool):
   """The compiled step's report; on a compile-only target, the TPU compiler's out-of-memory
   refusal (its temporaries alone exceed HBM) said in one sentence with what to change."""
+  where = f"the TPU compiler for {flags.target}" if flags.target else "XLA"
   try:
-    return step.compile(*batch)
+    with _elapsed(f"Compiling the step with {where} (remat {flags.remat})", loud=main):
+      return step.compile(*batch)
   except Exception as e:  # noqa: BLE001 (the compiler's RESOURCE_EXHAUSTED; the rest re-raises)
     if flags.target is None or "RESOURCE_EXHAUSTED" not in str(e):
       raise
@@ -492,6 +615,29 @@ def _compile_for(step, batch, flags: Flags, memory):
       f"temporaries per chip against {memory.device_bytes / 2**30:.2f} GiB of HBM; "
       f"{memory.suggest(limit if needed else 0.75 * memory.total)}."
     ) from None
+
+
+@contextlib.contextmanager
+def _elapsed(what: str, loud: bool, every: float = 30.0):
+  """Says `what` is under way, then the elapsed time every `every` seconds until it ends: a
+  pod-sized compile takes minutes, which silence would make look hung."""
+  if not loud:
+    yield
+    return
+  print(f"{what} ...", flush=True)
+  done, start = threading.Event(), time.monotonic()
+
+  def tick():
+    while not done.wait(every):
+      print(f"  still compiling: {time.monotonic() - start:.0f} s", flush=True)
+
+  ticker = threading.Thread(target=tick, daemon=True, name="compile-ticker")
+  ticker.start()
+  try:
+    yield
+  finally:
+    done.set()
+    ticker.join()
 
 
 def target_verdict(report, memory, target: str) -> str:
@@ -541,6 +687,59 @@ def _model(flags: Flags, recipe: Recipe, mesh, abstract: bool, microbatches: int
   if recipe.weights and not abstract:
     checkpoint.import_pretrained(base, recipe.weights)
   return lora.wrap(base, recipe.build(), seed=flags.seed, **recipe.lora, **layers)
+
+
+def _optimizer(flags: Flags, jm, lora: bool):
+  """AdamW on torchtitan's schedule. With --param_groups each parameter takes its group's lr and
+  weight decay (the first pattern its original name matches), each lr scaled by the one schedule as
+  torchtitan's scheduler scales every group's: one Adam, then per-parameter decay and step size
+  (optax's AdamW update, u + wd·p then −lr·u, with wd and lr by parameter)."""
+  import optax
+
+  from torch_on_tpu.errors import TorchOnTpuError, named
+  from torch_on_tpu.training import lr_schedule
+
+  schedule = lambda lr: lr_schedule.warmup_stable_decay(  # noqa: E731
+    lr, flags.steps, warmup_steps=flags.warmup_steps, decay_ratio=flags.decay_ratio, decay=flags.lr_decay, min_lr_factor=flags.min_lr_factor,
+  )
+  if not flags.param_groups:
+    return optax.inject_hyperparams(optax.adamw)(
+      learning_rate=schedule(flags.lr), b1=flags.beta1, b2=flags.beta2, eps=flags.eps, weight_decay=flags.weight_decay
+    )
+  if lora:
+    raise TorchOnTpuError(f"{named('param_groups')} with LoRA: the adapters alone train, with one AdamW; drop one of the two.")
+  base = dict(lr=flags.lr, beta1=flags.beta1, beta2=flags.beta2, eps=flags.eps, weight_decay=flags.weight_decay)
+  groups = [{**base, **group} for group in json.loads(flags.param_groups)]
+  odd = [g["pattern"] for g in groups if (g["beta1"], g["beta2"], g["eps"]) != (flags.beta1, flags.beta2, flags.eps)]
+  if odd:
+    raise TorchOnTpuError(
+      f"{named('param_groups')}: the group {odd[0]!r} has its own betas or eps; the groups here differ in lr and "
+      f"weight_decay only (one Adam for all), so give every group --beta1, --beta2 and --eps's values."
+    )
+  patterns = [re.compile(g["pattern"]) for g in groups]
+  layout = jm.stored_layout()
+
+  def group_of(key: str) -> dict:
+    names = layout[key][0] if key in layout else [key]  # a scan-stacked array: its layers' own names
+    found = {next((i for i, p in enumerate(patterns) if p.search(name)), len(groups)) for name in names}
+    if len(found) > 1:
+      raise TorchOnTpuError(
+        f"{named('param_groups')} puts the layers {key} stacks in different groups ({names[0]}, …); "
+        f"give every layer's parameter the same group, or pass --scan=false."
+      )
+    return found.pop()
+
+  chosen = {key: group_of(key) for key in jm.params}
+  unmatched = [p.pattern for i, p in enumerate(patterns) if i not in chosen.values()]
+  if unmatched:
+    raise TorchOnTpuError(f"{named('param_groups')}: the pattern {unmatched[0]!r} matches no parameter of the model; fix or drop it.")
+  setting = lambda key, name: ([*groups, base][chosen[key]])[name]  # noqa: E731
+  decay = optax.stateless(lambda u, p: {k: v + setting(k, "weight_decay") * p[k] for k, v in u.items()})
+  step_size = optax.stateless(lambda u, p: {k: v * (setting(k, "lr") / flags.lr) for k, v in u.items()})
+  return optax.chain(
+    optax.scale_by_adam(b1=flags.beta1, b2=flags.beta2, eps=flags.eps), decay,
+    optax.inject_hyperparams(optax.scale_by_learning_rate)(learning_rate=schedule(flags.lr)), step_size,
+  )
 
 
 def _loss(outputs, labels):

@@ -4,40 +4,83 @@ dotted overrides, with tyro: no parser of ours), and the `Trainer.Config` it ret
 recipe's flags (`to_flags`), so both ways of asking resolve to the one printed run config.
 
 Every field is accounted for. A field we honour becomes a flag. A field that changes nothing
-computed here (logging cadence, profiler, torch.compile, NCCL timeouts, data-loader workers, how
-FSDP or the pipeline schedule its work: the gradients are the same) is read past; `SAME_MATH` lists
-them. Any other field set to something other than its default is refused by name in one sentence,
-as is a model that differs from its registry flavor (the bridge trains the registry's models as they
-are; `--float8` for float8). This recipe's own flags may follow and win (`--cpu_devices=8`, `--dry_run`).
+computed here (logging cadence, torch.compile, NCCL timeouts, data-loader workers, how FSDP or the
+pipeline schedule its work: the gradients are the same) is read past and said in a line
+(`READ_PAST`). Any other field set to something other than its default is refused by name in one
+sentence, as is a model that differs from its registry flavor (the bridge trains the registry's
+models as they are; `--float8` for float8). `--override.imports` run as torchtitan's trainer runs
+them. An older torchtitan's spelling, a config the registry lacks, and a refusal about a setting
+the user wrote as a torchtitan field are each said in torchtitan 0.3.0's terms. This recipe's own
+flags may follow and win (`--cpu_devices=8`, `--dry_run`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+import io
+import json
 import logging
 import os
 import re
 import shlex
 import sys
 
+from recipes.cli import python_command
 from torch_on_tpu.errors import TorchOnTpuError
 
-# Fields read past: what they set changes how torchtitan's PyTorch runs, not what is computed.
-SAME_MATH = (
-  "profiler.", "metrics.log_freq", "metrics.enable_tensorboard", "metrics.disable_color_printing", "metrics.save_tb_folder",
-  "metrics.save_for_all_ranks", "compile.", "comm.", "training.gc_freq", "training.gc_debug", "training.disable_cuda_graphs",
-  "dataloader.num_workers", "dataloader.persistent_workers", "dataloader.pin_memory", "dataloader.prefetch_factor",
-  "dataloader.infinite", "parallelism.fsdp_reshard_after_forward", "parallelism.enable_fsdp_symm_mem",
-  "parallelism.enable_sequence_parallel", "parallelism.spmd_backend", "parallelism.pipeline_parallel_schedule",
-  "parallelism.pipeline_parallel_schedule_csv", "parallelism.module_fqns_per_model_part",
-  "parallelism.pipeline_parallel_first_stage_less_layers", "parallelism.pipeline_parallel_last_stage_less_layers",
-  "parallelism.pipeline_parallel_layers_per_stage", "parallelism.context_parallel_load_balancer",
-  "checkpoint.async_mode", "checkpoint.last_save_model_only", "checkpoint.last_save_in_hf", "checkpoint.export_dtype",
-  "checkpoint.enable_first_step_checkpoint", "activation_checkpoint", "validator.dataloader.", "debug.deterministic",
-  "debug.deterministic_warn_only", "debug.detect_anomaly", "debug.spmd_typechecking", "debug.print_config",
-  "debug.save_config_file", "debug.enable_structured_logging", "optimizer.implementation",
-)
+# Fields read past, each with why: what they set changes how torchtitan's PyTorch runs, not what is
+# computed here. Every one a config sets is said in a line (`_read_past`), none silently; a field
+# that tunes a parallelism (or the validator) is said only when the run has it (`_RELEVANT`).
+READ_PAST = {
+  "the step is always one compiled XLA program here (torch.compile's settings do not apply)": ("compile.",),
+  "every step is logged, by process 0, into metrics.jsonl and TensorBoard under the dump folder": (
+    "metrics.log_freq", "metrics.disable_color_printing", "metrics.save_for_all_ranks", "metrics.save_tb_folder",
+  ),
+  "the collectives are XLA's (NCCL's timeouts, traces and backends do not apply)": ("comm.",),
+  "CUDA-side settings with no counterpart on XLA (garbage-collector cadence, CUDA graphs)": (
+    "training.gc_freq", "training.gc_debug", "training.disable_cuda_graphs",
+  ),
+  "the recipe's loader packs and prefetches in a thread of its own": (
+    "dataloader.num_workers", "dataloader.persistent_workers", "dataloader.pin_memory", "dataloader.prefetch_factor", "dataloader.infinite",
+  ),
+  "XLA's partitioner places the FSDP and tensor-parallel collectives (the same gradients)": (
+    "parallelism.fsdp_reshard_after_forward", "parallelism.enable_fsdp_symm_mem", "parallelism.enable_sequence_parallel",
+    "parallelism.spmd_backend",
+  ),
+  "the recipe splits the layers evenly over the pipeline stages and runs its own schedule (the same gradients)": (
+    "parallelism.pipeline_parallel_schedule", "parallelism.pipeline_parallel_schedule_csv", "parallelism.module_fqns_per_model_part",
+    "parallelism.pipeline_parallel_first_stage_less_layers", "parallelism.pipeline_parallel_last_stage_less_layers",
+    "parallelism.pipeline_parallel_layers_per_stage",
+  ),
+  "context parallelism balances causal attention by its own zig-zag split": (
+    "parallelism.context_parallel_load_balancer", "parallelism.context_parallel_ptrr_mask_key",
+  ),
+  "checkpoints are saved asynchronously, every --save_every steps and at the last": ("checkpoint.async_mode", "checkpoint.enable_first_step_checkpoint"),
+  "torch's activation-checkpointing details: the recipe's --remat chooses what each layer keeps": ("activation_checkpoint.",),
+  "the held-out batches come from the training data (--data)": ("validator.dataloader.",),
+  "torch's debugging aids: XLA's programs are deterministic, and the run config is printed and saved with every checkpoint": (
+    "debug.deterministic", "debug.deterministic_warn_only", "debug.detect_anomaly", "debug.spmd_typechecking", "debug.print_config",
+    "debug.save_config_file", "debug.enable_structured_logging",
+  ),
+  "torch's optimizer kernels (for-loop, foreach, fused) compute the same AdamW update": ("optimizer.implementation",),
+  "torch.profiler's schedule: jax.profiler traces the active steps of each cycle, without warmup": (
+    "profiler.profiler_warmup", "profiler.profiler_repeat", "profiler.profiler_skip_first", "profiler.profiler_skip_first_wait",
+    "profiler.trace_post_processor",
+  ),
+  "CUDA's memory snapshots: the memory plan and the compiled step's report give the memory here": (
+    "profiler.enable_memory_snapshot", "profiler.memory_snapshot_freq", "profiler.save_memory_snapshot_folder",
+    "profiler.memory_snapshot_max_entries",
+  ),
+}
+SAME_MATH = tuple(prefix for prefixes in READ_PAST.values() for prefix in prefixes)
+# The degree (or switch) a tuning field matters with: said only when it is above 1 (or on).
+_RELEVANT = {
+  "parallelism.pipeline_parallel_": "parallelism.pipeline_parallel_degree", "parallelism.module_fqns_per_model_part": "parallelism.pipeline_parallel_degree",
+  "parallelism.context_parallel_": "parallelism.context_parallel_degree", "parallelism.enable_sequence_parallel": "parallelism.tensor_parallel_degree",
+  "validator.dataloader.": "validator.enable",
+}
 _REMAT = {"FullAC": "full", "SelectiveAC": "auto", "MemoryBudgetAC": "auto"}  # torchtitan's AC → --remat (else none)
 # Model parts whose variants compute the same thing and differ in how they communicate (DeepEP's
 # dispatch, async-TP's all-gather fused into the QKV GEMM): the bridge shards by its own maps anyway.
@@ -64,28 +107,37 @@ def split_argv(argv: list[str], flags_cls) -> tuple[list[str], list[str]]:
 
 
 def parse(args: list[str]):
-  """torchtitan's `Trainer.Config` for `--module/--config` and its overrides, by its own ConfigManager;
-  a config torchtitan cannot build on this machine is one sentence."""
+  """torchtitan's `Trainer.Config` for `--module/--config` and its overrides, by its own ConfigManager,
+  with the `--override.imports` it names applied as torchtitan's trainer applies them; a config
+  torchtitan cannot build on this machine, an older torchtitan's spelling or a config name not in
+  the registry is one sentence."""
   from torch_on_tpu.core import extras
   from torch_on_tpu.errors import first_line
 
   extras.require("torchtitan", "torchtitan's configs")
   from torchtitan.config.manager import ConfigManager
 
-  names = " ".join(a for a in args if not a.startswith("--") or a.startswith(("--module", "--config")))
-  module = next((a.split("=", 1)[1] if "=" in a else b for a, b in zip(args, [*args[1:], ""]) if a.split("=")[0] == "--module"), "")
-  try:  # torchtitan's ConfigManager says only "Cannot import"; the missing package is the sentence
-    importlib.import_module(f"torchtitan.models.{module}.config_registry")
-  except ModuleNotFoundError as e:
-    if not e.name.startswith("torchtitan"):
-      raise _not_installed(e, f"{module} configs") from None
+  module, name = _chosen(args, "--module"), _chosen(args, "--config")
+  names = f"--module {module} --config {name}"
+  _check_spellings(args)
+  registry = _registry(module) if module else None
+  if registry is not None and name and not callable(getattr(registry, name, None)):
+    raise _no_such_config(module, name, registry)
   titan_log = logging.getLogger()  # torchtitan's logger is the root one
   level = titan_log.level
   titan_log.setLevel(logging.ERROR)  # its warnings on what it finds missing: said in our own lines
   program = sys.argv[0]
-  sys.argv[0] = f"python -m recipes.torchtitan {names}"  # what tyro's help and errors tell one to run
+  sys.argv[0] = f"{python_command()} -m recipes.torchtitan {names}"  # what tyro's help and errors tell one to run
+  said = io.StringIO()
   try:
-    return ConfigManager().parse_args(list(args))
+    with contextlib.redirect_stderr(said):
+      config = ConfigManager().parse_args(list(args))
+  except SystemExit:
+    refused = _value_error(said.getvalue())
+    if refused is None:  # tyro's own answer (an unknown option and the nearest ones, --help): as it printed it
+      sys.stderr.write(said.getvalue())
+      raise
+    raise TorchOnTpuError(f"torchtitan refuses this config ({names}): {refused}") from None
   except ModuleNotFoundError as e:
     raise _not_installed(e, f"config ({names})") from None
   except (ValueError, TypeError, ImportError, AttributeError) as e:
@@ -95,6 +147,195 @@ def parse(args: list[str]):
   finally:
     titan_log.setLevel(level)
     sys.argv[0] = program
+  _apply_overrides(config)
+  return config
+
+
+def _registry(module: str):
+  """The module torchtitan's ConfigManager takes `module`'s configs from (a shorthand's
+  `config_registry`, else `<module>.config_registry` or `<module>` itself); one sentence when there
+  is none here, or when it needs a package not installed (torchtitan's own says only "Cannot import")."""
+  from torchtitan.experiments import _supported_experiments
+  from torchtitan.models import _supported_models
+
+  if module in _supported_models | _supported_experiments:
+    places = [f"{prefix}.{module}.config_registry" for prefix in ("torchtitan.models", "torchtitan.experiments", "torchtitan.experiments.rl.examples")]
+  else:
+    places = [f"{module}.config_registry", module]
+  for place in places:
+    try:
+      return importlib.import_module(place)
+    except ModuleNotFoundError as e:
+      if e.name is None or not (place == e.name or place.startswith(e.name + ".")):  # a package it imports is missing
+        raise _not_installed(e, f"{module} configs") from None
+  raise TorchOnTpuError(
+    f"--module {module} is neither one of torchtitan's models ({', '.join(sorted(_supported_models))}) nor a module "
+    f"importable here; name one of those, or put its folder on PYTHONPATH."
+  )
+
+
+def _value_error(said: str) -> str | None:
+  """The message of the "Value error" panel tyro draws for a check torchtitan's config makes as it
+  is built (`--training.disable_cuda_graphs` with pipeline stages, a GPU an option needs), on one line."""
+  lines = [line.strip("│╭╮╰╯ ") for line in said.splitlines()]
+  if not any(line.startswith("─ Value error") for line in lines):
+    return None
+  start = next(i for i, line in enumerate(lines) if line.startswith("─ Value error")) + 1
+  end = next((i for i in range(start, len(lines)) if set(lines[i]) <= {"─"}), len(lines))
+  return " ".join(line for line in lines[start:end] if line)
+
+
+def _chosen(args: list[str], option: str) -> str:
+  """The value of the last `--module` (or `--config`) in `args`: the one torchtitan's ConfigManager takes."""
+  value = ""
+  for i, arg in enumerate(args):
+    if arg == option and i + 1 < len(args):
+      value = args[i + 1]
+    elif arg.startswith(option + "="):
+      value = arg.split("=", 1)[1]
+  return value
+
+
+# torchtitan 0.2's spellings (its JobConfig, which older docs and scripts use) → 0.3.0's, and this
+# recipe's flag ({v}: the value given; None: no counterpart). A section's entry ends with a dot.
+OLD_SPELLINGS = {
+  "job.dump_folder": ("--dump_folder={v}", "--log_dir={v}"),
+  "job.config_file": ("--module <family> --config <config_registry function>", "--model=<family>:<flavor>"),
+  "job.print_config": ("--debug.print_config", None),
+  "profiling.": ("--profiler.", "--profile=FIRST,LAST"),
+  "model.name": ("--module {v}", "--model={v}:<flavor>"),
+  "model.flavor": ("--config <its config_registry function>", "--model=<family>:{v}"),
+  "model.hf_assets_path": ("--hf_assets_path={v}", "--tokenizer={v}"),
+  "model.tokenizer_path": ("--hf_assets_path=<its folder>", "--tokenizer={v}"),
+  "model.converters": ("a config whose model converts (--config llama3_debugmodel_float8)", "--float8=rowwise"),
+  "optimizer.name": ("--optimizer.param-groups.0.optimizer-name={v}", None),
+  "optimizer.lr": ("--optimizer.param-groups.0.optimizer-kwargs.lr={v}", "--lr={v}"),
+  "optimizer.eps": ("--optimizer.param-groups.0.optimizer-kwargs.eps={v}", "--eps={v}"),
+  "optimizer.weight_decay": ("--optimizer.param-groups.0.optimizer-kwargs.weight-decay={v}", "--weight_decay={v}"),
+  "optimizer.beta1": ("--optimizer.param-groups.0.optimizer-kwargs.betas <beta1> <beta2>", "--beta1={v}"),
+  "optimizer.beta2": ("--optimizer.param-groups.0.optimizer-kwargs.betas <beta1> <beta2>", "--beta2={v}"),
+  "training.dataset": ("--dataloader.dataset={v}", "--data=<files>"),
+  "training.dataset_path": ("--dataloader.dataset_path={v}", "--data={v}"),
+  "training.seed": ("--debug.seed={v}", "--seed={v}"),
+  "training.deterministic": ("--debug.deterministic", None),
+  "training.batch_size": ("--training.local_batch_size={v}", "--global_batch_size"),
+  "activation_checkpoint.mode": ("the subcommand activation-checkpoint:{v}, written last", "--remat (full; auto for selective; none)"),
+  "activation_checkpoint.selective_ac_option": ("the subcommand activation-checkpoint:selective, written last", "--remat=auto"),
+  "parallelism.disable_loss_parallel": (None, None),
+  "parallelism.enable_async_tensor_parallel": ("--compile.enable_async_tensor_parallel", None),
+  "experimental.custom_import": ("--override.imports <module>.<function>", None),
+  "validation.": ("--validator.", "--eval_every"),
+  "float8.": ("a config whose model converts (--config llama3_debugmodel_float8)", "--float8=rowwise"),
+  "quantize.": ("a config whose model converts (--config llama3_debugmodel_float8)", "--float8=rowwise"),
+}
+
+
+def _check_spellings(args: list[str]) -> None:
+  """An option spelled as torchtitan 0.2 spelled it: one sentence naming 0.3.0's spelling and this recipe's flag."""
+  for i, arg in enumerate(args):
+    if not arg.startswith("--"):
+      continue
+    written, eq, value = arg[2:].partition("=")
+    name = written.replace("-", "_")
+    old = next((o for o in OLD_SPELLINGS if name == o or (o.endswith(".") and name.startswith(o))), None)
+    if old is None:
+      continue
+    if not eq:
+      value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None
+    new, ours = (
+      (text.replace("{v}", value) if value is not None else text.replace("={v}", "").replace("{v}", "<value>")) if text else text
+      for text in OLD_SPELLINGS[old]
+    )
+    if new is not None and new.endswith("."):
+      new += written.removeprefix(old.rstrip(".")).lstrip(".") + (f"={value}" if value is not None else "")
+    then = f"torchtitan 0.3.0 writes {new}" if new else "torchtitan 0.3.0 has no such option"
+    recipe = f" (this recipe's flag: {ours})" if ours else ""
+    raise TorchOnTpuError(f"--{written} is how torchtitan 0.2 spelled it; {then}{recipe}.")
+
+
+def _no_such_config(module: str, name: str, registry) -> TorchOnTpuError:
+  """A `--config` the registry lacks: its nearest configs and every config it has (not its helpers)."""
+  configs = config_functions(registry)
+  near = _nearest(name, configs)
+  guess = f"did you mean {' or '.join(near)}? " if near else ""
+  elsewhere = _submodules_with(registry, name)
+  if elsewhere:
+    guess = f"it is in --module {' and '.join(elsewhere)}; "
+  held = f"its configs: {', '.join(configs)}" if configs else "it holds no config functions"
+  return TorchOnTpuError(f"torchtitan's {module} registry has no config {name!r}; {guess}{held}.")
+
+
+def _submodules_with(package, name: str) -> list[str]:
+  """The modules of `package` (a package's registry) defining config `name`."""
+  import pkgutil
+
+  found = []
+  for info in pkgutil.iter_modules(getattr(package, "__path__", [])):
+    try:
+      module = importlib.import_module(f"{package.__name__}.{info.name}")
+    except Exception:  # noqa: BLE001 (a module that does not import here holds nothing to suggest)
+      continue
+    if callable(getattr(module, name, None)):
+      found.append(module.__name__)
+  return found
+
+
+def _nearest(name: str, configs: list[str]) -> list[str]:
+  """The configs holding all of `name`'s words in any order (a word matches one it begins, or that
+  begins it: `debug` and `debugmodel`), fewest other words first (`qwen3_debugmodel_moe` →
+  qwen3_moe_debug); else the closest spellings (`llama3_debugmodle` → llama3_debugmodel)."""
+  import difflib
+
+  words = name.split("_")
+  holding = [c for c in configs if all(any(w.startswith(o) or o.startswith(w) for o in c.split("_")) for w in words)]
+  if holding:
+    return sorted(holding, key=lambda c: (len(c.split("_")), c))[:3]
+  return difflib.get_close_matches(name, configs, n=3, cutoff=0.8)
+
+
+def config_functions(registry) -> list[str]:
+  """The functions of a `config_registry` module that build a `Trainer.Config` (not its imported helpers)."""
+  import inspect
+
+  return sorted(
+    name for name, fn in inspect.getmembers(registry, inspect.isfunction)
+    if fn.__module__ == registry.__name__ and not name.startswith("_")
+    and all(p.default is not p.empty for p in inspect.signature(fn).parameters.values())
+  )
+
+
+# torchtitan's own `--override.imports` that swap in CUDA kernels for the same computation: the
+# bridge computes it with XLA, so they are said and not applied (what they replace, and how).
+CUDA_KERNELS = {
+  "torchtitan.overrides.fused_swiglu.fused_swiglu": "SwiGLU's gate and up projections as one weight, SiLU-and-mul in a Triton kernel",
+  "torchtitan.overrides.fused_swiglu.fused_grouped_experts": "the routed experts' gate and up projections as one weight, SiLU-and-mul in a Triton kernel",
+  "torchtitan.overrides.fused_mla.fused_mla": "MLA's q/kv RoPE assembly in Triton kernels",
+  "torchtitan.overrides.helion_rope.helion_cos_sin_rope": "cos/sin RoPE in a Helion kernel",
+  "torchtitan.overrides.helion_rope.helion_complex_rope": "complex RoPE in a Helion kernel",
+  "torchtitan.overrides.moe_token_dispatcher.deepep_override": "DeepEP's CUDA-graph dispatch for inference",
+  "torchtitan.overrides.moe_token_dispatcher.hybridep_override": "HybridEP's CUDA-graph dispatch for inference",
+}
+
+
+def _apply_overrides(config) -> None:
+  """`--override.imports` as torchtitan's trainer applies them: each module imported (a user's own
+  code hooks in so), each named `@override` applied to the config; torchtitan's own CUDA-kernel
+  swaps (`CUDA_KERNELS`) are left out, said by `to_flags`. A module that does not import is one sentence."""
+  from torchtitan.config.override import OverrideConfig, apply_overrides
+
+  from torch_on_tpu.errors import first_line
+
+  entries = [e for e in config.override.imports if (e if isinstance(e, str) else e[0]) not in CUDA_KERNELS]
+  if not entries:
+    return
+  try:
+    apply_overrides(OverrideConfig(imports=entries), config)
+  except ImportError as e:
+    cause = e.__cause__ if isinstance(e.__cause__, ModuleNotFoundError) else e
+    missing = f" (it needs {cause.name}, not installed here: run where it is, or drop it)" if isinstance(cause, ModuleNotFoundError) else ""
+    raise TorchOnTpuError(f"torchtitan's override.imports could not import its module{missing}: {first_line(e)}.") from None
+  except Exception as e:  # noqa: BLE001 (an override's own code, whatever it raises: named in one sentence)
+    raise TorchOnTpuError(f"torchtitan's override.imports could not be applied: {first_line(e)}.") from None
 
 
 def _not_installed(error: ModuleNotFoundError, what: str) -> TorchOnTpuError:
@@ -122,11 +363,12 @@ def leaves(config, prefix: str = ""):
     yield path, value, default
 
 
-def to_flags(config, devices: int) -> tuple[dict, list[str]]:
+def to_flags(config, devices: int, used: set[str] | None = None) -> tuple[dict, list[str]]:
   """This recipe's flags for torchtitan's `config` on `devices` devices, and the lines to say
-  (a test asset absent here, a field read differently); a field we do not honour is refused."""
+  (a test asset absent here, a field read differently); a field we do not honour is refused.
+  `used` (a set) is filled with the fields that became flags."""
   values = dict((path, value) for path, value, _ in leaves(config))
-  used: set[str] = set()
+  used = set() if used is None else used
 
   def take(path):
     used.add(path)
@@ -147,6 +389,7 @@ def to_flags(config, devices: int) -> tuple[dict, list[str]]:
   )
   flags.update(_files(config, take, notes))
   flags["remat"] = _REMAT.get(type(config.activation_checkpoint).__qualname__.split(".")[0], "none")
+  used.add("activation_checkpoint")
   every, enabled, batches = take("validator.freq"), take("validator.enable"), take("validator.steps")
   flags["eval_every"] = every if enabled else 0
   if enabled and batches > 0:
@@ -156,6 +399,9 @@ def to_flags(config, devices: int) -> tuple[dict, list[str]]:
     flags["seed"] = seed
   if take("metrics.enable_wandb"):
     flags["wandb_project"] = os.environ.get("WANDB_PROJECT", "torchtitan")  # torchtitan's own choice
+  flags.update(_observability(take, flags["log_dir"], notes))
+  take("override.imports")  # applied by `parse`; torchtitan's CUDA kernels said below
+  notes.extend(_read_past(config, used))
   for path, value, default in leaves(config):
     if path in used or path.startswith(SAME_MATH) or default is dataclasses.MISSING or _same(value, default):
       continue
@@ -280,8 +526,8 @@ def _loss(config, mtp: int) -> dict:
 
 def _parallelism(take, devices: int, notes: list[str]) -> dict:
   """torchtitan's degrees as the recipe's mesh axes, and its batch: local_batch_size per data-parallel
-  rank, accumulated up to global_batch_size. torchtitan's ep borrows from its data-parallel ranks;
-  here ep is its own axis, which also splits the batch, so fsdp is what remains of them."""
+  rank, accumulated up to global_batch_size. ep borrows from dp_shard × cp × tp as torchtitan's does
+  (the recipe's --ep means the same)."""
   replicate, shard = take("parallelism.data_parallel_replicate_degree"), take("parallelism.data_parallel_shard_degree")
   tp, cp, pp = take("parallelism.tensor_parallel_degree"), take("parallelism.context_parallel_degree"), take("parallelism.pipeline_parallel_degree")
   ep = take("parallelism.expert_parallel_degree")
@@ -296,10 +542,11 @@ def _parallelism(take, devices: int, notes: list[str]) -> dict:
       f"{take('parallelism.data_parallel_shard_degree')} × context {cp} × tensor {tp} × pipeline {pp}) do not "
       f"multiply to the {devices} devices here; set --parallelism.* to fit{cpu}."
     )
-  if dp % ep:
+  if ep > 1 and (ep % (cp * tp) or shard * cp * tp % ep):
     raise TorchOnTpuError(
-      f"torchtitan's expert_parallel_degree={ep} does not divide its {dp} data-parallel ranks, which the recipe's "
-      f"ep axis is taken from; pick a divisor of {dp}."
+      f"torchtitan's expert_parallel_degree={ep} is not a multiple of context_parallel {cp} × tensor_parallel {tp} "
+      f"dividing data_parallel_shard {shard} × {cp} × {tp}; the recipe's expert-parallel group borrows whole cp × tp "
+      f"groups, so set --parallelism.expert_parallel_degree to such a multiple."
     )
   if replicate > 1:
     notes.append(
@@ -314,7 +561,7 @@ def _parallelism(take, devices: int, notes: list[str]) -> dict:
       f"torchtitan's training.global_batch_size={batch} is not a multiple of local_batch_size {local} × {dp} "
       f"data-parallel ranks; set it to a multiple of {per_pass}."
     )
-  flags = dict(fsdp=dp // ep, tp=tp, cp=cp, pp=pp, ep=ep, global_batch_size=batch, grad_accum=batch // per_pass)
+  flags = dict(fsdp=dp, tp=tp, cp=cp, pp=pp, ep=ep, global_batch_size=batch, grad_accum=batch // per_pass)
   microbatch = take("parallelism.pipeline_parallel_microbatch_size")
   if pp > 1 and local % microbatch == 0:
     flags["microbatches"] = local // microbatch
@@ -328,30 +575,33 @@ def _on_cpu() -> bool:
 
 
 def _optimizer(take) -> dict:
-  """AdamW (or Adam without weight decay, the same update) for every parameter, as the recipe trains."""
+  """AdamW (or Adam without weight decay, the same update); several param groups as --param_groups,
+  each group's settings for the parameters its pattern matches first, the last group's as --lr etc."""
   groups = take("optimizer.param_groups")
-  kinds = {(g.optimizer_name, repr(sorted(g.optimizer_kwargs.items()))) for g in groups}
-  if len(kinds) != 1:
+  if take("optimizer.implementation") == "fused_opt_states_bf16":
     raise TorchOnTpuError(
-      f"torchtitan's optimizer.param_groups give {len(kinds)} different optimizers or settings "
-      f"({', '.join(g.pattern for g in groups)}); the recipe trains every parameter with one AdamW."
+      "torchtitan's optimizer.implementation=fused_opt_states_bf16 is its fused CUDA AdamW keeping the moments in bf16, "
+      "which the recipe does only with all state in bf16 (--dtype=bfloat16-all); drop it."
     )
-  group = groups[0]
+  settings = [_adamw(group) for group in groups]
+  flags = dict(settings[-1])
+  if len({repr(s) for s in settings}) > 1:
+    flags["param_groups"] = json.dumps([{"pattern": g.pattern, **s} for g, s in zip(groups, settings)])
+  return flags
+
+
+def _adamw(group) -> dict:
+  """One torchtitan param group's settings as the recipe's AdamW flags; another optimizer is one sentence."""
   kwargs = dict(group.optimizer_kwargs)
   decay = kwargs.get("weight_decay", 0.01 if group.optimizer_name == "AdamW" else 0.0)
   if group.optimizer_name not in ("AdamW", "Adam") or (group.optimizer_name == "Adam" and decay):
     raise TorchOnTpuError(
       f"torchtitan's optimizer {group.optimizer_name}{' with weight_decay' if group.optimizer_name == 'Adam' else ''} "
-      f"has no counterpart in the recipe, which trains with AdamW; use AdamW."
+      f"(param group {group.pattern!r}) has no counterpart in the recipe, which trains with AdamW; use AdamW."
     )
   odd = sorted(set(kwargs) - _ADAMW_KWARGS) + [k for k in ("maximize", "amsgrad") if kwargs.get(k)]
   if odd:
     raise TorchOnTpuError(f"torchtitan's optimizer argument {odd[0]}={kwargs[odd[0]]!r} has no counterpart in the recipe's AdamW; drop it.")
-  if take("optimizer.implementation") == "fused_opt_states_bf16":
-    raise TorchOnTpuError(
-      "torchtitan's optimizer.implementation=fused_opt_states_bf16 keeps Adam's moments in bf16, which the recipe does "
-      "only with all state in bf16 (--dtype=bfloat16-all); drop it."
-    )
   beta1, beta2 = kwargs.get("betas", (0.9, 0.999))
   return dict(lr=kwargs["lr"], beta1=beta1, beta2=beta2, eps=kwargs.get("eps", 1e-8), weight_decay=decay)
 
@@ -361,14 +611,7 @@ def _files(config, take, notes: list[str]) -> dict:
   initial weights, tokenizer and data; its repository's test assets, absent here, said in a line."""
   dump = take("dump_folder")
   flags = {"log_dir": dump}
-  enabled, interval = take("checkpoint.enable"), take("checkpoint.interval")
-  flags["ckpt_dir"] = os.path.join(dump, take("checkpoint.folder"))
-  flags["save_every"] = interval if enabled else take("training.steps")
-  if not enabled:
-    notes.append(f"torchtitan's checkpoint.enable=False: the recipe still saves the last step (into {flags['ckpt_dir']}), for its export.")
-  flags["keep_checkpoints"] = max(take("checkpoint.keep_latest_k"), 0)
-  if take("checkpoint.load_step") >= 0:
-    flags["resume_step"] = take("checkpoint.load_step")
+  flags.update(_checkpoints(take, dump, notes))
   assets = take("hf_assets_path")
   weights, in_hf, model_only = take("checkpoint.initial_load_path"), take("checkpoint.initial_load_in_hf"), take("checkpoint.initial_load_model_only")
   if weights is None and in_hf:
@@ -402,10 +645,100 @@ def _files(config, take, notes: list[str]) -> dict:
   return flags
 
 
+# torchtitan's checkpoint.exclude_from_loading keys → what a resume starts afresh (--resume_fresh).
+_EXCLUDED = {"optimizer": "optimizer", "lr_scheduler": "optimizer", "dataloader": "data", "train_state": "step"}
+
+
+def _checkpoints(take, dump: str, notes: list[str]) -> dict:
+  """torchtitan's checkpointing: with `checkpoint.enable` its folder, cadence, what the last step holds
+  and what a resume restores; without it nothing is resumed or saved, as torchtitan does."""
+  flags = {"ckpt_dir": os.path.join(dump, take("checkpoint.folder"))}
+  enabled, interval = take("checkpoint.enable"), take("checkpoint.interval")
+  model_only, in_hf, dtype = take("checkpoint.last_save_model_only"), take("checkpoint.last_save_in_hf"), take("checkpoint.export_dtype")
+  excluded, seed, load_step = take("checkpoint.exclude_from_loading"), take("checkpoint.create_seed_checkpoint"), take("checkpoint.load_step")
+  if take("checkpoint.initial_load_in_hf_quantized"):
+    raise TorchOnTpuError(
+      "torchtitan's checkpoint.initial_load_in_hf_quantized reads a quantized HF checkpoint (its dequantizing kernels are CUDA's); "
+      "give the checkpoint in bf16 or fp32 safetensors."
+    )
+  if not enabled:
+    notes.append(
+      "torchtitan's checkpoint.enable=False: as in torchtitan, no checkpoint is resumed or saved "
+      "(--checkpoint.enable keeps the last step, for a resume or an export)."
+    )
+    return {**flags, "save_every": 0}
+  flags.update(save_every=interval, keep_checkpoints=max(take("checkpoint.keep_latest_k"), 0))
+  flags["last_save"] = "hf" if in_hf else "model" if model_only else "full"
+  if model_only:
+    flags["last_save_dtype"] = dtype
+  if load_step >= 0:
+    flags["resume_step"] = load_step
+  if excluded:
+    unknown = sorted(set(excluded) - set(_EXCLUDED))
+    if unknown or ("optimizer" in excluded) != ("lr_scheduler" in excluded):
+      raise TorchOnTpuError(
+        f"torchtitan's checkpoint.exclude_from_loading={','.join(excluded)}: the recipe restores or starts afresh "
+        f"{', '.join(sorted(_EXCLUDED))}, with the optimizer and lr_scheduler together (the schedule's position is the "
+        f"optimizer's step count); name both or neither."
+      )
+    flags["resume_fresh"] = ",".join(sorted({_EXCLUDED[k] for k in excluded}))
+  if seed:
+    flags["steps"] = 0  # torchtitan saves its initial weights as step 0 and trains nothing
+  return flags
+
+
+def _observability(take, dump: str, notes: list[str]) -> dict:
+  """torchtitan's profiler as jax.profiler traces where torchtitan writes its own, and where its
+  TensorBoard scalars are."""
+  flags = {}
+  every, active, folder = take("profiler.profile_freq"), take("profiler.profiler_active"), take("profiler.save_traces_folder")
+  if take("profiler.enable_profiling"):
+    first, folder = max(every - active + 1, 1), os.path.join(dump, folder)
+    flags.update(profile=f"{first},{every},{every}", profile_dir=folder)
+    notes.append(
+      f"torchtitan's profiler.enable_profiling: jax.profiler traces steps {first}-{every} of every {every} into "
+      f"{folder}/iteration_<step> (TensorBoard's profile tab or Perfetto opens them)."
+    )
+  if take("metrics.enable_tensorboard"):
+    notes.append(f"torchtitan's metrics.enable_tensorboard: every run writes TensorBoard scalars, into {dump}/tensorboard beside metrics.jsonl.")
+  return flags
+
+
+def _read_past(config, used: set[str]) -> list[str]:
+  """A line for each reason some fields the config sets are read past (`READ_PAST`), naming them."""
+  switches = {path: value for path, value, _ in leaves(config) if path in _RELEVANT.values()}
+  said = {}
+  for path, value, default in leaves(config):
+    if path in used or default is dataclasses.MISSING or _same(value, default) or not path.startswith(SAME_MATH):
+      continue
+    switch = next((d for prefix, d in _RELEVANT.items() if path.startswith(prefix)), None)
+    if switch is not None and path != switch and not (switches.get(switch) is True or switches.get(switch, 1) > 1):
+      continue
+    reason = next(r for r, prefixes in READ_PAST.items() if path.startswith(prefixes))
+    said.setdefault(reason, []).append(f"{path}={_short(value)}")
+  kernels = [e if isinstance(e, str) else e[0] for e in config.override.imports]
+  lines = [f"torchtitan's override.imports {k}: {CUDA_KERNELS[k]}, the same computation: computed here with XLA." for k in kernels if k in CUDA_KERNELS]
+  return lines + [f"torchtitan's {', '.join(fields)}: read past, {reason}." for reason, fields in said.items()]
+
+
+# The recipe's flags (and the call arguments they set) that take a torchtitan field's value as it is:
+# a sentence about them names the field, as the user wrote it (`errors.spoken_as_flags`); --fsdp too
+# where no replicas are folded into it (`main`).
+SPELLING = {
+  "tp": "parallelism.tensor_parallel_degree", "cp": "parallelism.context_parallel_degree",
+  "pp": "parallelism.pipeline_parallel_degree", "ep": "parallelism.expert_parallel_degree",
+  "seqlen": "training.seq_len", "steps": "training.steps", "global_batch_size": "training.global_batch_size",
+  "clip_norm": "training.max_norm", "warmup_steps": "lr_scheduler.warmup_steps", "decay_ratio": "lr_scheduler.decay_ratio",
+  "lr_decay": "lr_scheduler.decay_type", "min_lr_factor": "lr_scheduler.min_lr_factor",
+  "seed": "debug.seed", "log_dir": "dump_folder", "weights": "checkpoint.initial_load_path", "resume_step": "checkpoint.load_step",
+  "keep_checkpoints": "checkpoint.keep_latest_k", "ckpt_dir": "checkpoint.folder", "last_save_dtype": "checkpoint.export_dtype",
+}
+
+
 def command_line(flags: dict, module: str = "recipes.torchtitan") -> str:
   """The same run as this recipe's flags, to paste."""
   parts = [f"--{name}={shlex.quote(str(value))}" for name, value in flags.items() if value is not None]
-  return f"python -m {module} " + " ".join(parts)
+  return f"{python_command()} -m {module} " + " ".join(parts)
 
 
 def devices_for(ours: dict) -> int:
@@ -431,7 +764,8 @@ def main(argv: list[str], recipe_main) -> None:
   import ast
 
   from recipes import cli
-  from recipes.flags import check_flags
+  from recipes.flags import check_flags, flag_spelling
+  from torch_on_tpu import errors
 
   titan, ours_argv = split_argv(argv, recipe_main.flags_cls)
   try:
@@ -440,11 +774,15 @@ def main(argv: list[str], recipe_main) -> None:
     config = parse(titan)
     flags, notes = to_flags(config, devices_for(ours))
     flags.update(ours)
-    check_flags(recipe_main.flags_cls(**flags), read_files=False)  # the command printed below must be one that runs
+    titan_names = {**SPELLING, **({"fsdp": "parallelism.data_parallel_shard_degree"} if config.parallelism.data_parallel_replicate_degree == 1 else {})}
+    spelling = {**flag_spelling(recipe_main.flags_cls), **{k: v for k, v in titan_names.items() if k not in ours}}
+    with errors.spoken_as_flags(spelling):
+      check_flags(recipe_main.flags_cls(**flags), read_files=False)  # the command printed below must be one that runs
   except (cli.FlagError, TorchOnTpuError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     raise SystemExit(2) from None
   for line in notes:
     print(line, flush=True)
   print(f"The same run in this recipe's flags: {command_line(flags)}", flush=True)
-  recipe_main(**flags)
+  with errors.spoken_as_flags(spelling):  # what goes wrong is said in the fields the user wrote
+    recipe_main(**flags)

@@ -28,15 +28,15 @@ from torch_on_tpu.models.torchtitan import LANGUAGE_FAMILIES
 
 def _mtp_check(value: int, flags: TorchtitanFlags) -> None:
   """--mtp_layers: a family with multi-token prediction; neither pipeline nor context parallel (torchtitan runs MTP with neither)."""
-  from torch_on_tpu.errors import TorchOnTpuError
+  from torch_on_tpu.errors import TorchOnTpuError, arg, named
   from torch_on_tpu.models.torchtitan import registry_config
 
   if value:
     registry_config(flags.model, mtp_layers=value)  # refuses a family without it
     if flags.pp > 1 or flags.cp > 1:
       raise TorchOnTpuError(
-        f"multi-token prediction with --pp={flags.pp} --cp={flags.cp}: torchtitan runs it with neither pipeline nor "
-        f"context parallelism, nor does the bridge yet; use --pp=1 --cp=1 (those devices on --fsdp)."
+        f"multi-token prediction with {arg('pp', flags.pp)} {arg('cp', flags.cp)}: torchtitan runs it with neither pipeline "
+        f"nor context parallelism, nor does the bridge yet; use {arg('pp', 1)} {arg('cp', 1)} (those devices on {named('fsdp')})."
       )
 
 

@@ -1,9 +1,11 @@
 """`_compat`: the torchax import shim (needed and sufficient on this stack, a no-op
 elsewhere), the quiet import, and every internal API we rely on."""
 
+import contextlib
 import importlib
 import importlib.metadata
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -352,6 +354,32 @@ _cpu_only.define("double(Tensor x) -> Tensor")
 _cpu_only.impl("double", lambda x: x * 2, "CPU")
 
 
+@contextlib.contextmanager
+def _torchax_own_tensor_dispatch():
+  """torchax's own `Tensor.__torch_dispatch__` back for a while (the bridge computes a jax-backed
+  tensor's math outside the environment in it, `model_ops._outside_the_environment`)."""
+  from torchax.tensor import Tensor
+
+  from torch_on_tpu.lowering.aten import model_ops
+
+  ours = Tensor.__dict__["__torch_dispatch__"]
+  Tensor.__torch_dispatch__ = classmethod(model_ops._TORCHAX_DISPATCH)
+  try:
+    yield
+  finally:
+    Tensor.__torch_dispatch__ = ours
+
+
+def _check_tensor_dispatch():
+  from torchax.interop import torch_view
+
+  x = torch_view(jnp.arange(3.0))
+  with _torchax_own_tensor_dispatch(), pytest.raises(AssertionError, match="only do math within the torchax environment"):
+    x + 1  # what torchax does outside its environment
+  assert float((x + 1).jax().sum()) == 6.0  # what the bridge does: computed in it
+
+
+@_torchax_own_tensor_dispatch()
 def _check_dispatch_mode():
   from torchax.interop import torch_view
 
@@ -388,7 +416,7 @@ def _check_torchax_modes():
   from torchax.interop import torch_view
 
   x = torch_view(jnp.arange(3.0))
-  with pytest.raises(AssertionError, match="only do math within the torchax environment"):
+  with _torchax_own_tensor_dispatch(), pytest.raises(AssertionError, match="only do math within the torchax environment"):
     x + 1
   with _compat.torchax_modes(_compat.torchax_env()):
     assert float((x + 1).jax().sum()) == 6.0
@@ -506,6 +534,7 @@ def _check_float8_dispatch():
 
 _INTERNAL_API_CHECKS = {
   "torchax.tensor.XLADispatchMode": _check_dispatch_mode,
+  "torchax.tensor.Tensor.__torch_dispatch__": _check_tensor_dispatch,
   "torchax.tensor.Environment._dispatch_mode": _check_dispatch_mode,
   "torch._decomp.decomposition_table": _check_decomposition_table,
   "torch._ops.OpOverload._op_dk": _check_op_kernels,
@@ -564,6 +593,17 @@ def test_a_missing_extra_is_named_in_one_sentence(monkeypatch):
 
   with pytest.raises(tot.TorchOnTpuError, match=r"torch_on_tpu\[torchtitan\]"):
     torchtitan.llama3_config("debugmodel")
+
+
+def test_a_users_file_shadowing_an_extra_is_named_not_called_missing(tmp_path):
+  """A script named `torchtitan.py` is what `import torchtitan` finds from its directory: the
+  sentence names that file, not a missing install."""
+  script = tmp_path / "torchtitan.py"
+  script.write_text("from torch_on_tpu.models.torchtitan import build_llama3\nbuild_llama3('debugmodel', max_seq_len=64)\n")
+  env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parent.parent)}
+  done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode != 0
+  assert f"but `import torchtitan` finds {script}, a file of that name; rename it" in done.stderr, done.stderr[-1500:]
 
 
 def test_metrics_are_logged_without_the_logging_extra(tmp_path, monkeypatch):

@@ -52,6 +52,23 @@ PACKED = {  # as create_causal_mask composes them for position_ids without an at
 }
 
 
+def dense(masks, length):
+  """transformers' own (B or 1, 1, L, L) boolean mask for the pattern of `masks` (an `HFMasks`)."""
+  rows = torch.arange(length)[:, None]
+  cols = torch.arange(length)[None, :]
+  allowed = torch.ones(length, length, dtype=torch.bool)
+  if masks.causal:
+    allowed = allowed & (cols <= rows)
+  if masks.window is not None:
+    allowed = allowed & (cols > rows - masks.window)
+  allowed = allowed[None, None]
+  if masks.q_ids is not None:
+    allowed = allowed & (masks.q_ids[:, None, :, None] == masks.kv_ids[:, None, None, :])
+  if masks.keep is not None:
+    allowed = allowed & masks.keep[:, None, :, None]
+  return allowed
+
+
 @pytest.mark.parametrize("pattern", sorted({**PATTERNS, **PACKED}))
 def test_each_pattern_read_from_transformers_mask_functions_is_its_own_mask(pattern):
   for padding in paddings()[:1] if pattern in PACKED else paddings():
@@ -62,7 +79,7 @@ def test_each_pattern_read_from_transformers_mask_functions_is_its_own_mask(patt
     )
     read = hf_attention.read_pattern(function)
     assert read is not None, pattern
-    ours = hf_attention.build_masks(LENGTH, padding, **read).dense(LENGTH)
+    ours = dense(hf_attention.build_masks(LENGTH, padding, **read), LENGTH)
     assert torch.equal(ours.expand_as(theirs), theirs), (pattern, padding)
 
 

@@ -48,6 +48,7 @@ FIXED = {
   "index_add": ("exact", "exact"),  # lowered with torch's dtype check
   "searchsorted": ("exact", None),  # side, sorter and N-d sequences
   "nn.functional.cosine_similarity": ("exact", "exact"),  # it formats a traced tensor
+  "as_strided.partial_views": ("refused", "refused"),  # storage_offset=0 on a view: the base's elements
 }
 
 _ALL = [op_sweep.op_key(op) for op in op_sweep.float32_ops()]
@@ -96,6 +97,8 @@ LATER_SAMPLES = [
   ("nonzero_static", "forward", [57]),  # empty input: all fill_value
   ("repeat_interleave", "forward", [4]),  # output_size=
   ("max_pool2d_with_indices_backward", "forward", [1139, 1150]),  # dilation: scattered by the indices
+  ("as_strided.partial_views", "forward", [0, 2]),  # a view's own storage offset, and one inside it
+  ("as_strided.partial_views", "backward", [0, 2]),
 ]
 
 
@@ -139,6 +142,11 @@ class _Strided(torch.nn.Module):
     return torch.as_strided(x, (2, 2), (1, 2), self.offset)
 
 
+class _Doubled(torch.nn.Module):
+  def forward(self, x):
+    return x * 2
+
+
 def test_as_strided_within_the_tensor_is_torchs_and_past_it_is_refused():
   """Within the tensor's own elements, torch's values; past them torch reads the storage the
   tensor is a view of (or raises), which the program does not hold: one sentence, where
@@ -151,9 +159,53 @@ def test_as_strided_within_the_tensor_is_torchs_and_past_it_is_refused():
   jm = tot.ShardedModule(_Strided(3), mesh=tot.make_mesh(fsdp=1, devices=jax.devices()[:1]))
   assert torch.equal(tot.to_cpu(jm(x)), torch.as_strided(x, (2, 2), (1, 2), 3))
   jm = tot.ShardedModule(_Strided(10), mesh=tot.make_mesh(fsdp=1, devices=jax.devices()[:1]))
-  with pytest.raises(tot.TorchOnTpuError, match=r"reaches element 13 of a tensor of 10") as info:
+  with pytest.raises(tot.TorchOnTpuError, match=r"reads storage position 10, which is not one of the 10 elements") as info:
     jm(x)
   assert str(info.value).count(". ") == 0
+
+
+def test_as_strided_on_a_view_reads_its_storage_as_torch_does():
+  """An input torch holds as a view (a slice with a storage offset, a transposed tensor), a CPU
+  model's parameter that is one, or a slice the model takes: read by its storage offset and
+  strides, as torch reads it; a position outside the view (the base's elements) is refused, where
+  it read the view's own."""
+  import jax
+
+  import torch_on_tpu as tot
+
+  mesh = tot.make_mesh(fsdp=1, devices=jax.devices()[:1])
+  base = torch.arange(20.0)
+  view, transposed = base[5:15], base.reshape(4, 5).t()
+  for offset in (None, 7, 10):
+    assert torch.equal(tot.to_cpu(tot.ShardedModule(_Strided(offset), mesh=mesh)(view)), torch.as_strided(view, (2, 2), (1, 2), offset))
+  assert torch.equal(tot.to_cpu(tot.ShardedModule(_Strided(None), mesh=mesh)(transposed)), torch.as_strided(transposed, (2, 2), (1, 2)))
+  with pytest.raises(tot.TorchOnTpuError, match=r"storage_offset 0 reads storage position 0, which is not one of the 10 elements"):
+    tot.ShardedModule(_Strided(0), mesh=mesh)(view)
+  jm = tot.ShardedModule(_Strided(6), mesh=mesh)  # the program depends on the view's offset: one per offset
+  for start in (5, 3):
+    assert torch.equal(tot.to_cpu(jm(base[start:start + 10])), torch.as_strided(base[start:start + 10], (2, 2), (1, 2), 6))
+  assert len(jm._compiled) == 2
+  jm = tot.ShardedModule(_Doubled(), mesh=mesh)  # one that reads no storage: one program for every slice
+  for start in (5, 3, 0):
+    assert torch.equal(tot.to_cpu(jm(base[start:start + 10])), base[start:start + 10] * 2)
+  assert len(jm._compiled) == 1
+
+  class Held(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.w = torch.nn.Parameter(base[5:15])
+
+    def forward(self):
+      return torch.as_strided(self.w, (2, 2), (1, 2), 9)
+
+  assert torch.equal(tot.to_cpu(tot.ShardedModule(Held(), mesh=mesh)()), torch.as_strided(base[5:15], (2, 2), (1, 2), 9))
+
+  class Sliced(torch.nn.Module):  # a slice the model takes itself
+    def forward(self, x):
+      return torch.as_strided(x[1:, 2:], (2, 2), (1, 5), 8)
+
+  grid = torch.arange(20.0).reshape(4, 5)
+  assert torch.equal(tot.to_cpu(tot.ShardedModule(Sliced(), mesh=mesh)(grid)), Sliced()(grid))
 
 
 def test_repeat_interleave_with_an_output_size_that_is_not_the_sum_raises_as_torch_does():

@@ -214,7 +214,7 @@ def test_the_plan_is_within_a_fifth_of_the_compiled_peak(scan, remat, batch, seq
   """Tiny models put most of their bytes in the state and the loss head, which the plan
   counts exactly or nearly so; the activation estimate per layer and XLA's own scratch
   (fusion buffers, the attention's blocks) weigh more there than at 1B (within 10%,
-  docs/performance.md)."""
+  CHANGELOG.md)."""
   import jax.numpy as jnp
 
   planned, compiled = _planned_and_compiled(scan, remat, batch, seq, jnp.bfloat16 if bf16 else None)

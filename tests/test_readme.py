@@ -192,6 +192,49 @@ def check_install(args: list[str]) -> None:
       assert pins.get(name) == version, f"{arg} but constraints.txt pins {name}=={pins.get(name)}"
 
 
+# ---- every Python block of docs/ ---------------------------------------------------------------
+#
+# The README's snippets run whole (above). A block in docs/ is a fragment of a longer program: it
+# is marked `<!-- python fragment; given: a, b -->`, naming what it takes from the text around it,
+# and every other name it uses is imported or defined in it (a missing import is a rotted snippet).
+
+PYTHON_FENCE = re.compile(r"(?:^<!-- python fragment; given: (?P<given>[^\n]*?) -->\n)?^```python\n(?P<body>.*?)^```$", re.M | re.S)
+
+
+def free_names(source: str) -> set[str]:
+  """The names `source` reads that it neither binds nor imports (builtins aside)."""
+  import builtins
+
+  bound, read = set(dir(builtins)), set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Name):
+      (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      bound.add(node.name)
+    elif isinstance(node, ast.arg):
+      bound.add(node.arg)
+    elif isinstance(node, ast.alias):
+      bound.add((node.asname or node.name).split(".")[0])
+    elif isinstance(node, ast.ExceptHandler) and node.name:
+      bound.add(node.name)
+  return read - bound
+
+
+def test_every_python_block_in_docs_imports_what_it_uses_and_names_what_it_is_given():
+  blocks = 0
+  for page in figures.PAGES[1:]:
+    text = page.read_text()
+    for m in PYTHON_FENCE.finditer(text):
+      where = f"{page.relative_to(ROOT)}:{text[: m.start('body')].count(chr(10)) + 1}"
+      assert m["given"] is not None, f"{where}: a Python block without its `<!-- python fragment; given: ... -->` line"
+      given = set() if m["given"] == "nothing" else {n.strip() for n in m["given"].split(",")}
+      missing = free_names(m["body"]) - given
+      assert not missing, f"{where}: uses {sorted(missing)}, neither imported, defined, nor named as given"
+      blocks += 1
+  assert blocks >= 10
+  assert free_names("x = jnp.zeros(3)") == {"jnp"}  # what the check catches
+
+
 def test_every_figure_region_names_its_date_machine_command_and_a_renderer():
   regions = figures.figures()
   assert len(regions) >= 6

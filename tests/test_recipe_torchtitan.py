@@ -119,7 +119,7 @@ def test_gpt_oss_trains_in_torchtitans_precision_and_its_fp32_forward_is_refused
   assert "expert_bias_E is nonzero" in summary["export_refusal"] and "GptOss" in summary["export_refusal"]
   assert f"No export for transformers: {summary['export_refusal']}" in printed
   (command,) = [x for x in printed if x.startswith("Export its state_dict")]
-  assert command.split(": ", 1)[1].startswith("python tools/convert.py to_safetensors ")
+  assert command.split(": ", 1)[1].startswith(".venv/bin/python tools/convert.py to_safetensors ")
   convert = h.load_module("tools/convert.py")
   assert convert.main(command.split(": ", 1)[1].split()[2:]) == 0  # the printed command, pasted
   assert list((Path(summary["log_dir"]) / "export").glob("*.safetensors"))

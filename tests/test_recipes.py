@@ -44,7 +44,7 @@ def test_train_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch, c
     f"Run directory: {log_dir} (metrics.jsonl, TensorBoard)",
     f"Last checkpoint: {log_dir / 'ckpt' / '8'}",
     f"Plot: {log_dir / 'training.png'}",
-    f"Export for transformers: python tools/convert.py to_hf {log_dir / 'ckpt'} {log_dir / 'export'} "
+    f"Export for transformers: .venv/bin/python tools/convert.py to_hf {log_dir / 'ckpt'} {log_dir / 'export'} "
     f"--model=llama3:debugmodel --tokenizer={log_dir / 'tokenizer'} --step=8",
   ]
   # train and eval loss fall; checkpoints, metrics.jsonl, the plot, the saved config
@@ -66,6 +66,7 @@ def test_train_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch, c
     patch.setattr(checkpoint.PreemptionGuard, "should_stop", lambda self, step: step == 3)
     stopped = llama3.run(titan_flags(tmp_path, "split", steps=8, save_every=4, eval_every=4))
   assert stopped["preempted"] and stopped["steps"] == 3
+  assert "Stopped at step 3 by a signal: the same command resumes from it." in capsys.readouterr().out
   assert stopped["final_eval_loss"] is None and stopped["last_eval"]["step"] == 0  # not step 0's as the run's
   resumed = llama3.run(titan_flags(tmp_path, "split", steps=8, save_every=4, eval_every=4))
   assert resumed["start"]["step"] == 3
@@ -110,8 +111,8 @@ def test_resume_refuses_changed_state_flags_picks_a_step_and_starts_afresh_witho
     with pytest.raises(tot.TorchOnTpuError) as err:
       llama3.run(titan_flags(tmp_path, steps=6, eval_every=0, **{flag: changed}))
     assert str(err.value) == (
-      f"The checkpoint at {ckpt_dir} was saved with --{flag}={saved} but this run has --{flag}={changed}; "
-      f"resume with --{flag}={saved}, or start afresh with --resume=False or another --ckpt_dir."
+      f"The checkpoint at {ckpt_dir} was saved by a run of other settings (--{flag}={saved} there, --{flag}={changed} here); "
+      f"resume it with the saved ones, or start afresh with --resume=False or another --ckpt_dir."
     )
     assert "Resumed" not in capsys.readouterr().out
 
@@ -170,6 +171,8 @@ def test_a_missing_wandb_login_stops_the_run_before_the_model_is_built(tmp_path,
   assert summary["steps"] == 2
   (run_file,) = (tmp_path / "offline" / "wandb").glob("offline-run-*/run-*.wandb")
   assert run_file.stat().st_size > 0
+  said = f"Weights & Biases run, offline: {run_file.parent}; upload it with: .venv/bin/python -m wandb sync {run_file.parent}"
+  assert said in capsys.readouterr().out  # where it is, and the command that uploads it
 
 
 def test_a_plan_that_does_not_fit_fails_with_one_suggestion(tmp_path):
@@ -253,7 +256,7 @@ def test_hf_lora_trains_only_the_adapters_and_exports(tmp_path, hf_dir, caplog, 
   assert count.startswith(f"trainable params: {trainable:,d} || all params: ") and trainable < 0.1 * sum(v.size for v in jm.params.values())
   assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]  # peft's transformers deprecation stays quiet
   command = [line for line in printed.splitlines() if "tools/convert.py to_hf" in line][0]
-  args = command.split("python tools/convert.py ")[1].split()
+  args = command.split(".venv/bin/python tools/convert.py ")[1].split()
   convert = h.load_module(ROOT / "tools" / "convert.py")
   assert convert.main(args) == 0
   out = pathlib.Path(args[2])
@@ -296,7 +299,7 @@ def test_bad_flags_are_one_sentence_naming_the_flag_before_the_model_is_built(tm
     (dict(max_skips=-1), "--max_skips=-1 is below its minimum of 0; give 0 or more."),
     (dict(data=str(tmp_path / "notes/*.txt")), f"--data: Data glob '{tmp_path}/notes/*.txt' matches no files; check the pattern and the directory."),
     (dict(data=str(tmp_path / "notes.jsonl")), f"--data: JSONL file '{tmp_path}/notes.jsonl' has no field 'text' (a record has fields ['body']); name one of those with --data_field."),
-    (dict(profile="a"), "--profile: 'a' is not FIRST,LAST step numbers; write e.g. --profile=10,12."),
+    (dict(profile="a"), "--profile: 'a' is not FIRST,LAST (or FIRST,LAST,EVERY) step numbers; write e.g. --profile=10,12."),
     (dict(resume_step=2, resume=False), "--resume_step needs --resume=True; drop one of the two."),
     (dict(global_batch_size=6, grad_accum=4), "--global_batch_size=6 does not divide into --grad_accum=4 microbatches; make the batch a multiple of 4."),
     (dict(global_batch_size=6), "--global_batch_size=6 does not split over the 8 data devices (fsdp=8); use a multiple of 8, e.g. --global_batch_size=8."),

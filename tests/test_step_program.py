@@ -199,7 +199,7 @@ def test_fsdp_on_tpu_gathers_and_reduce_scatters_whole_unless_collective_matmuls
   """By default the TPU compiler's collective matmuls are off (`xla_flags.COLLECTIVE_MATMUL`):
   each weight is gathered once per pass and each gradient reduce-scattered once, FSDP's ideal
   (1.00× here), where the windowed einsums moved 1.13× (Llama 3.1 8B on v6e-8: 2.04×,
-  docs/performance.md). Asked for, they come back, and the program's FLOPs read the
+  CHANGELOG.md). Asked for, they come back, and the program's FLOPs read the
   same: their loops, which count by 2 without a known trip count, are counted as they run."""
   plain, ideal = _mlp_step_on_v6e(monkeypatch, False)
   assert plain.ops.get("while", 0) == 0, plain.ops

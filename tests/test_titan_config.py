@@ -6,7 +6,7 @@ import ast
 import dataclasses
 import functools
 import importlib
-import inspect
+import importlib.util
 import json
 import re
 import shlex
@@ -32,7 +32,6 @@ REFUSED = {
   "dist_gemm": r"changes llama3:debugmodel's model at .*attention\.wo",
   "emulate_lora": r"changes llama3:debugmodel's model at model_spec\.model \(FrozenLlama3Model",
   "^sft_debugmodel": r"dataloader ChatDataLoader has no counterpart",
-  "moe_param_groups": r"optimizer\.param_groups give 3 different optimizers",
   "minimal_async_ep": r"parallelism degrees .* do not multiply to the 8 devices here; .*--cpu_devices=N",
   "_mm$": r"imports 'torchvision'",
 }
@@ -40,12 +39,7 @@ REFUSED = {
 
 def config_functions(family):
   """The functions of torchtitan's `<family>.config_registry` that build a Trainer.Config."""
-  registry = importlib.import_module(f"torchtitan.models.{family}.config_registry")
-  return sorted(
-    name for name, fn in inspect.getmembers(registry, inspect.isfunction)
-    if fn.__module__ == registry.__name__ and not name.startswith("_")
-    and all(p.default is not p.empty for p in inspect.signature(fn).parameters.values())
-  )
+  return titan_config.config_functions(importlib.import_module(f"torchtitan.models.{family}.config_registry"))
 
 
 @pytest.mark.parametrize("family", LANGUAGE_FAMILIES)
@@ -72,8 +66,8 @@ def test_every_config_torchtitan_ships_maps_onto_the_flags_or_is_refused_in_a_se
     recipe_flags.check_flags(run, read_files=False)  # every value one the recipe takes
     group = config.optimizer.param_groups[0].optimizer_kwargs
     assert (run.model, run.seqlen, run.steps, run.lr) == (f"{family}:{config.model_spec.flavor}", config.training.seq_len, config.training.steps, group["lr"])
-    assert run.fsdp * run.ep * run.tp * run.cp * run.pp == 8
-    assert run.global_batch_size == config.training.local_batch_size * run.fsdp * run.ep * run.grad_accum
+    assert run.fsdp * run.tp * run.cp * run.pp == 8  # ep borrows from fsdp x cp x tp, as torchtitan's does
+    assert run.global_batch_size == config.training.local_batch_size * run.fsdp * run.grad_accum
     mapped += 1
   assert mapped >= 2, names  # each family's own debug and full-size configs
 
@@ -89,7 +83,7 @@ def test_llama3_8b_is_torchtitans_run_on_the_recipes_flags():
   assert any("hf_assets_path './assets/hf/Llama-3.1-8B' holds no tokenizer.json" in n for n in notes), notes
   with pytest.raises(TorchOnTpuError, match=r"torchtitan's lr_scheduler\.total_steps=100 has no counterpart.*drop it \(its default is None\)"):
     titan_config.to_flags(titan_config.parse(["--module", "llama3", "--config", "llama3_8b", "--lr_scheduler.total_steps=100"]), devices=8)
-  with pytest.raises(TorchOnTpuError, match=r"fused_opt_states_bf16 keeps Adam's moments in bf16"):
+  with pytest.raises(TorchOnTpuError, match=r"fused_opt_states_bf16 is its fused CUDA AdamW keeping the moments in bf16"):
     titan_config.to_flags(titan_config.parse(["--module", "llama3", "--config", "llama3_8b", "--optimizer.implementation=fused_opt_states_bf16"]), devices=8)
 
 
@@ -123,7 +117,7 @@ def torchtitans_lrs(config) -> list[float]:
 
 def test_torchtitans_debug_config_trains_as_it_is_and_the_printed_flags_are_the_same_run(tmp_path, capsys):
   dump = tmp_path / "outputs"
-  argv = ["--module", "llama3", "--config", "llama3_debugmodel", "--training.steps=3", "--training.seq_len=64",
+  argv = ["--module", "llama3", "--config", "llama3_debugmodel", "--training.steps=3", "--training.seq_len=64", "--checkpoint.enable",
           "--training.local_batch_size=1", f"--dump_folder={dump}", "--metrics.log_freq=5", "--eval_every=0"]
   titan_recipe.command(argv)
   said = capsys.readouterr().out
@@ -134,10 +128,10 @@ def test_torchtitans_debug_config_trains_as_it_is_and_the_printed_flags_are_the_
   assert all(torch.isfinite(torch.tensor([r["loss"] for r in records if "loss" in r])))
   (same,) = [line.split(": ", 1)[1] for line in said.splitlines() if line.startswith("The same run in this recipe's flags: ")]
   words = shlex.split(same)
-  assert words[:3] == ["python", "-m", "recipes.torchtitan"]
+  assert words[:3] == [".venv/bin/python", "-m", "recipes.torchtitan"]
   pasted = titan_recipe.TorchtitanFlags(**{a[2:].split("=", 1)[0]: ast.literal_eval(a.split("=", 1)[1]) for a in cli.parse_argv(words[3:], titan_recipe.TorchtitanFlags)})
   assert (pasted.model, pasted.global_batch_size, pasted.lr_decay, pasted.eval_every) == ("llama3:debugmodel", 8, "linear", 0)
-  titan_recipe.command(words[3:])  # pasted: the same run, which is done
+  titan_recipe.command(words[3:])  # pasted: the same run, which is done (its checkpoint holds the last step)
   assert f"Nothing to train: {dump}/checkpoint already holds step 3 of --steps=3" in capsys.readouterr().out
 
 
@@ -161,7 +155,7 @@ def test_a_mistyped_override_is_torchtitans_own_parser_answering_with_the_neares
     titan_recipe.command(["--module", "llama3", "--config", "llama3_debugmodel", "--training.stepz=3"])
   err = " ".join(re.sub(r"[│╭╮╰╯─]", " ", capsys.readouterr().err).split())  # tyro's panel, its box drawn away
   assert stop.value.code == 2 and "Unrecognized options: --training.stepz=3" in err and "--training.steps INT" in err, err
-  assert "run python -m recipes.torchtitan --module llama3 --config llama3_debugmodel --help" in err, err  # pastes
+  assert "run .venv/bin/python -m recipes.torchtitan --module llama3 --config llama3_debugmodel --help" in err, err  # pastes
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
@@ -195,7 +189,143 @@ def test_a_float8_converted_model_maps_onto_the_float8_flags_that_convert_it_the
   assert "Float8Linear" in held
 
 
-def test_a_config_function_that_does_not_exist_is_torchtitans_list_without_a_float8_hint():
+
+
+@pytest.mark.parametrize("argv, said", [
+  (["--optimizer.lr=1e-4"], "--optimizer.lr is how torchtitan 0.2 spelled it; torchtitan 0.3.0 writes "
+                            "--optimizer.param-groups.0.optimizer-kwargs.lr=1e-4 (this recipe's flag: --lr=1e-4)."),
+  (["--activation_checkpoint.mode", "full"], "torchtitan 0.3.0 writes the subcommand activation-checkpoint:full, written last "
+                                             "(this recipe's flag: --remat (full; auto for selective; none))."),
+  (["--profiling.enable_profiling"], "torchtitan 0.3.0 writes --profiler.enable_profiling (this recipe's flag: --profile=FIRST,LAST)."),
+])
+def test_an_older_torchtitans_spelling_is_answered_with_its_030_spelling_and_the_recipes_flag(argv, said):
   with pytest.raises(TorchOnTpuError) as err:
-    titan_config.parse(["--module", "llama3", "--config", "llama3_nope"])
-  assert "Config function 'llama3_nope' not found" in str(err.value) and "--float8" not in str(err.value)
+    titan_config.parse(["--module", "llama3", "--config", "llama3_debugmodel", *argv])
+  assert said in str(err.value)
+
+
+def test_a_misspelled_config_is_answered_with_the_registrys_configs_and_its_nearest():
+  with pytest.raises(TorchOnTpuError) as err:
+    titan_config.parse(["--module", "qwen3", "--config", "qwen3_debugmodel_moe"])
+  said = str(err.value)
+  assert "no config 'qwen3_debugmodel_moe'; did you mean qwen3_moe_debug or qwen3_debugmodel_moe_param_groups?" in said
+  assert said.endswith("qwen3_moe_debug, qwen3_moe_deepep, sft_qwen3_8b_math.") and "decoder_vocab_size" not in said, said
+
+
+def test_the_last_module_and_config_written_are_the_ones_taken_as_torchtitan_takes_them():
+  first = [m for m in ("qwen3_5", "kimi_k2_7") if importlib.util.find_spec("torchvision") is None] or ["qwen3"]
+  config = titan_config.parse(["--module", first[0], "--config", "anything", "--module", "llama3", "--config", "llama3_debugmodel"])
+  assert (config.model_spec.name, config.model_spec.flavor) == ("llama3", "debugmodel")
+
+
+def test_options_torchtitans_pytorch_needs_and_this_run_does_not_are_each_said_not_read_past():
+  config = titan_config.parse(["--module", "llama3", "--config", "llama3_debugmodel", "--compile.enable", "--profiler.enable_profiling",
+                               "--metrics.enable_tensorboard", "--parallelism.fsdp_reshard_after_forward=always",
+                               "--override.imports", "torchtitan.overrides.fused_swiglu.fused_swiglu"])
+  used = set()
+  flags, notes = titan_config.to_flags(config, devices=8, used=used)
+  said = "\n".join(notes)
+  assert (flags["profile"], flags["profile_dir"]) == ("10,10,10", "./outputs/profiling/traces")  # where torchtitan writes its traces
+  for field in ("compile.enable=True", "metrics.enable_tensorboard", "parallelism.fsdp_reshard_after_forward='always'",
+                "override.imports torchtitan.overrides.fused_swiglu.fused_swiglu"):
+    assert f"torchtitan's {field}" in said, (field, said)
+  assert "pipeline_parallel_schedule" not in said  # the config's own schedule: said only with pipeline stages
+  assert {"profiler.enable_profiling", "override.imports", "activation_checkpoint"} <= used
+
+
+@pytest.mark.parametrize("argv, expected", [
+  ([], dict(save_every=0)),
+  (["--checkpoint.enable"], dict(save_every=10, last_save="full")),  # llama3_debugmodel keeps its last step whole
+  (["--checkpoint.enable", "--checkpoint.last_save_model_only", "--checkpoint.export_dtype=bfloat16"], dict(last_save="model", last_save_dtype="bfloat16")),
+  (["--checkpoint.enable", "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"], dict(last_save="hf")),
+  (["--checkpoint.enable", "--checkpoint.exclude_from_loading", "lr_scheduler,dataloader,optimizer"], dict(resume_fresh="data,optimizer")),
+  (["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"], dict(steps=0)),
+])
+def test_torchtitans_checkpoint_options_map_onto_what_the_recipe_saves_and_resumes(argv, expected):
+  flags, _ = titan_config.to_flags(titan_config.parse(["--module", "llama3", "--config", "llama3_debugmodel", *argv]), devices=8)
+  assert {k: flags.get(k) for k in expected} == expected
+  with pytest.raises(TorchOnTpuError, match=r"exclude_from_loading=optimizer: .*with the optimizer and lr_scheduler together"):
+    titan_config.to_flags(titan_config.parse(["--module", "llama3", "--config", "llama3_debugmodel", "--checkpoint.enable",
+                                              "--checkpoint.exclude_from_loading", "optimizer"]), devices=8)
+
+
+def test_override_imports_runs_the_users_module_and_applies_its_overrides(tmp_path, monkeypatch):
+  """torchtitan users hook their code in by `--override.imports`: the module is imported and its
+  `@override` applied, as torchtitan's trainer does; what it then changes is judged like any config
+  (here a norm's eps: a model the registry's flavor is not); a module that does not import is one sentence."""
+  (tmp_path / "my_hooks.py").write_text(
+    "import dataclasses\n"
+    "from torchtitan.config import override\n"
+    "from torchtitan.models.common.nn_modules import RMSNorm\n"
+    "@override(target=RMSNorm.Config, fqns=['*.norm'])\n"
+    "def wider_eps(cfg):\n"
+    "  return dataclasses.replace(cfg, eps=1e-3)\n"
+  )
+  (tmp_path / "needs_cuda.py").write_text("import flash_attn_interface  # noqa\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  config = titan_config.parse(["--module", "llama3", "--config", "llama3_debugmodel", "--override.imports", "my_hooks.wider_eps"])
+  assert config.model_spec.model.norm.eps == 1e-3
+  with pytest.raises(TorchOnTpuError, match=r"changes llama3:debugmodel's model at model_spec\.model\.norm\.eps \(0\.001 instead of 1e-05\)"):
+    titan_config.to_flags(config, devices=8)
+  with pytest.raises(TorchOnTpuError, match=r"could not import its module \(it needs flash_attn_interface, not installed here"):
+    titan_config.parse(["--module", "llama3", "--config", "llama3_debugmodel", "--override.imports", "needs_cuda.fn"])
+
+
+@pytest.mark.parametrize("argv, said", [
+  (["--parallelism.context_parallel_degree=2", "--training.seq_len=66"],
+   r"^error: --training\.seq_len=66 does not split into 2\*cp=4 equal chunks .* pick another --parallelism\.context_parallel_degree\.$"),
+  (["--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel_mtp", "--training.disable_cuda_graphs",
+    "--parallelism.pipeline_parallel_degree=2"],
+   r"multi-token prediction with --parallelism\.pipeline_parallel_degree=2 --parallelism\.context_parallel_degree=1: .*"
+   r"use --parallelism\.pipeline_parallel_degree=1 --parallelism\.context_parallel_degree=1"),
+])
+def test_a_refusal_names_the_torchtitan_options_the_user_wrote_not_the_recipes_flags(argv, said, capsys):
+  with pytest.raises(SystemExit):
+    titan_recipe.command(["--module", "llama3", "--config", "llama3_debugmodel", *argv])
+  err = capsys.readouterr().err.strip()
+  assert re.search(said, err) and len(err.splitlines()) == 1, err
+
+
+def test_a_check_torchtitans_config_makes_as_it_is_built_is_one_sentence_not_a_panel():
+  """torchtitan's own checks (here: pipeline stages want CUDA graphs off, as its parser says on any
+  machine) come out of tyro as a drawn panel; the recipe says them in one sentence."""
+  with pytest.raises(TorchOnTpuError) as err:
+    titan_config.parse(["--module", "llama3", "--config", "llama3_debugmodel", "--parallelism.pipeline_parallel_degree", "2"])
+  assert str(err.value) == (
+    "torchtitan refuses this config (--module llama3 --config llama3_debugmodel): Error parsing Config: CUDA graphs do not "
+    "support pipeline parallelism yet. Set --training.disable_cuda_graphs."
+  )
+
+
+def test_param_groups_train_each_parameter_as_adamw_with_its_groups_lr_and_weight_decay():
+  """torchtitan's `qwen3_debugmodel_moe_param_groups` (embeddings without weight decay, the router's
+  gates by Adam at a lower lr, AdamW for the rest) maps onto --param_groups; each parameter then moves
+  exactly as optax's AdamW alone would move it with its group's settings, on the one schedule."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from recipes import runner
+
+  config = titan_config.parse(["--module", "qwen3", "--config", "qwen3_debugmodel_moe_param_groups"])
+  flags, _ = titan_config.to_flags(config, devices=8)
+  groups = json.loads(flags["param_groups"])
+  assert [(g["pattern"], g["lr"], g["weight_decay"]) for g in groups] == [
+    (r"(?:tok_embeddings|output)\.", 8e-4, 0.0), (r"\.router\.gate\.", 1e-4, 0.0), (".*", 8e-4, 0.1)]
+  run = titan_recipe.TorchtitanFlags(**{**flags, "warmup_steps": 2, "steps": 5})
+  params = {name: jnp.full((3,), 1.0 + i) for i, name in enumerate(["tok_embeddings.weight", "layers.0.moe.router.gate.weight", "norm.weight"])}
+  jm = types.SimpleNamespace(params=params, stored_layout=lambda: {})
+  ours = runner._optimizer(run, jm, lora=False)
+  alone = {name: optax.inject_hyperparams(optax.adamw)(learning_rate=warmup_stable_decay(
+    g["lr"], 5, warmup_steps=2, decay_ratio=run.decay_ratio, decay=run.lr_decay, min_lr_factor=run.min_lr_factor),
+    b1=g["beta1"], b2=g["beta2"], eps=g["eps"], weight_decay=g["weight_decay"]) for name, g in zip(params, groups)}
+  state, states, want = ours.init(params), {n: alone[n].init(params[n]) for n in params}, dict(params)
+  for step in range(4):
+    grads = {n: jnp.asarray([0.3, -1.0, 2.0]) * (step + 1) * (i + 1) for i, n in enumerate(params)}
+    updates, state = ours.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    for n in want:
+      update, states[n] = alone[n].update(grads[n], states[n], want[n])
+      want[n] = optax.apply_updates(want[n], update)
+  for n in want:
+    assert jax.numpy.allclose(params[n], want[n], rtol=1e-6, atol=1e-7), n

@@ -234,11 +234,19 @@ def test_resumed_trainer_continues_from_the_step_count():
   assert [r["step"] for r in trainer.records] == [4, 5]
 
 
+def test_a_profile_window_repeats_every_k_steps_each_into_its_iteration_folder(tmp_path):
+  """torchtitan's profiler cadence (`profile_freq`): the window (here one step) again every 2 steps,
+  each trace in `iteration_<its last step>`, where torchtitan puts its own."""
+  tot.Trainer(make_step(), Batches(), steps=5, log_dir=None, profile_steps=(2, 2), profile_every=2, profile_dir=tmp_path, progress=False).run()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["iteration_2", "iteration_4"]
+  assert all(list(p.rglob("*.xplane.pb")) for p in tmp_path.iterdir())
+
+
 def test_default_split_needs_input_ids_and_labels():
   step = make_step()
   with pytest.raises(tot.TorchOnTpuError, match="'input_ids' and 'labels'"):
     tot.Trainer(step, iter([{"tokens": np.zeros((8, 16))}]), steps=1, progress=False).run()
-  with pytest.raises(tot.TorchOnTpuError, match="log_dir"):
+  with pytest.raises(tot.TorchOnTpuError, match="log_dir or profile_dir"):
     tot.Trainer(step, [], steps=1, profile_steps=(1, 2))
 
 

@@ -193,6 +193,9 @@ COMMANDS = {"to_hf": to_hf, "to_safetensors": to_safetensors, "to_orbax": to_orb
 def main(argv=None) -> int:
   import fire
 
+  from torch_on_tpu.runtime import libtpu
+
+  libtpu.quiet_without_chips()  # no chips here: libtpu's start-up questions answered before jax starts
   # each command's keyword arguments are its flags: errors name them as --flags
   flags = {name: name for command in COMMANDS.values() for name in inspect.signature(command).parameters}
   try:

@@ -116,7 +116,18 @@ def _call_for_grad(op, leaves, spec, sample):
 
 
 def _clone(leaves):
-  return [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
+  return [_copy(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+
+
+def _copy(x, dtype=None):
+  """`x` detached and copied (in `dtype`); a view (op_db's `as_strided.partial_views`: a slice with a
+  storage offset) stays one, over a copy of its whole storage, which `as_strided` reads."""
+  x = x.detach()
+  dtype = dtype or x.dtype
+  if x.storage_offset() == 0 and x.is_contiguous():
+    return x.clone().to(dtype)
+  storage = torch.empty(0, dtype=x.dtype).set_(x.untyped_storage()).clone().to(dtype)
+  return storage.as_strided(x.shape, x.stride(), x.storage_offset())
 
 
 def _output_tensors(out):
@@ -195,8 +206,8 @@ def _value_difference(g: torch.Tensor, w: torch.Tensor) -> str | None:
 def _widened(leaves):
   """The sample's float32 tensors as float64 (the reference rounding is judged against)."""
   return [
-    x.detach().clone().double() if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else
-    (x.detach().clone() if isinstance(x, torch.Tensor) else x)
+    _copy(x, torch.float64) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else
+    (_copy(x) if isinstance(x, torch.Tensor) else x)
     for x in leaves
   ]
 
@@ -277,7 +288,7 @@ class _WithParams(torch.nn.Module):
     inputs = 0
     for i, x in enumerate(leaves):
       if i in trained:
-        self.register_parameter(f"p{i}", torch.nn.Parameter(x.detach().clone()))
+        self.register_parameter(f"p{i}", torch.nn.Parameter(_copy(x)))
         self.slots.append(("p", f"p{i}"))
       elif isinstance(x, torch.Tensor):
         self.slots.append(("in", inputs))
@@ -337,14 +348,14 @@ class Bridge:
 
   def forward(self, op, leaves, spec):
     statics = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
-    tensors = [x.detach().clone() for x in leaves if isinstance(x, torch.Tensor)]
+    tensors = [_copy(x) for x in leaves if isinstance(x, torch.Tensor)]
     jm = self.tot.ShardedModule(_Forward(op, spec, statics), mesh=self.mesh, sharding="replicated")
     out = jm(*tensors)
     return self.tot.to_cpu(out)
 
   def gradients(self, op, sample, leaves, spec, trained, weights):
     module = _WithParams(op, spec, sample, leaves, trained)
-    inputs = tuple(x.detach().clone() for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and i not in trained)
+    inputs = tuple(_copy(x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and i not in trained)
     jm = self.tot.ShardedModule(module, mesh=self.mesh, sharding="replicated")
     labels = [None if w is None else w.float().numpy() for w in weights]  # the step sees fp32 outputs
 
@@ -432,7 +443,7 @@ def run_backward(bridge, op, sample, timeout) -> Outcome | None:
   if not trained:
     return None
   try:
-    params = [x.detach().clone().requires_grad_(i in trained) if isinstance(x, torch.Tensor) else x for i, x in enumerate(leaves)]
+    params = [_copy(x).requires_grad_(i in trained) if isinstance(x, torch.Tensor) else x for i, x in enumerate(leaves)]
     torch.manual_seed(0)
     out = _call_for_grad(op, params, spec, sample)
     weights = _weights_for(out)

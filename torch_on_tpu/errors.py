@@ -48,6 +48,12 @@ def spoken_as_flags(flags: Mapping[str, str]) -> Iterator[None]:
     _flags = previous
 
 
+def spoken() -> dict[str, str]:
+  """The spellings installed now ({} from Python), so an inner command line adds its own to an
+  outer one's (a torchtitan config's fields, then the recipe's flags)."""
+  return dict(_flags or {})
+
+
 def settable(name: str) -> bool:
   """Whether the user can set call argument `name` where they are (always from Python;
   from a command line only if one of its flags sets it): suggest it only then."""

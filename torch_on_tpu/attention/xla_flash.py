@@ -179,7 +179,7 @@ def _reduce_last(combine, reduce, x):
 
   The halves combine elementwise, so XLA fuses them with the ops that make `x`
   and the final 32-wide reduce escapes XLA CPU's tree-reduction rewrite: about
-  15% off the forward of a 256-wide tile on CPU (docs/performance.md).
+  15% off the forward of a 256-wide tile on CPU (CHANGELOG.md).
   """
   return reduce(_fold_halves(combine, x, x.ndim - 1), axis=-1)
 

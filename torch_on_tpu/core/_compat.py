@@ -196,6 +196,7 @@ INTERNAL_APIS = {
   "torch._C dispatch TLS (AutocastPrivateUse1 included)": "torch dispatches to the AutocastPrivateUse1 kernels though torchax's tensors do not carry that key",
   "torch._ops.OpOverload._schema": "an op's arguments by name and position (autocast's dtype argument)",
   "torch._C._dispatch_get_registrations_for_dispatch_key": "the ops torch's CUDA autocast casts (AutocastCUDA), the reference for ours",
+  "torchax.tensor.Tensor.__torch_dispatch__": "replaced so a jax-backed tensor's math outside torchax's environment runs in it (a model's outputs in a user's script)",
 }
 
 def torchax_env():

@@ -70,6 +70,8 @@ def export(
   tokenizer=None,
   max_shard_bytes: int = 4 * 2**30,
   overwrite: bool = False,
+  dtype: str | None = None,
+  index: bool = False,
 ) -> Path:
   """Writes `jm` as a directory that transformers (or, for adapters, peft) loads.
 
@@ -79,7 +81,9 @@ def export(
   "adapter": the adapters alone, as peft's `adapter_model.safetensors` and
   `adapter_config.json`. `tokenizer` (a `data.Tokenizer`, a tokenizer.json or
   a tokenizer directory) is saved beside them. An existing non-empty
-  `directory` is replaced only with `overwrite=True`.
+  `directory` is replaced only with `overwrite=True`. `dtype` ("bfloat16", ...) casts the
+  floating tensors (torchtitan's export_dtype); `index=True` writes the safetensors index even
+  for one file (torchtitan finds an HF checkpoint step by it).
   """
   if mode not in MODES:
     raise TorchOnTpuError(f"Unknown export mode '{mode}'; use one of {', '.join(MODES)}.")
@@ -102,13 +106,24 @@ def export(
       tensors, model = _merged(tensors, peft_model), peft_model.get_base_model()
     tensors, config = _as_hf(model, tensors)
     write_config, stem = config.save_pretrained, "model"
+  if dtype is not None:
+    tensors = _cast(tensors, dtype)
 
   def extras(tmp: Path) -> None:
     write_config(tmp)
     if tokenizer is not None:
       tokenizer.save_pretrained(tmp)
 
-  return _write_dir(directory, tensors, stem, max_shard_bytes, overwrite, extras)
+  return _write_dir(directory, tensors, stem, max_shard_bytes, overwrite, extras, index=index)
+
+
+def _cast(tensors: list[_Tensor], dtype: str) -> list[_Tensor]:
+  """The floating tensors in `dtype`, cast on their devices as each is written."""
+  to = np.dtype(jnp.dtype(dtype))
+  return [
+    dataclasses.replace(t, dtype=to, array=lambda t=t: t.array().astype(to)) if jnp.issubdtype(t.dtype, jnp.floating) else t
+    for t in tensors
+  ]
 
 
 def export_safetensors(
@@ -244,9 +259,10 @@ def _as_hf(model, tensors: list[_Tensor]):
 # ---- the writer ------------------------------------------------------------------------------
 
 
-def _write_dir(directory, tensors: list[_Tensor], stem: str, max_shard_bytes, overwrite, extras) -> Path:
+def _write_dir(directory, tensors: list[_Tensor], stem: str, max_shard_bytes, overwrite, extras, index: bool = False) -> Path:
   """`tensors` as safetensors files named after `stem` (split at `max_shard_bytes`, None: one
-  file) plus what `extras(tmp)` writes, appearing at `directory` all at once."""
+  file; with `index` an index file all the same) plus what `extras(tmp)` writes, appearing at
+  `directory` all at once."""
   directory = Path(directory).absolute()
   for t in tensors:
     if t.dtype.name not in state_entries.SAFETENSORS_DTYPES:
@@ -271,12 +287,12 @@ def _write_dir(directory, tensors: list[_Tensor], stem: str, max_shard_bytes, ov
       for file_name, shard in zip(names, shards):
         _write_safetensors(tmp / file_name if writer else None, shard)
       if writer:
-        if len(shards) > 1:
-          index = {
+        if len(shards) > 1 or index:
+          listing = {
             "metadata": {"total_size": sum(t.nbytes for t in tensors)},
             "weight_map": {t.name: f for f, shard in zip(names, shards) for t in shard},
           }
-          (tmp / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+          (tmp / f"{stem}.safetensors.index.json").write_text(json.dumps(listing, indent=2))
         if extras is not None:
           extras(tmp)
         _replace_dir(tmp, directory)

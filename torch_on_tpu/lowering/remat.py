@@ -170,7 +170,7 @@ _offload_notices: set[str] = set()
 # layer, where an unrolled loop lets XLA fuse cheap elementwise residuals
 # (norm intermediates in fp32, dtype converts) into their backward consumers;
 # keeping only matmul and attention outputs gives the scan what the loop keeps
-# (docs/performance.md, "Scan memory").
+# (CHANGELOG.md, "Scan memory").
 SCANNED_DEFAULT = "dots_and_attention"
 
 

@@ -5,10 +5,12 @@ extension points: while a model is traced, the "sdpa" entries of `AttentionMaskI
 transformers builds an SDPA mask as a dense (B, 1, L, S) boolean tensor under jit, which splash
 cannot take. Our mask builder reads the pattern the model asked for instead — causal or
 bidirectional, a sliding window, Llama 4's chunks, the padding of `attention_mask` — from the mask
-functions transformers composes (`and_masks` of its named overlays), and returns `HFMasks`: that
-pattern as segment ids, which every kernel takes. A mask it does not recognise (an `or_masks`
-overlay for image tokens, packed sequences, a bidirectional window, a decode step against a cache)
-is transformers' own dense mask, and its SDPA call runs on the XLA kernel, as before.
+functions transformers composes (`and_masks` of its named overlays), and returns transformers' own
+dense mask as a `PatternedMask`: a tensor wherever the model's code reads it (Falcon hands it to
+`F.scaled_dot_product_attention` itself, adds ALiBi to it), which carries that pattern as segment ids
+(`HFMasks`) to our attention interface, where every kernel takes it. A mask it does not recognise (an
+`or_masks` overlay for image tokens, packed sequences, a bidirectional window, a decode step against
+a cache), or one the model's code changed, runs its SDPA call on the XLA kernel, as before.
 
 Exactness: a query row whose visible keys are all padding is all-False in transformers' mask, for
 which torch's SDPA returns zeros. Here such a row attends the padding it can see (so the kernel has
@@ -22,6 +24,9 @@ import inspect
 import torch
 
 from torch_on_tpu.core import _compat
+
+torchax = _compat.import_torchax()
+from torchax.interop import jax_view  # noqa: E402
 
 
 class HFMasks:
@@ -41,28 +46,45 @@ class HFMasks:
       parts.append(f"segments {tuple(self.q_ids.shape)}")
     return f"HFMasks({', '.join(parts)})"
 
-  def dense(self, length: int) -> torch.Tensor:
-    """transformers' own (B or 1, 1, L, L) boolean mask for the same pattern."""
-    rows = torch.arange(length)[:, None]
-    cols = torch.arange(length)[None, :]
-    allowed = torch.ones(length, length, dtype=torch.bool)
-    if self.causal:
-      allowed = allowed & (cols <= rows)
-    if self.window is not None:
-      allowed = allowed & (cols > rows - self.window)
-    allowed = allowed[None, None]
-    if self.q_ids is not None:
-      allowed = allowed & (self.q_ids[:, None, :, None] == self.kv_ids[:, None, None, :])
-    if self.keep is not None:
-      allowed = allowed & self.keep[:, None, :, None]
-    return allowed
+
+class PatternedMask(torchax.tensor.Tensor):
+  """transformers' own dense SDPA mask, which knows the pattern it was built from (`pattern`, an
+  `HFMasks`). A subclass, so the model's own code reads the tensor transformers made; a torch op
+  on it makes a plain tensor, and an in-place one (`_unchanged`) drops the pattern."""
+
+  pattern: HFMasks
+  dense: torch.Tensor  # transformers' tensor, whose array it holds until an in-place op
 
 
-_compat.torch_pytree.register_pytree_node(  # it crosses the scanned layers' boundary as a layer argument
-  HFMasks,
-  lambda m: ([m.q_ids, m.kv_ids, m.keep], (m.causal, m.window)),
-  lambda children, static: HFMasks(*children, causal=static[0], window=static[1]),
-  serialized_type_name="torch_on_tpu.models.hf_attention.HFMasks",
+def _patterned(dense, pattern: HFMasks) -> PatternedMask:
+  mask = PatternedMask(jax_view(dense), _compat.tensor_env(dense))
+  mask.pattern, mask.dense = pattern, dense
+  return mask
+
+
+def _unchanged(mask) -> bool:
+  return isinstance(mask, PatternedMask) and jax_view(mask) is jax_view(mask.dense)
+
+
+def _flatten(mask: PatternedMask):
+  """Leaves that stay the same objects (a scanned stack checks each layer gets the same arguments)."""
+  if not _unchanged(mask):
+    return [torchax.tensor.Tensor(jax_view(mask), _compat.tensor_env(mask)), None, None, None], None
+  p = mask.pattern
+  return [mask.dense, p.q_ids, p.kv_ids, p.keep], (p.causal, p.window)
+
+
+def _unflatten(children, static):
+  """The torch side (a scanned stack's or a pipeline stage's layer arguments) gets the mask back
+  with its pattern; the jax side of a mask (what torchax hands an op on it) is its dense array."""
+  dense, *ids = children
+  if static is None or not isinstance(dense, torch.Tensor):
+    return dense
+  return _patterned(dense, HFMasks(*ids, causal=static[0], window=static[1]))
+
+
+_compat.torch_pytree.register_pytree_node(  # it crosses the pipeline's stages as a layer argument
+  PatternedMask, _flatten, _unflatten, serialized_type_name="torch_on_tpu.models.hf_attention.PatternedMask",
 )
 
 
@@ -176,26 +198,26 @@ def _mask_builder(original):
     same = all(isinstance(o, int) and o == 0 for o in (q_offset, kv_offset)) and q_length == kv_length
     padded = attention_mask is not None and (attention_mask.ndim != 2 or attention_mask.shape[-1] != kv_length)
     pattern = read_pattern(mask_function) if same and not padded else None
-    if pattern is None or (pattern["documents"] is not None and attention_mask is not None):
-      return original(
-        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
-        mask_function=mask_function, attention_mask=attention_mask, **kwargs,
-      )
-    return build_masks(kv_length, attention_mask, **pattern)
+    recognised = pattern is not None and (pattern["documents"] is None or attention_mask is None)
+    if recognised:  # the model's code reads a mask where transformers would have relied on `is_causal`
+      kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    dense = original(
+      batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+      mask_function=mask_function, attention_mask=attention_mask, **kwargs,
+    )
+    return _patterned(dense, build_masks(kv_length, attention_mask, **pattern)) if recognised else dense
 
   return sdpa_mask
 
 
 def _attention(original, attend):
   def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    if not isinstance(attention_mask, HFMasks):
-      return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
-    masks = attention_mask
     plain = dropout == 0 and query.shape[2] == key.shape[2] and not any(
       kwargs.get(k) is not None for k in ("position_bias", "cache", "softcap")
     )
-    if not plain:  # transformers' SDPA as it is, on its own dense mask
-      return original(module, query, key, value, masks.dense(key.shape[2]), dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    if not (plain and _unchanged(attention_mask)):  # transformers' SDPA as it is, on its own dense mask
+      return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    masks = attention_mask.pattern
     ids = None if masks.q_ids is None else (masks.q_ids, masks.kv_ids)
     out = attend(
       query, key, value, segment_ids=ids, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
@@ -210,7 +232,7 @@ def _attention(original, attend):
 
 @contextlib.contextmanager
 def routed(attend):
-  """While active, HF models configured for "sdpa" build `HFMasks` and run `attend` (the bridge's
+  """While active, HF models configured for "sdpa" build `PatternedMask`s and run `attend` (the bridge's
   kernel, `routing.Attention.flex`) wherever their mask is one it takes."""
   from transformers.masking_utils import AttentionMaskInterface
   from transformers.modeling_utils import AttentionInterface

@@ -10,7 +10,7 @@ touched; none of them changes results, only which kernels run.
   ran the train step's matmuls at 0.7–0.75 × MKL's rate on an AVX-512 Xeon;
   XLA's own dot kernels match it, and the 4-layer benchmark step of
   `tools/bench_step.py` drops from about 15 s to 11–12 s
-  (docs/performance.md). Flags named `xla_cpu_*` do nothing on TPU or GPU.
+  (CHANGELOG.md). Flags named `xla_cpu_*` do nothing on TPU or GPU.
   `XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=dot` restores jax's default.
 
 The thread pool (`PJRT_NPROC`, set by `simulate_cpu_devices` and at `tot.setup()`
@@ -69,7 +69,7 @@ And one that only changes speed and memory, on TPU:
   HBM with 12.6 GiB of temporaries; with whole all-gathers before the matmuls and whole
   reduce-scatters after them, which the latency-hiding scheduler overlaps with neighbouring
   layers, 38.2 GiB (0.97×), 501 GB and 11.2 GiB, a 0.72 s roofline step instead of 0.84
-  (docs/performance.md, "Collective matmuls off on TPU"). MaxText's tuned Trillium recipes set
+  (CHANGELOG.md, "Collective matmuls off on TPU"). MaxText's tuned Trillium recipes set
   the same threshold (its `DISABLE_COLLECTIVE_MATMUL`). A threshold or windowed-einsum flag the
   user puts in `LIBTPU_INIT_ARGS` is left to rule.
 """

@@ -13,7 +13,7 @@ then every `eval_every` steps and at the last step.
 
 Process 0 alone prints and writes logs: a progress bar (loss, learning rate,
 tokens/s, MFU, step time), `metrics.jsonl` and TensorBoard scalars, an optional `jax.profiler`
-trace of steps N..M under `log_dir/profile`, and at the end `training.png` and
+trace of steps N..M (every K steps, as torchtitan's profiler) under `log_dir/profile`, and at the end `training.png` and
 a one-line summary.
 
 No non-finite state is saved: the step reports `nonfinite` when its loss,
@@ -82,7 +82,9 @@ class Trainer:
     eval_data: a re-iterable (list, or a callable returning a fresh iterator)
       of validation batches; `eval_every` steps, `eval_batches` of them are averaged.
     profile_steps: `(first, last)` steps to trace with `jax.profiler` into
-      `log_dir/profile` (open it in TensorBoard's profile tab or Perfetto).
+      `profile_dir` (default `log_dir/profile`; open it in TensorBoard's profile tab or Perfetto).
+    profile_every: the same window again every this many steps (torchtitan's `profile_freq`),
+      each window's trace into `profile_dir/iteration_<its last step>` as torchtitan names them.
     checkpointer, stop_requested: see the module docstring.
     max_skips: consecutive steps skipped for a non-finite loss or gradient
       (`skip_nonfinite=True`) after which the run stops; one bad batch is
@@ -111,6 +113,8 @@ class Trainer:
     eval_every: int = 0,
     eval_batches: int = 8,
     profile_steps: tuple[int, int] | None = None,
+    profile_every: int | None = None,
+    profile_dir=None,
     checkpointer=None,
     stop_requested: Callable[[int], bool] | None = None,
     max_skips: int = 5,
@@ -122,8 +126,8 @@ class Trainer:
   ):
     if max_skips < 1:
       raise TorchOnTpuError(f"max_skips must be at least 1, got {max_skips}.")
-    if profile_steps is not None and log_dir is None:
-      raise TorchOnTpuError("profile_steps needs a log_dir to write the trace into; pass log_dir=.")
+    if profile_steps is not None and log_dir is None and profile_dir is None:
+      raise TorchOnTpuError("profile_steps needs a log_dir or profile_dir to write the trace into; pass one.")
     self.train_step = train_step
     self.data = data
     self.steps = steps
@@ -134,6 +138,8 @@ class Trainer:
     self.eval_every = eval_every
     self.eval_batches = eval_batches
     self.profile_steps = profile_steps
+    self.profile_every = profile_every
+    self.profile_dir = pathlib.Path(profile_dir) if profile_dir is not None else pathlib.Path(log_dir or ".") / "profile"
     self.checkpointer = checkpointer
     self.stop_requested = stop_requested or (lambda step: False)
     self.max_skips = max_skips
@@ -162,6 +168,7 @@ class Trainer:
     pending = None  # (step, metrics, labels) dispatched but not read yet
     preempted = False
     evaluating = self.eval_data is not None and bool(self.eval_every)
+    tracing = False
     try:
       if evaluating and step == 0:
         self._evaluate(step)  # where the curves start
@@ -170,7 +177,8 @@ class Trainer:
         if batch is None:
           break
         if self._profiling_starts(step + 1):
-          jax.profiler.start_trace(str(pathlib.Path(self.log_dir) / "profile"))
+          jax.profiler.start_trace(str(self._trace_dir(step + 1)))
+          tracing = True
         _check_token_ids(batch, self._vocab, step + 1)
         health.doing(f"running step {step + 1}")
         inputs, labels = self.split_batch(self.to_global(batch))
@@ -187,8 +195,9 @@ class Trainer:
         if save_due or eval_due or profile_ends or stop or step == self.steps:
           self._record(*pending)  # raises on a non-finite state, so one is never saved
           pending = None
-        if profile_ends:
+        if profile_ends and tracing:
           jax.profiler.stop_trace()
+          tracing = False
         if eval_due:
           self._evaluate(step)
         if save_due or stop:
@@ -200,6 +209,8 @@ class Trainer:
         self._record(*pending)
       self._save(step, force=True)
     finally:
+      if tracing:  # the run ended inside a traced window: what was traced is kept
+        jax.profiler.stop_trace()
       self._bar.close()
       if self.checkpointer is not None and hasattr(self.checkpointer, "wait"):
         self.checkpointer.wait()
@@ -317,10 +328,26 @@ class Trainer:
     self._clock.pause()  # the blocking part of a save is not step time
 
   def _profiling_starts(self, step: int) -> bool:
-    return bool(self.profile_steps) and self.is_main and step == self.profile_steps[0]
+    return self._profiled(step, 0)
 
   def _profiling_ends(self, step: int) -> bool:
-    return bool(self.profile_steps) and self.is_main and step == self.profile_steps[1]
+    return self._profiled(step, 1)
+
+  def _profiled(self, step: int, end: int) -> bool:
+    """Whether `step` is the first (`end` 0) or last (1) of a profiled window."""
+    if not self.profile_steps or not self.is_main:
+      return False
+    mark = self.profile_steps[end]
+    if self.profile_every:
+      return step >= mark and (step - mark) % self.profile_every == 0
+    return step == mark
+
+  def _trace_dir(self, first: int) -> pathlib.Path:
+    """Where the window starting at `first` is traced: `profile_dir`, or with `profile_every` its
+    `iteration_<last step>` folder."""
+    if not self.profile_every:
+      return self.profile_dir
+    return self.profile_dir / f"iteration_{first + self.profile_steps[1] - self.profile_steps[0]}"
 
   def _summary(self, step: int, preempted: bool) -> dict:
     train = [r for r in self.records if "loss" in r]

@@ -16,7 +16,7 @@ import numpy as np
 
 from torch_on_tpu.core import _compat
 from torch_on_tpu.errors import TorchOnTpuError
-from torch_on_tpu.io.checkpoint import dcp_import
+from torch_on_tpu.io.checkpoint import dcp_import, training_state
 from torch_on_tpu.wrapper import state_entries, state_loading
 
 torchax = _compat.import_torchax()
@@ -47,7 +47,8 @@ def import_safetensors(jm, path: str | os.PathLike) -> None:
 
 def import_pretrained(jm, path: str | os.PathLike) -> None:
   """Pretrained weights into `jm`: a torch.distributed.checkpoint (torchtitan's `checkpoint/step-N`,
-  or its `checkpoint` directory: the latest step) by its model tensors (`dcp_import`); safetensors
+  or its `checkpoint` directory: the latest step) by its model tensors (`dcp_import`); a run's own
+  training checkpoint (`ckpt/4`, or `ckpt`: its newest step) by its params and buffers; safetensors
   under the model's own state_dict names are read by block (`import_safetensors`); an HF checkpoint
   of the architecture (names the model does not have: an HF `lm_head.weight` alone may coincide
   with torchtitan's) is converted by the model's family (torchtitan's `state_dict_adapter.from_hf`,
@@ -56,7 +57,11 @@ def import_pretrained(jm, path: str | os.PathLike) -> None:
   if dcp is not None:
     dcp_import.import_dcp(jm, dcp)
     return
-  files = _safetensors_files(Path(path))
+  orbax = training_state.step_directory(Path(path))
+  if orbax is not None:
+    training_state.import_weights(jm, *orbax)
+    return
+  files = _safetensors_files(Path(path), also=" (nor a torch.distributed.checkpoint step or a run's training checkpoint step)")
   own = set(jm.state_dict())
   with contextlib.ExitStack() as stack:
     handles = [stack.enter_context(_SafetensorsFile(f)) for f in files]
@@ -156,7 +161,8 @@ def _numpy_dtype(code: str, name: str, path: Path) -> np.dtype:
   return np.dtype(jax.numpy.dtype(names[code]))
 
 
-def _safetensors_files(path: Path) -> list[Path]:
+def _safetensors_files(path: Path, also: str = "") -> list[Path]:
+  """The safetensors files `path` names; `also`: the other formats the caller looked for, said when none is there."""
   if path.is_file():
     return [path]
   index = path / state_entries.INDEX_FILE
@@ -171,7 +177,7 @@ def _safetensors_files(path: Path) -> list[Path]:
   files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
   if not files:
     raise TorchOnTpuError(
-      f"No safetensors weights at {path}; give a .safetensors file or a directory holding "
-      f"them (with {state_entries.INDEX_FILE} when sharded)."
+      f"No safetensors weights at {path}{also}; give a .safetensors file or a directory holding "
+      f"them (with {state_entries.INDEX_FILE} when sharded){also and ', or such a checkpoint'}."
     )
   return files

@@ -348,6 +348,28 @@ class Checkpointer:
     self.close()
 
 
+def step_directory(path: Path) -> tuple[Path, int] | None:
+  """(the checkpoint directory, the step) an orbax step `path` names (a run's `ckpt/4`), or a
+  directory of steps (its newest); None when `path` is neither."""
+  if (path / "_CHECKPOINT_METADATA").is_file() and path.name.isdigit():
+    return path.parent, int(path.name)
+  steps = sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / "_CHECKPOINT_METADATA").is_file()) if path.is_dir() else []
+  return (path, steps[-1]) if steps else None
+
+
+def import_weights(jm, directory: Path, step: int) -> None:
+  """The weights (params and buffers) of a training checkpoint's `step` into `jm`, each into its
+  sharding and dtype: a run starting from another run's step (full, or its model-only last step)."""
+  layout = jm.stored_layout()
+  abstract = lambda arrays: {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for k, a in arrays.items()}  # noqa: E731
+  buffers = {k: a for k, a in jm.buffers.items() if jm.is_persistent(layout[k][0][0])}  # the rest (RoPE tables) rebuilt
+  target = {PARAMS_KEY: abstract(jm.params), **({BUFFERS_KEY: abstract(buffers)} if buffers else {})}
+  with Checkpointer(directory, read_only=True, model=jm) as ckpt:
+    restored = ckpt.restore(target, step=step, partial=True)
+  jm.params.update(restored.state[PARAMS_KEY])
+  jm.buffers.update(restored.state.get(BUFFERS_KEY, {}))
+
+
 def abstract_state(tree, mesh: jax.sharding.Mesh | None = None, *, params: Mapping | None = None):
   """A restore target: every leaf a `jax.ShapeDtypeStruct` with a concrete sharding.
 

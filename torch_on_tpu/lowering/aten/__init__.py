@@ -31,8 +31,9 @@ from torch_on_tpu.lowering.aten import added_ops, autocast, custom_ops, factorie
 from torch_on_tpu.lowering.aten.autocast import state as autocast_state
 from torch_on_tpu.lowering.aten.factories import made_on_device
 from torch_on_tpu.lowering.aten.model_ops import cpu_linear
+from torch_on_tpu.lowering.aten.torch_semantics import mark_storage, storage_layout, storage_reads
 
-__all__ = ["autocast_state", "cpu_linear", "made_on_device", "register"]
+__all__ = ["autocast_state", "cpu_linear", "made_on_device", "mark_storage", "register", "storage_layout", "storage_reads"]
 
 
 def register(env) -> list[str]:

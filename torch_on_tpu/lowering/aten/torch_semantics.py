@@ -19,7 +19,10 @@ returning a different answer without an error:
   solves through QR (the accuracy torch's LAPACK call has);
 - `as_strided_scatter` gets the gradient of a strided write; it and `as_strided`
   refuse positions past the tensor's own elements (torch reads the storage a
-  view lives in, or raises; torchax clamped the index);
+  view lives in, or raises; torchax clamped the index); `as_strided` on a
+  tensor the program was given as a view (`base[5:15]`), or a slice the model
+  took, reads by that view's storage offset and strides (`STORAGE`, `_held`),
+  or refuses what lies outside it;
 - `sum(..., dtype=)` sums in that dtype (torchax ignored it: a bf16 sum asked
   for fp32, as CUDA's autocast asks, came back bf16);
 - `native_layer_norm` / batch norm: the saved mean and inverse deviation
@@ -32,6 +35,8 @@ returning a different answer without an error:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import numpy as np
@@ -43,7 +48,9 @@ from torch_on_tpu.errors import TorchOnTpuError
 torchax = _compat.import_torchax()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from torchax.interop import jax_view, torch_view  # noqa: E402
 from torchax.ops import mappings  # noqa: E402
+from torchax.view import View  # noqa: E402
 
 # ---- special functions --------------------------------------------------------------------
 
@@ -420,28 +427,94 @@ def _lstsq(a, b, rcond=None, driver=None, *, original=None):
   return x, residuals, jnp.zeros((0,), jnp.int32), empty
 
 
-def _strided_index(op: str, x, size, stride, storage_offset) -> np.ndarray:
-  """The flat positions `op` (as_strided, as_strided_scatter) touches in `x` read contiguously,
-  or one sentence where they leave `x`: torch then reads the storage `x` is a view of (or
-  raises), which the program does not hold."""
-  offset = storage_offset or 0
+# The attribute a tensor the program was given carries when torch holds it as a view (a slice with a
+# storage offset, a transposed tensor): (storage offset, strides), what `as_strided` reads by.
+STORAGE = "_tot_storage"
+
+
+def storage_layout(tensor: torch.Tensor) -> tuple | None:
+  """(storage offset, strides) of a host tensor that is not its own storage read from its start in
+  order (a view: `base[5:15]`, `x.t()`), else None."""
+  if tensor.storage_offset() == 0 and tensor.is_contiguous():
+    return None
+  return tensor.storage_offset(), tuple(tensor.stride())
+
+
+def mark_storage(tensor, layout: tuple | None):
+  """`tensor` (traced, holding a host tensor's values) read by `as_strided` as the host tensor's
+  storage is (`storage_layout`)."""
+  if layout is not None:
+    setattr(tensor, STORAGE, layout)
+  return tensor
+
+
+_reads = contextvars.ContextVar("storage_reads", default=None)
+
+
+@contextlib.contextmanager
+def storage_reads():
+  """While active, collects the ids of the marked tensors (`mark_storage`) whose layout `as_strided`
+  read: only a program that read one depends on it (a slice's storage offset differs call to call)."""
+  token = _reads.set(set())
+  try:
+    yield _reads.get()
+  finally:
+    _reads.reset(token)
+
+
+def _strided_index(op: str, held: np.ndarray, size, stride, storage_offset) -> np.ndarray:
+  """The elements (flat, in order) of a tensor whose elements sit at storage positions `held`
+  (`_held`) that `op` (as_strided, as_strided_scatter) reads. One sentence where a position is none
+  of the tensor's: torch then reads the rest of the storage the tensor is a view of (or raises),
+  which the program does not hold."""
+  held = held.reshape(-1)
+  offset = (int(held[0]) if held.size else 0) if storage_offset is None else storage_offset
+  index = _positions(size, stride, offset)
+  order = np.argsort(held, kind="stable")  # an expanded view holds a position more than once: its first element
+  at = np.clip(np.searchsorted(held[order], index), 0, max(held.size - 1, 0))
+  inside = held[order][at] == index if held.size else np.zeros(index.shape, bool)
+  if not inside.all():
+    outside = int(index[~inside].reshape(-1)[0])
+    raise TorchOnTpuError(
+      f"torch.{op} with size {tuple(size)}, stride {tuple(stride)} and storage_offset {offset} reads storage position "
+      f"{outside}, which is not one of the {held.size} elements of the tensor it is called on (a view there, or past its "
+      f"end): torch would read the storage that tensor is a view of, which the program does not hold; call it on the "
+      f"base tensor, or .clone() the view and stay within it."
+    )
+  return order[at].reshape(-1)
+
+
+def _positions(size, stride, offset) -> np.ndarray:
+  """Storage positions of a strided tensor, in its elements' order."""
   index = np.full(tuple(size), offset, np.int64)
   for axis, (length, step) in enumerate(zip(size, stride)):
     shape = [1] * len(size)
     shape[axis] = length
     index = index + (np.arange(length) * step).reshape(shape)
-  if index.size and (index.min() < 0 or index.max() >= x.size):
-    raise TorchOnTpuError(
-      f"torch.{op} with size {tuple(size)}, stride {tuple(stride)} and storage_offset {offset} reaches element "
-      f"{int(index.max())} of a tensor of {x.size}: torch would read the storage that tensor is a view of, which the "
-      f"program does not hold; call it on the base tensor, or .clone() the view and stay within it."
-    )
-  return index.reshape(-1)
+  return index
+
+
+def _held(x) -> np.ndarray:
+  """Storage positions of `x`'s elements, in order: a slice the model took (torchax's `View`) by
+  its slicing of the tensor it is a view of; a tensor the program was given as a view by its layout
+  (`STORAGE`); any other tensor from 0 in order, as torch holds the result of an op that is not a
+  view."""
+  if isinstance(x, View):
+    return np.asarray(x.view_info.transform_tensor(_held(x.parent)))
+  layout = getattr(x, STORAGE, None)
+  if layout is None:
+    return np.arange(math.prod(x.shape)).reshape(tuple(x.shape))
+  if _reads.get() is not None:
+    _reads.get().add(id(x))
+  return _positions(tuple(x.shape), layout[1], layout[0])
 
 
 def _as_strided(x, size, stride, storage_offset=None):
-  """`x`'s elements read contiguously at the strided positions (in bounds: see `_strided_index`)."""
-  return jnp.ravel(x)[jnp.asarray(_strided_index("as_strided", x, size, stride, storage_offset))].reshape(tuple(size))
+  """torch's strided read of `x`'s storage (`_held`, `_strided_index`), on torch tensors: a view
+  op, so a slice arrives as torchax's `View` of the tensor it slices."""
+  array = jax_view(x.torch() if isinstance(x, View) else x)
+  index = jnp.asarray(_strided_index("as_strided", _held(x), size, stride, storage_offset))
+  return torch_view(jnp.ravel(array)[index].reshape(tuple(size)))
 
 
 def _as_strided_scatter(x, src, size, stride, storage_offset=None):
@@ -451,7 +524,7 @@ def _as_strided_scatter(x, src, size, stride, storage_offset=None):
   the written slice's gradient to `x`, where the derivative is zero), so a
   gradient with respect to `x` is refused; `src`'s is the strided read.
   """
-  index = _strided_index("as_strided_scatter", x, size, stride, storage_offset)
+  index = _strided_index("as_strided_scatter", np.arange(x.size), size, stride, storage_offset)
   return _strided_write(jnp.asarray(index))(x, src.astype(x.dtype))
 
 
@@ -611,8 +684,8 @@ def register(env) -> None:
   previous_lstsq = _compat.registered_op(env, aten.linalg_lstsq)
   jax_op(aten.linalg_lstsq, lambda *a, **k: _lstsq(*a, original=previous_lstsq.func, **k))
   jax_op(aten.as_strided_scatter, _as_strided_scatter)
-  jax_op(aten.as_strided, _as_strided)
-  jax_op(aten.as_strided_copy, _as_strided)
+  for packet in (aten.as_strided, aten.as_strided_copy):
+    _compat.set_op(env, packet, _compat.make_operator(packet, _as_strided, jax_function=False, view_op=True))
   jax_op(aten.nextafter, _nextafter)
   det = _compat.registered_op(env, torch.linalg.det)
   if det is not None:

@@ -10,7 +10,7 @@ def _qwen3_hf_config(config):
   import transformers
 
   first = config.layers[0]
-  qkv, rope = first.attention.qkv_linear, first.attention.rope
+  attention, rope = first.attention, first.attention.rope  # heads on the attention: its q/k/v fused or not
   moes = [layer.moe for layer in config.layers if layer.moe is not None]
   problem = None
   if rope.scaling != "none":
@@ -22,7 +22,7 @@ def _qwen3_hf_config(config):
   refuse_hf(problem, "Qwen3", "Qwen3")
   common = dict(
     vocab_size=config.vocab_size, hidden_size=config.dim, num_hidden_layers=len(config.layers),
-    num_attention_heads=qkv.n_heads, num_key_value_heads=qkv.n_kv_heads, head_dim=qkv.head_dim,
+    num_attention_heads=attention.n_heads, num_key_value_heads=attention.n_kv_heads, head_dim=attention.head_dim,
     rms_norm_eps=config.norm.eps, max_position_embeddings=rope.max_seq_len,
     tie_word_embeddings=bool(config.enable_weight_tying), attention_bias=False,
     rope_parameters=dict(rope_type="default", rope_theta=float(rope.theta)),
