@@ -109,9 +109,9 @@ def test_a_slice_of_torchtitans_integration_cases_trains_at_plain_fsdps_losses_o
 
 
 def test_the_commands_a_run_prints_run_pasted_into_a_fresh_shell_at_the_repo_root(tmp_path):
-  """What a torchtitan command prints to paste (the same run in the recipe's flags, the export)
-  runs in a shell that has neither the venv on PATH nor the repo on PYTHONPATH, and says nothing
-  of libtpu's start-up."""
+  """What a torchtitan command prints to paste (the same run in the recipe's flags, the export, the
+  help a mistyped override points to) runs in a shell that has neither the venv on PATH nor the
+  repo on PYTHONPATH, and says nothing of libtpu's start-up."""
   fresh = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
   run = [".venv/bin/python", "-m", "recipes.torchtitan", "--module", "llama3", "--config", "llama3_debugmodel", *SMALL,
          "--training.steps=2", "--checkpoint.enable", f"--dump_folder={tmp_path / 'run'}", "--cpu_devices=8"]
@@ -123,3 +123,8 @@ def test_the_commands_a_run_prints_run_pasted_into_a_fresh_shell_at_the_repo_roo
     out = pasted.stdout + pasted.stderr
     assert pasted.returncode == 0 and expect in out, f"{said[what]}:\n{out[-2000:]}"
     assert not h.libtpu_start_up_lines(out), out
+  mistyped = subprocess.run([*run[:7], "--training.stepz=3"], cwd=ROOT, env=fresh, capture_output=True, text=True, timeout=600)
+  said = " ".join(re.sub(r"[│╭╮╰╯─]", " ", mistyped.stderr).split())  # tyro's panel, its box drawn away
+  (help_command,) = re.findall(r"run (\S+ -m recipes\.torchtitan .*? --help)", said)
+  pasted = subprocess.run(["bash", "-c", help_command], cwd=ROOT, env=fresh, capture_output=True, text=True, timeout=600)
+  assert pasted.returncode == 0 and "--training.steps" in pasted.stdout, f"{help_command}:\n{pasted.stderr[-2000:]}"
