@@ -74,7 +74,10 @@ class Layout:
     """`body(*extra, *tokens, *weights)` on each device: `tokens` split as `token_spec`, `weights`
     stored as `weight_spec` and gathered inside to each device's experts (all of them without a
     group); `extra` replicated. Returns the body's output split like the first token array."""
-    stored = [self.weight_spec(w.shape) for w in weights]
+    # without a group every device needs every expert: the weights enter whole, gathered by the
+    # partitioner outside the region (in the layout the kernels read; gathered inside, each arrived
+    # split-dim-major and was copied again), their gradients summed at its boundary
+    stored = [self.weight_spec(w.shape) if self.group else (None,) * w.ndim for w in weights]
 
     def local(*args):
       head, toks, ws = args[: len(extra)], args[len(extra): len(extra) + len(tokens)], args[len(extra) + len(tokens):]
