@@ -314,15 +314,10 @@ def _batch_splits(flags: Flags, mesh) -> None:
 @startup_check
 def _pipeline_splits(flags: Flags, mesh) -> None:
   """--microbatches and --virtual_stages come with --pp; the microbatches divide one pass's rows."""
-  from torch_on_tpu.errors import TorchOnTpuError, arg, named
+  from torch_on_tpu.errors import TorchOnTpuError
 
   if flags.pp == 1 and (flags.microbatches is not None or flags.virtual_stages != 1):
     raise TorchOnTpuError("--microbatches and --virtual_stages set up pipeline stages; give --pp=N (N > 1) too, or drop them.")
-  if flags.pp > 1 and flags.cp > 1:
-    raise TorchOnTpuError(
-      f"{arg('pp', flags.pp)} and {arg('cp', flags.cp)} do not compose yet (a stage's attention would need the cp ring inside "
-      f"the pipeline's loop); use {arg('cp', 1)} with those devices on {named('fsdp')}, or {arg('pp', 1)}."
-    )
   rows = flags.global_batch_size // flags.grad_accum
   if flags.microbatches is not None and rows % flags.microbatches:
     raise TorchOnTpuError(

@@ -49,7 +49,7 @@ READ_PAST = {
     "parallelism.fsdp_reshard_after_forward", "parallelism.enable_fsdp_symm_mem", "parallelism.enable_sequence_parallel",
     "parallelism.spmd_backend",
   ),
-  "the recipe splits the layers evenly over the pipeline stages and runs its own schedule (the same gradients)": (
+  "the recipe splits the layers into equal blocks over the pipeline stages (any rest runs after them) and runs its own schedule (the same gradients)": (
     "parallelism.pipeline_parallel_schedule", "parallelism.pipeline_parallel_schedule_csv", "parallelism.module_fqns_per_model_part",
     "parallelism.pipeline_parallel_first_stage_less_layers", "parallelism.pipeline_parallel_last_stage_less_layers",
     "parallelism.pipeline_parallel_layers_per_stage",
@@ -375,8 +375,8 @@ def to_flags(config, devices: int, used: set[str] | None = None) -> tuple[dict, 
     return values[path]
 
   flags, notes = {}, []
-  family, flavor, mtp, float8 = _model(config)
-  flags.update(model=f"{family}:{flavor}", mtp_layers=mtp, **float8)
+  family, flavor, mtp, model_flags = _model(config)
+  flags.update(model=f"{family}:{flavor}", mtp_layers=mtp, **model_flags)
   flags.update(_loss(config, mtp))
   flags.update(_parallelism(take, devices, notes))
   flags.update(seqlen=take("training.seq_len"), steps=take("training.steps"), clip_norm=take("training.max_norm"))
@@ -419,8 +419,9 @@ def _same(a, b) -> bool:
 
 
 def _model(config) -> tuple[str, str, int, dict]:
-  """(family, flavor, MTP layers, float8 flags) of the config's model spec, which must be the registry's
-  flavor as is, or with float8 linears that `--float8` and `--float8_skip` make as torchtitan's converter did."""
+  """(family, flavor, MTP layers, model flags) of the config's model spec, which must be the registry's
+  flavor as is, or as the registry builds it with another attention backend (`--attn_backend`), or with
+  float8 linears that `--float8` and `--float8_skip` make as torchtitan's converter did."""
   from torch_on_tpu.models.torchtitan import LANGUAGE_FAMILIES
 
   spec = config.model_spec
@@ -431,15 +432,32 @@ def _model(config) -> tuple[str, str, int, dict]:
     )
   mtp = len(getattr(spec.model, "mtp_layers", None) or ())
   registry = importlib.import_module(f"torchtitan.models.{spec.name}")
-  reference = registry.model_registry(spec.flavor, **({"num_mtp_layers": mtp} if mtp else {})).model
+  mtp_kwargs = {"num_mtp_layers": mtp} if mtp else {}
+  reference = registry.model_registry(spec.flavor, **mtp_kwargs).model
   differences = list(_differences(spec.model, reference, "model_spec.model"))
+  backend = {}
+  if differences and _attention_backend_differs(differences):
+    for name in ATTENTION_BACKENDS:
+      other = registry.model_registry(spec.flavor, attn_backend=name, **mtp_kwargs).model
+      if not list(_differences(spec.model, other, "model_spec.model")):
+        backend, reference, differences = {"attn_backend": name}, other, []
+        break
   float8 = _float8_flags(spec.model, reference, differences) if differences else {}
   for path, ours, theirs in differences if not float8 else ():
     raise TorchOnTpuError(
       f"torchtitan's config changes {spec.name}:{spec.flavor}'s model at {path} ({_short(ours)} instead of "
       f"{_short(theirs)}); the recipe trains the registry's flavors as they are (float8: --float8=rowwise)."
     )
-  return spec.name, spec.flavor, mtp, float8
+  return spec.name, spec.flavor, mtp, {**backend, **float8}
+
+
+# torchtitan's attention backends (`model_registry(..., attn_backend=)`), each run by the bridge's kernels.
+ATTENTION_BACKENDS = ("flex", "varlen", "sdpa")
+
+
+def _attention_backend_differs(differences) -> bool:
+  """Whether every difference is an attention module of another kind (a config built with another `attn_backend`)."""
+  return all(path.endswith("inner_attention") and type(ours) is not type(theirs) for path, ours, theirs in differences)
 
 
 def _float8_flags(model, reference, differences) -> dict:

@@ -48,6 +48,10 @@ class TorchtitanFlags(recipe_flags.Flags):
     "tokens past the next and trains with torchtitan's MTPLoss (0: the flavor's own, none in torchtitan 0.3.0)",
     minimum=0, check=_mtp_check,
   )
+  attn_backend: str = recipe_flags.flag(
+    "", "torchtitan's attention backend for the model (its model_registry's attn_backend: flex, varlen or sdpa; "
+    "'': the family's own); each runs on the bridge's attention kernels", choices=("", "flex", "varlen", "sdpa"),
+  )
   mtp_scale: float = recipe_flags.flag(0.3, "the weight of the multi-token-prediction depths' mean loss beside the main loss (torchtitan's MTPLoss mtp_scale)", minimum=0)
 
 
@@ -56,7 +60,7 @@ def recipe(flags: TorchtitanFlags) -> runner.Recipe:
 
   from torch_on_tpu.models.torchtitan import mtp_depths, mtp_loss, registry_config
 
-  config = registry_config(flags.model, max_seq_len=flags.seqlen, mtp_layers=flags.mtp_layers)
+  config = registry_config(flags.model, max_seq_len=flags.seqlen, mtp_layers=flags.mtp_layers, attn_backend=flags.attn_backend)
 
   def build():
     with torch.device("meta"):

@@ -14,24 +14,18 @@ import transformers
 
 import torch_on_tpu as tot
 from tests import helpers as h
-from tests.test_moe import FAMILIES as HF_MOE
+from tests.test_moe import FAMILIES as HF_MOE, HYBRID as HYBRID_MOE
 from torch_on_tpu.training.trainer import default_split
 
 pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftest)
 
 SEQ, BATCH = 16, 8
-SMALL = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, max_position_embeddings=64, tie_word_embeddings=False)
 HF = {
   **{arch: (lambda arch=arch: h.hf_config(arch)) for arch in ("llama", "qwen2", "gemma", "phi3", "gpt2")},
   **HF_MOE,
   "mamba": lambda: transformers.MambaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, state_size=8, expand=2,
                                             conv_kernel=4, time_step_rank=8, tie_word_embeddings=False),
-  "qwen3_next": lambda: transformers.Qwen3NextConfig(
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
-    shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2, linear_num_value_heads=4,
-    linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-    layer_types=["linear_attention", "full_attention"], **SMALL,
-  ),
+  **HYBRID_MOE,
 }
 # torchtitan's other families (Kimi, Qwen3.5, Muse Glimmer, gpt-oss) train in bf16 whole, through
 # the recipe: tests/test_recipe_torchtitan.py.

@@ -47,13 +47,24 @@ FAMILIES = {
     layer_types=["sliding_attention", "full_attention"], **EXPERTS, **COMMON,
   ),
 }
+# Qwen3-Next: MoE layers in a hybrid stack (Gated DeltaNet and full attention), trained in bf16 by
+# tests/test_bf16_training.py and at every expert layout by tools/moe_sweep.py.
+HYBRID = {
+  "qwen3_next": lambda: transformers.Qwen3NextConfig(
+    intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8, head_dim=16,
+    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"], **EXPERTS, **COMMON,
+  ),
+}
 # Why a family's layers do not scan (they then run unscanned, with the reason logged).
 # DeepSeek-V3's dense first layer runs as it is and its MoE layers 1-2 scan.
 UNSCANNED = {"gpt_oss": "2 layers of alternating kinds: under two whole groups to scan after the first"}
 
 
-def build(family, device="cpu", experts="grouped_mm"):
-  config = FAMILIES[family]()
+def build(family, device="cpu", experts="grouped_mm", **overrides):
+  """`family`'s tiny model in eager torch, seed 0; `overrides` set config fields."""
+  config = {**FAMILIES, **HYBRID}[family]()
+  config.update(overrides)
   config._attn_implementation = "eager" if family == "gpt_oss" else "sdpa"  # gpt-oss: attention sinks
   config._experts_implementation = experts
   torch.manual_seed(0)

@@ -117,6 +117,19 @@ def test_fsdp_preset_shards_the_largest_divisible_dim(mesh):
   assert odd.specs["w"] == P(None, "fsdp")  # 250 is not divisible by 4: next largest dim
 
 
+def test_fsdp_preset_splits_stacked_experts_on_their_expert_dim(mesh):
+  """Whole experts a device: the gather concatenates on the major dim, in the layout the grouped
+  kernels read (tests/test_tpu_compile.py checks the copy it saves)."""
+  experts = [sh.TensorInfo("layers.0.moe.experts.w1", (8, 128, 2048)), sh.TensorInfo("layers.0.moe.experts.w2", (6, 2048, 128)),
+             sh.TensorInfo("layers.0.moe.router.gate.weight", (8, 2048))]
+  r = sh.resolve("fsdp", experts, [], mesh)
+  assert r.specs["layers.0.moe.experts.w1"] == P("fsdp", None, None)
+  assert r.specs["layers.0.moe.experts.w2"] == P(None, "fsdp", None)  # 6 experts over 4: the largest dim
+  assert r.specs["layers.0.moe.router.gate.weight"] == P(None, "fsdp")  # not an expert tensor
+  named = sh.resolve("fsdp", experts, [], mesh, experts=["layers.0.moe.experts.w2"])  # the family's list wins
+  assert named.specs["layers.0.moe.experts.w1"] == P(None, None, "fsdp")
+
+
 def test_replicated_preset_and_unknown_preset(mesh):
   assert set(resolve("replicated", mesh).specs.values()) <= {P(None, None), P(None)}
   with pytest.raises(tot.TorchOnTpuError, match="Unknown sharding preset 'fsd'"):

@@ -28,10 +28,9 @@ pytestmark = pytest.mark.compile_bound  # its time is XLA:CPU compiling (conftes
 REFUSED = {
   "float8(?!_emulate)|nvfp4|mxfp8|405b": r"torchtitan could not build its config .*(float8|NVFP4|MXFP8)",
   "flex_flash": r"could not build its config .*Flash backend",
-  "varlen_attn|sft_qwen3|gpt_oss_debugmodel_flex": r"changes .*'s model at model_spec\.model\.layers\[0\]\.attention\.inner_attention",
   "dist_gemm": r"changes llama3:debugmodel's model at .*attention\.wo",
   "emulate_lora": r"changes llama3:debugmodel's model at model_spec\.model \(FrozenLlama3Model",
-  "^sft_debugmodel": r"dataloader ChatDataLoader has no counterpart",
+  "^sft_": r"dataloader ChatDataLoader has no counterpart",
   "minimal_async_ep": r"parallelism degrees .* do not multiply to the 8 devices here; .*--cpu_devices=N",
   "_mm$": r"imports 'torchvision'",
 }
@@ -167,6 +166,22 @@ def test_a_familys_own_debug_config_plans_and_compiles_as_it_is(family, tmp_path
   said = capsys.readouterr().out
   assert f'"model": "{family}:debugmodel"' in said and '"dtype": "bfloat16"' in said
   assert "Memory plan per device" in said and "Compiled step: compiled in" in said
+
+
+@pytest.mark.parametrize("module, config, backend, kind", [
+  ("llama3", "llama3_debugmodel_varlen_attn", "varlen", "VarlenAttention"),
+  ("gpt_oss", "gpt_oss_debugmodel_flex", "flex", "FlexAttention"),
+  ("gpt_oss", "gpt_oss_debugmodel", "", "VarlenAttention"),  # the family's own backend: no flag
+])
+def test_a_config_built_with_another_attention_backend_maps_onto_attn_backend(module, config, backend, kind):
+  """torchtitan's configs that build their flavor with another `attn_backend` train that model:
+  the flag names the backend, and the recipe's model has the config's attention modules."""
+  from torch_on_tpu.models.torchtitan import registry_config
+
+  flags, _ = titan_config.to_flags(titan_config.parse(["--module", module, "--config", config]), devices=8)
+  assert flags.get("attn_backend", "") == backend, flags
+  built = registry_config(flags["model"], attn_backend=backend)
+  assert type(built.layers[0].attention.inner_attention).__qualname__ == f"{kind}.Config"
 
 
 def test_a_float8_converted_model_maps_onto_the_float8_flags_that_convert_it_the_same():

@@ -16,7 +16,7 @@ win) and 2 steps (4 where torchtitan's case trains on to 20 after a first run of
 
 A run is judged:
 
-- **trained**: exit 0, every step it was due trained, each loss within `TOLERANCE` of a plain-FSDP
+- **trained**: exit 0, every step it was due trained, each loss within `TOLERANCE` (relative) of a plain-FSDP
   run of the same batch (the same override lists without their `parallelism.*` settings, on as many
   devices, in a dump folder of its own), every override accounted for (a recipe flag, or a line of
   the run's output naming it) and what the overrides ask to be written written (`ARTIFACTS`);
@@ -45,6 +45,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ("--module llama3 --config llama3_debugmodel",)
 SEQ, BATCH, STEPS = 128, 8, 2
+# Each loss within this share of the reference's. The runs compute in bf16 (torchtitan's default
+# mixed precision), where two valid layouts sum in different orders: gpt-oss's losses over 5 steps
+# spread 7.0e-4 between two valid eager references (docs/torchtitan.md); a wrong run is off by
+# far more (a dropped expert or a mask read past: 1e-2 and up).
 TOLERANCE = 1e-3
 TIMEOUT = 1200  # seconds a run may take
 DCG = "--training.disable_cuda_graphs"  # torchtitan's parser wants it first with expert or pipeline parallelism
@@ -444,12 +448,12 @@ def run_case(case: Case, work: Path, references: dict) -> list[Outcome]:
       if expected.verdict != "trained":
         outcome.verdict, outcome.reason = "failed", f"its plain-FSDP reference {expected.verdict}: {expected.reason}"
         continue
-      gaps = {s: abs(v - expected.losses.get(s, float("nan"))) for s, v in outcome.losses.items()}
+      gaps = {s: abs(v - expected.losses.get(s, float("nan"))) / abs(expected.losses.get(s, float("nan"))) for s, v in outcome.losses.items()}
       worst = max(gaps.values())
       if not worst <= TOLERANCE:
         outcome.verdict, outcome.reason = "failed", f"losses {_fmt(outcome.losses)} against the reference's {_fmt(expected.losses)}"
       else:
-        outcome.reason = f"losses within {worst:.1e} of plain FSDP"
+        outcome.reason = f"losses within {worst:.1e} (relative) of plain FSDP"
   return outcomes
 
 

@@ -699,11 +699,13 @@ def compare(got: Run, want: Run, params) -> dict:
   return result
 
 
-def check(spec: str, mode: str, *, steps: int = 5, config=None, precision: str | None = None, grads: bool = False) -> dict:
+def check(spec: str, mode: str, *, steps: int = 5, config=None, precision: str | None = None, grads: bool = False,
+          forward: bool | None = None) -> dict:
   """One family in one mode: {forward | grads, losses, weights, buffers: worst rel error}
   (the first step's gradients with `grads`, or in mode `spread`). Mode `spread` compares two
   valid eager references instead (`EagerReference(exact=True)`): the noise floor of the
-  computation. `precision` defaults to `precision_of(spec)`."""
+  computation. `precision` defaults to `precision_of(spec)`; `forward=True` adds the forward to
+  a training mode (one wrapped model for both: tools/moe_sweep.py)."""
   from torch_on_tpu.models.torchtitan import mtp_depths
 
   precision = precision or precision_of(spec)
@@ -711,7 +713,8 @@ def check(spec: str, mode: str, *, steps: int = 5, config=None, precision: str |
   jm = wrap(config, "train" if mode == "spread" else mode)
   state = all_tensors(jm)
   ref = EagerReference(flex_config(config), state, precision=precision)
-  forward, steps = (True, 0) if mode in FORWARD_MODES else (mode == "spread", steps)
+  forward = (mode in FORWARD_MODES or mode == "spread") if forward is None else forward
+  steps = 0 if mode in FORWARD_MODES else steps
   if mode == "spread":
     exact = EagerReference(flex_config(config), state, precision=precision, exact=True)
     got = run_reference(exact, forward=forward, steps=steps)

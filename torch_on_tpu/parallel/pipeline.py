@@ -20,6 +20,9 @@ next stage:
 * circular (interleaved) with V virtual stages: stage s holds V blocks of layers
   (blocks s, s+S, s+2S, ... of the S·V blocks in layer order) and every
   microbatch goes round the ring V times; the bubble shrinks V-fold.
+* the blocks are equal (the stacked arrays shard their layer dim over `pp`): of L
+  layers the first `L − L mod S·V` run in the stages and the rest after them, as the
+  model's own modules on the batch split over every device (`Schedule.staged_layers`).
 
 Microbatch m at stage s in its round r runs at tick `r·M + m + s`; a schedule
 of M microbatches takes `V·M + S − 1` ticks, `S − 1` of them filling and
@@ -30,8 +33,9 @@ extra traffic and the outputs collect there too.
 
 Embedding, final norm, head and loss stay outside the pipeline: they run on the
 whole batch split over the data axes *and* `pp` (each pp device does 1/S of
-them; no stage idles waiting for them, none computes them twice), with their
-parameters FSDP-sharded over `pp` as well. The cost is one activation-sized
+them; no stage idles waiting for them, none computes them twice), the sequence
+over `cp` where the mesh has one (`batch_sharding`), with their parameters
+FSDP-sharded over `pp` as well. The cost is one activation-sized
 collective each way at the pipeline's boundary per step.
 """
 
@@ -96,16 +100,21 @@ class Schedule:
     )
 
   def layers_problem(self, num_layers: int) -> str | None:
-    """Why `num_layers` layers do not split into this schedule's blocks, or None."""
+    """Why `num_layers` layers cannot fill this schedule's blocks (fewer layers than blocks), or None."""
     blocks = self.stages * self.virtual_stages
-    if num_layers % blocks == 0:
+    if num_layers >= blocks:
       return None
-    fits = [s for s in range(1, num_layers + 1) if num_layers % (s * self.virtual_stages) == 0]
     return (
-      f"the model's {num_layers} layers do not split into pp={self.stages} × virtual_stages="
-      f"{self.virtual_stages} = {blocks} equal blocks; with {num_layers} layers use pp in "
-      f"{fits} (virtual_stages={self.virtual_stages}), or a layer count that is a multiple of {blocks}"
+      f"the model's {num_layers} layers are fewer than the pp={self.stages} × virtual_stages={self.virtual_stages} "
+      f"= {blocks} blocks of the schedule, each of which holds at least one layer; use pp × virtual_stages of at "
+      f"most {num_layers}"
     )
+
+  def staged_layers(self, num_layers: int) -> int:
+    """How many of `num_layers` layers run in the stages: the most that split into the S·V
+    blocks equally (stacked arrays sharded over `pp` need equal blocks); the rest, fewer than
+    S·V, run after the pipeline as the model's own modules (`scan.layout_for`)."""
+    return num_layers - num_layers % (self.stages * self.virtual_stages)
 
   def storage_order(self, num_layers: int) -> list[int]:
     """Stored position → layer index: stage s's layers contiguous, its V blocks in round order.
@@ -158,6 +167,7 @@ class Pipeline:
     self.schedule = schedule
     self.mesh = mesh
     self.data_axes = tuple(a for a in data_axes if mesh.shape[a] > 1)
+    self.staging = False  # while the stages trace: their pins must not name `pp` (the vmap adds it)
 
   def batch_problem(self, batch: int) -> str | None:
     m = self.schedule.microbatches
@@ -170,19 +180,35 @@ class Pipeline:
     return None
 
   def output_sharding(self, ndim: int, rows: int) -> NamedSharding | None:
-    """Where the batch goes after the layer stack: rows over the data axes and `pp` (the
-    head and the loss then run once over all devices), or None where they do not divide."""
+    """Where the tokens go after the layer stack, as rows (batch-major, the loss's): over the
+    data axes and `pp` (the head and the loss then run once over all devices), then `cp` (each
+    device's piece of its rows' sequences); None where they do not divide."""
     axes = (*self.data_axes, mesh_lib.PIPELINE_AXIS)
+    if mesh_lib.sequence_ways(self.mesh) > 1:
+      axes = (*axes, mesh_lib.SEQUENCE_AXIS)
     if rows % mesh_lib.batch_ways(self.mesh, axes):
       return None
     return NamedSharding(self.mesh, PartitionSpec(axes, *[PartitionSpec.UNCONSTRAINED] * (ndim - 1)))
 
+  def batch_sharding(self, shape) -> NamedSharding | None:
+    """A batch tensor [B, L, ...] outside the stages: rows over the data axes and `pp`, the
+    sequence over `cp` where the mesh splits it, other dims free; None where the rows do not
+    divide. Pinned to the data axes alone (`cp`'s activation pins), the head would run on
+    every stage's devices again."""
+    axes = (*self.data_axes, mesh_lib.PIPELINE_AXIS)
+    if shape[0] % mesh_lib.batch_ways(self.mesh, axes):
+      return None
+    rest = [PartitionSpec.UNCONSTRAINED] * (len(shape) - 1)
+    if mesh_lib.splits_sequence(self.mesh, shape):
+      rest[0] = mesh_lib.SEQUENCE_AXIS
+    return NamedSharding(self.mesh, PartitionSpec(axes, *rest))
+
   def spread(self, tree):
-    """Arrays of `tree` (labels) split like the pipeline's output (`output_sharding`);
+    """Arrays of `tree` (labels) split like the pipeline's output (`batch_sharding`);
     each pp device keeps its slice of what it held whole, so no data moves."""
 
     def leaf(x):
-      sharding = self.output_sharding(x.ndim, x.shape[0]) if isinstance(x, jax.Array) and x.ndim else None
+      sharding = self.batch_sharding(x.shape) if isinstance(x, jax.Array) and x.ndim else None
       return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
     return jax.tree.map(leaf, tree)
@@ -270,7 +296,11 @@ class Pipeline:
       return (inbox, jnp.roll(outputs, 1, axis=0), buffers), None
 
     ticks = self.schedule.ticks
-    (inbox, state, state_blocks), _ = jax.lax.scan(tick_fn, (inbox, state, state_blocks), jnp.arange(ticks))
+    self.staging = True
+    try:
+      (inbox, state, state_blocks), _ = jax.lax.scan(tick_fn, (inbox, state, state_blocks), jnp.arange(ticks))
+    finally:
+      self.staging = False
     inbox = receive(inbox, state, ticks)
     # Stage 0's inbox holds every microbatch's last output; the masked sum over stages
     # is one reduce-scatter (or all-reduce) of one activation tensor.

@@ -266,7 +266,7 @@ def _fused_head(model, head, rows: int, classes: int):
 
 def _rows_sharding(model, rows: int):
   """The loss rows over the data axes (and `pp` with pipeline stages, where the head
-  runs; `cp` without), or None where they do not divide."""
+  runs) and `cp`, or None where they do not divide."""
   if model.pipeline is not None and model.pipeline.output_sharding(2, rows) is not None:
     return model.pipeline.output_sharding(2, rows)
   return model.token_sharding(rows)

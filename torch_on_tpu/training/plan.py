@@ -415,6 +415,8 @@ def _estimate(step, shape, global_batch_size, seqlen, remat, grad_accum, schedul
     micro = per_token / schedule.microbatches
     block = s.layers // (schedule.stages * schedule.virtual_stages)
     saved = int((schedule.ticks / schedule.microbatches + 2) * s.dim * per_token)
+    # layers past the equal blocks run after the stages, on the batch split over pp as well
+    saved += int((s.layers - schedule.staged_layers(s.layers)) * kept * per_token / schedule.stages)
     layer_backward = int((block * kept + everything) * micro)
     if cpu_upcast:  # the stage's recomputed residuals, widened like a scan's
       layer_backward += int(block * kept * micro * (4 - compute) / compute)
@@ -526,7 +528,7 @@ def _pipeline_suggestion(step, shape, global_batch_size, seqlen, limit) -> str |
   model = step.model
   scanned = any(f".{scan_lib.SCAN}.{scan_lib.LAYER}." in k for k in model.params)
   if model.pipeline is not None or mesh_lib.sequence_ways(model.mesh) > 1 or not scanned:
-    return None  # already staged, or over `cp` (which stages refuse), or no stack to split
+    return None  # already staged, or over `cp` (the plan of both together is not calibrated), or no stack to split
   fsdp = model.mesh.shape.get("fsdp", 1)
   rows = global_batch_size // step.grad_accum
   for stages in range(2, fsdp + 1):
@@ -551,7 +553,7 @@ def _sequence_split(step, shape, global_batch_size, seqlen, remat, policy, limit
   suggestion; None if none."""
   mesh = step.model.mesh
   if step.model.pipeline is not None:
-    return None  # pipeline stages and cp do not compose (`pipeline.Pipeline`)
+    return None  # the plan of pipeline stages with cp is not calibrated: one axis suggested at a time
   data_ways = math.prod(mesh.shape[a] for a in step.model.data_axes)
   cp_now = mesh_lib.sequence_ways(mesh)
   devices = data_ways * cp_now

@@ -145,14 +145,14 @@ class ShardedModule:
     self._hooked_modules = _outermost_hooked_modules(module)
     fsdp_dims = self.family.fsdp_dims(module) if sharding in ("fsdp", "ep") else {}
     tensors = [sharding_lib.TensorInfo(e.name, e.shape, e.is_param, fsdp_dims.get(e.name)) for e in entries]
-    experts = self.family.expert_parameters(module) if isinstance(sharding, str) and sharding != "fsdp" else None
+    experts = self.family.expert_parameters(module) if isinstance(sharding, str) else None
     self._resolved = sharding_lib.resolve(
       _sharding_map_for(module, sharding, self.mesh, tensors, experts),
       tensors,
       [name for name, _ in module.named_modules() if name],
       self.mesh,
       strict=strict,
-      experts=experts if sharding == "ep" else None,
+      experts=experts if sharding in ("ep", "fsdp") else None,
     )
     self.pipeline = self._pipeline(scan, microbatches, virtual_stages)
     self._layout = None
@@ -217,12 +217,6 @@ class ShardedModule:
       raise TorchOnTpuError(
         f"data_axes names '{mesh_lib.PIPELINE_AXIS}', which splits the layers into pipeline stages, "
         f"not the batch; leave it out of data_axes."
-      )
-    if mesh_lib.sequence_ways(self.mesh) > 1:
-      raise TorchOnTpuError(
-        f"The mesh {dict(self.mesh.shape)} splits both the layers into pipeline stages and each sequence over "
-        f"'{mesh_lib.SEQUENCE_AXIS}', which do not compose yet (a stage's attention would need the cp ring "
-        f"inside the pipeline's loop); set {arg('cp', 1)} and give those devices to fsdp, or {arg('pp', 1)}."
       )
     if not scan:
       raise TorchOnTpuError(
@@ -485,8 +479,10 @@ class ShardedModule:
       if not isinstance(first, torch.Tensor) or tuple(first.shape[:2]) != lead:
         return output
       spec = mesh_lib.batch_spec(batch_axes, 2, sequence=True)
-      spec = PartitionSpec(*spec, *([PartitionSpec.UNCONSTRAINED] * (first.ndim - 2)))
-      pinned = torch_view(jax.lax.with_sharding_constraint(jax_view(first), NamedSharding(self.mesh, spec)))
+      sharding = NamedSharding(self.mesh, PartitionSpec(*spec, *([PartitionSpec.UNCONSTRAINED] * (first.ndim - 2))))
+      if self.pipeline is not None and not self.pipeline.staging:  # outside the stages the rows split over `pp` too
+        sharding = self.pipeline.batch_sharding(first.shape) or sharding
+      pinned = torch_view(jax.lax.with_sharding_constraint(jax_view(first), sharding))
       return (pinned, *output[1:]) if isinstance(output, tuple) else pinned
 
     name_of = self._layout.original_module_name if self._layout else (lambda name: name)

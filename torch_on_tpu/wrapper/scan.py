@@ -882,6 +882,19 @@ def layout_for(module: torch.nn.Module, entries, *, pipeline=None) -> ScanLayout
     problem = pipeline.schedule.layers_problem(len(stack.keys))
     if problem:
       raise TorchOnTpuError(f"Pipeline: {problem}.")
+    staged = pipeline.schedule.staged_layers(len(stack.keys))
+    if staged < len(stack.keys):
+      schedule = pipeline.schedule
+      blocks = schedule.stages * schedule.virtual_stages
+      after = stack.keys[staged:]
+      logger.warning(
+        "pp=%d: the %d layers of '%s' do not split into pp × virtual_stages = %d equal blocks; layers %s to %s run in "
+        "the stages (%d per block) and %s after them, as the model's own modules, on the batch split over the stages "
+        "too (their weights sharded over pp as the head's are).",
+        schedule.stages, len(stack.keys), stack.path, blocks, stack.keys[0], stack.keys[staged - 1], staged // blocks,
+        f"layer {after[0]}" if len(after) == 1 else f"layers {after[0]} to {after[-1]}",
+      )
+      stack = LayerStack(stack.path, stack.keys[:staged], stack.container, stack.all_keys)
   return ScanLayout(stack, entries, pipeline=pipeline, inputs_period=inputs_period)
 
 

@@ -24,10 +24,11 @@ def is_torchtitan(module) -> bool:
 LANGUAGE_FAMILIES = ("llama3", "qwen3", "deepseek_v3", "kimi_k2_7", "qwen3_5", "gpt_oss", "muse_glimmer")
 
 
-def registry_config(spec: str, *, max_seq_len: int | None = None, mtp_layers: int = 0):
+def registry_config(spec: str, *, max_seq_len: int | None = None, mtp_layers: int = 0, attn_backend: str = ""):
   """torchtitan's own config for `"<family>:<flavor>"` (`torchtitan.models.<family>.model_registry`),
   with RoPE tables sized to `max_seq_len` as torchtitan's trainer sizes them for its sequence length;
-  `mtp_layers` > 0 builds that many multi-token-prediction layers (`num_mtp_layers`, DeepSeek-V3's)."""
+  `mtp_layers` > 0 builds that many multi-token-prediction layers (`num_mtp_layers`, DeepSeek-V3's);
+  `attn_backend` the registry's attention backend ("flex", "varlen", "sdpa"; "": the family's own)."""
   import importlib
 
   from torch_on_tpu import errors
@@ -53,7 +54,8 @@ def registry_config(spec: str, *, max_seq_len: int | None = None, mtp_layers: in
         f"leave {errors.arg('mtp_layers', 0)}."
       )
     mtp = {"num_mtp_layers": mtp_layers}
-  config = registry.model_registry(flavor, **mtp).model
+  backend = {"attn_backend": attn_backend} if attn_backend else {}
+  config = registry.model_registry(flavor, **mtp, **backend).model
   for layer in [*config.layers, *getattr(config, "mtp_layers", ())] if max_seq_len is not None else ():
     attention = getattr(layer, "attention", None) or getattr(layer, "attn", None)
     rope = getattr(attention, "rope", None)
