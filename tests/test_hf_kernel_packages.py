@@ -29,6 +29,7 @@ def qwen3_next():
     layer_types=["linear_attention", "full_attention"], **SMALL,
   )
   config._attn_implementation = "sdpa"
+  torch.manual_seed(0)  # the same weights whatever ran before: a routing near-tie would move the MoE's gradients
   return hf.build_causal_lm(config, device="cpu").eval()
 
 

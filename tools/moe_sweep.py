@@ -69,6 +69,7 @@ def hf_row(family: str, layout: str) -> dict:
   import torch_on_tpu as tot
   from tests import helpers as h
   from tests import test_moe
+  from torch_on_tpu.models import hf
 
   lr, betas, eps, wd = (getattr(h.titan_parity(), k) for k in ("LR", "BETAS", "EPS", "WD"))
   ref = test_moe.build(family, **({"output_router_logits": False} if layout == "pp" else {}))
@@ -76,8 +77,15 @@ def hf_row(family: str, layout: str) -> dict:
   jm = tot.ShardedModule(copy.deepcopy(ref), mesh=tot.make_mesh(**axes), sharding="ep", scan=True)
   inputs, _ = test_moe.left_padded_batch()
   forward = {k: v for k, v in inputs.items() if k != "labels"}
+
+  def eager(**batch):
+    """The model in eager torch on transformers' torch code (a kernel package an earlier import installed,
+    fla's for Qwen3-Next, cannot run on CPU)."""
+    with hf.torch_reference_kernels(ref):
+      return ref(**batch)
+
   with torch.no_grad():
-    want = ref(**forward).logits
+    want = eager(**forward).logits
   result = {"forward": h.rel(tot.to_cpu(jm(**forward).logits), want)}
   step = tot.make_train_step(jm, test_moe.model_loss, optax.adamw(lr, b1=betas[0], b2=betas[1], eps=eps, weight_decay=wd))
   opt = torch.optim.AdamW(ref.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
@@ -86,7 +94,7 @@ def hf_row(family: str, layout: str) -> dict:
     batch, labels = test_moe.left_padded_batch(seed=i + 1)
     ours = float(step(batch, labels))
     opt.zero_grad()
-    theirs = ref(**batch).loss
+    theirs = eager(**batch).loss
     theirs.backward()
     opt.step()
     losses.append(h.rel(ours, theirs.item()))
