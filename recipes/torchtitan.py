@@ -49,8 +49,8 @@ class TorchtitanFlags(recipe_flags.Flags):
     minimum=0, check=_mtp_check,
   )
   attn_backend: str = recipe_flags.flag(
-    "", "torchtitan's attention backend for the model (its model_registry's attn_backend: flex, varlen or sdpa; "
-    "'': the family's own); each runs on the bridge's attention kernels", choices=("", "flex", "varlen", "sdpa"),
+    "default", "torchtitan's attention backend for the model (its model_registry's attn_backend: flex, varlen or sdpa; "
+    "default: the family's own); each runs on the bridge's attention kernels", choices=("default", "flex", "varlen", "sdpa"),
   )
   mtp_scale: float = recipe_flags.flag(0.3, "the weight of the multi-token-prediction depths' mean loss beside the main loss (torchtitan's MTPLoss mtp_scale)", minimum=0)
 
@@ -60,7 +60,8 @@ def recipe(flags: TorchtitanFlags) -> runner.Recipe:
 
   from torch_on_tpu.models.torchtitan import mtp_depths, mtp_loss, registry_config
 
-  config = registry_config(flags.model, max_seq_len=flags.seqlen, mtp_layers=flags.mtp_layers, attn_backend=flags.attn_backend)
+  config = registry_config(flags.model, max_seq_len=flags.seqlen, mtp_layers=flags.mtp_layers,
+                           attn_backend="" if flags.attn_backend == "default" else flags.attn_backend)
 
   def build():
     with torch.device("meta"):

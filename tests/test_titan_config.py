@@ -182,6 +182,9 @@ def test_a_config_built_with_another_attention_backend_maps_onto_attn_backend(mo
   assert flags.get("attn_backend", "") == backend, flags
   built = registry_config(flags["model"], attn_backend=backend)
   assert type(built.layers[0].attention.inner_attention).__qualname__ == f"{kind}.Config"
+  recipe_flags.check_flags(titan_recipe.TorchtitanFlags(**flags), read_files=False)  # a value the flag takes
+  with pytest.raises(TorchOnTpuError, match=r"--attn_backend='flash' is not one of default, flex, varlen, sdpa"):
+    recipe_flags.check_flags(titan_recipe.TorchtitanFlags(**{**flags, "attn_backend": "flash"}), read_files=False)
 
 
 def test_a_float8_converted_model_maps_onto_the_float8_flags_that_convert_it_the_same():
