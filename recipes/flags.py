@@ -58,11 +58,16 @@ def _float8_recipes() -> tuple[str, ...]:
 
 
 def _existing_data(spec, flags) -> None:
-  """--data names files that exist (listed; of JSONL or Parquet the first record is read, for --data_field)."""
-  if spec is not None:
+  """--data names files that exist (listed; of JSONL or Parquet the first record is read, for --data_field;
+  chat data must name some)."""
+  if flags.data_format == "chat":
+    from torch_on_tpu.io.data import chat
+
+    chat.conversations(spec, field=flags.data_field)
+  elif spec is not None:
     from torch_on_tpu.io.data import sources
 
-    sources.source(spec, field=flags.data_field)
+    sources.source(spec, field=flags.data_field or "text")
 
 
 def existing_path(path, flags) -> None:
@@ -160,7 +165,17 @@ class Flags:
   float8_skip: str = flag("lm_head", "with --float8: comma-separated names of linears kept in high precision (linears with a dim not a multiple of 16 always are)")
   grad_accum: int = flag(1, "microbatches per step (activations shrink by this factor)", minimum=1)
   data: str | None = flag(None, "text/JSONL/Parquet files, a glob, a directory or a datasets dir (default: built-in corpus)", check=_existing_data)
-  data_field: str = flag("text", "the JSONL/Parquet/datasets field holding the text", argument="field")
+  data_field: str | None = flag(
+    None, "the JSONL/JSON/Parquet/datasets field holding the text (default text); with --data_format=chat the conversation's: "
+    "a list of {role, content} messages (default messages), or role:field pairs making one turn of columns "
+    "(user:question,assistant:answer)", argument="field",
+  )
+  data_format: str = flag(
+    "text", "text: documents packed into a continuous stream, every token trained; chat: conversations (JSON/JSONL/Parquet/"
+    "datasets records) rendered with the tokenizer's chat template (else a plain <|role|> one), whole samples per row "
+    "(longer ones dropped, said with the count), the loss the mean over the assistant answers' tokens of the global batch",
+    choices=("text", "chat"),
+  )
   weights: str | None = flag(None, "pretrained weights to start from: safetensors (a file or directory) under the model's own state_dict names, an HF checkpoint directory of the architecture (torchtitan models read it through their family's state_dict_adapter), a torch.distributed.checkpoint step such as torchtitan's checkpoint/step-N, or a step of this recipe's own checkpoints such as runs/a/ckpt/4 (either's directory: its latest step) (default: the model's init)", check=existing_path)
   tokenizer: str | None = flag(None, "tokenizer.json or HF tokenizer dir (default: byte-level BPE trained on the data)", check=existing_path)
   ckpt_dir: str | None = flag(None, "checkpoint directory (default: runs/<run>/ckpt)")
@@ -358,6 +373,27 @@ def float8_converted(target, flags: Flags):
   from torch_on_tpu.lowering import float8
 
   return float8.convert(target, flags.float8, skip=tuple(n for n in flags.float8_skip.split(",") if n))
+
+
+@dataclasses.dataclass
+class LoraFlags(Flags):
+  """The LoRA flags, for the recipes that fine-tune with peft's adapters (recipes.hf, recipes.torchtitan)."""
+
+  lora_rank: int = flag(0, "LoRA rank (0: train every parameter)", minimum=0)
+  lora_alpha: float | None = flag(None, "LoRA alpha: the adapters' output is scaled by alpha / rank (default: 2 x rank)")
+  lora_targets: str = flag(
+    "all-linear", "modules that get adapters: peft's 'all-linear' (every linear but the output head) or comma-separated "
+    "module names (the last part of a name, e.g. wq,wo)", argument="targets",
+  )
+
+
+def lora_settings(flags: Flags) -> dict | None:
+  """`--lora_*` as `Recipe.lora` (lora.wrap's keyword arguments); None without --lora_rank."""
+  if not getattr(flags, "lora_rank", 0):
+    return None
+  from torch_on_tpu.training.lora import parse_targets
+
+  return dict(rank=flags.lora_rank, alpha=flags.lora_alpha, targets=parse_targets(flags.lora_targets))
 
 
 def default_scan(platform: str, *, pipeline: bool = False) -> bool:

@@ -38,13 +38,8 @@ def _local_config(path, flags) -> None:
 
 
 @dataclasses.dataclass
-class HFFlags(recipe_flags.Flags):
+class HFFlags(recipe_flags.LoraFlags):
   config: str | None = recipe_flags.flag(None, "config.json of the model, or a directory holding one (required)", check=_local_config)
-  lora_rank: int = recipe_flags.flag(0, "LoRA rank (0: train every parameter)", minimum=0)
-  lora_alpha: float | None = recipe_flags.flag(None, "LoRA alpha (default: 2 x rank)")
-  lora_targets: str = recipe_flags.flag(
-    "all-linear", "modules that get adapters: peft's 'all-linear' or comma-separated names", argument="targets"
-  )
 
 
 def load_config(path: str):
@@ -68,16 +63,7 @@ def recipe(flags: HFFlags) -> runner.Recipe:
   limit = getattr(config, "max_position_embeddings", None)
   if limit is not None and flags.seqlen > limit:
     raise TorchOnTpuError(f"--seqlen={flags.seqlen} exceeds the model's maximum of {limit} positions; use a shorter --seqlen.")
-  if flags.lora_rank and flags.float8 is not None:
-    raise TorchOnTpuError(
-      "--float8 with --lora_rank is not supported: peft's adapters wrap the linears torchao swaps; "
-      "drop one of the two."
-    )
-  lora = None
-  if flags.lora_rank:
-    from torch_on_tpu.training.lora import parse_targets
-
-    lora = dict(rank=flags.lora_rank, alpha=flags.lora_alpha, targets=parse_targets(flags.lora_targets))
+  lora = recipe_flags.lora_settings(flags)  # with --float8: float8 base linears, high-precision adapters
   directory = (os.path.dirname(flags.config) or ".") if os.path.isfile(flags.config) else flags.config
   name = os.path.basename(os.path.normpath(directory))
   return runner.Recipe(

@@ -24,7 +24,7 @@ from pathlib import Path
 from recipes.cli import python_command
 from recipes.flags import STATE_FLAGS, Flags, check_flags, default_scan, flag_spelling, layer_remat, mesh_axes, profile_steps
 from recipes.startup import initialize_distributed, setup_platform
-from torch_on_tpu.errors import TorchOnTpuError
+from torch_on_tpu.errors import TorchOnTpuError, arg
 
 
 @dataclasses.dataclass
@@ -159,11 +159,18 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   compute_dtype = None if flags.dtype == "float32" else jnp.bfloat16
   master_dtype = jnp.bfloat16 if flags.dtype == "bfloat16-all" else None
 
+  chat = flags.data_format == "chat"
+  if chat and recipe.loss is not None and flags.grad_accum > 1:
+    raise TorchOnTpuError(
+      f"{arg('grad_accum', flags.grad_accum)} with chat data averages this recipe's own loss over microbatches holding "
+      f"unequal numbers of answer tokens, which is not the batch's token mean; use {arg('grad_accum', 1)}."
+    )
+
   def make_step(abstract: bool):
     jm = _model(flags, recipe, mesh, abstract, config.get("microbatches"))
     return tot.make_train_step(
       jm,
-      recipe.loss or _loss,
+      recipe.loss or (answer_loss if chat else _loss),
       _optimizer(flags, jm, lora=bool(recipe.lora)),
       grad_accum=flags.grad_accum,
       clip_norm=flags.clip_norm or None,
@@ -203,7 +210,9 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   family_model = abstract_step.model  # how this family's model is called (structure only, no arrays)
   def split(batch):
     inputs, labels = default_split(family_model, batch)
-    return inputs, labels if recipe.labels is None else recipe.labels(batch)
+    if recipe.labels is not None:
+      return inputs, recipe.labels(batch)
+    return inputs, answer_labels(labels) if chat and recipe.loss is None else labels
 
   if flags.dry_run:
     if main and memory.fits is False:
@@ -242,8 +251,12 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   # 2. The real model, data and checkpoints.
   health.doing("building the model")
   step = make_step(abstract=False)
-  source = data.source(flags.data, field=flags.data_field)
-  tokenizer = data.build_tokenizer(flags.tokenizer, vocab_size=min(data.DEFAULT_VOCAB_SIZE, shape.vocab), corpus=source)
+  if chat:
+    source = data.chat.conversations(flags.data, field=flags.data_field)
+  else:
+    source = data.source(flags.data, field=flags.data_field or "text")
+  corpus = source.texts() if chat else source  # a tokenizer trained here learns the chat template's text too
+  tokenizer = data.build_tokenizer(flags.tokenizer, vocab_size=min(data.DEFAULT_VOCAB_SIZE, shape.vocab), corpus=corpus)
   data.check_model_fit(tokenizer.vocab_size, shape.vocab, flags.seqlen)
   tokenizer_dir = os.path.join(config["log_dir"], "tokenizer")
   if main:
@@ -252,7 +265,7 @@ def _run(flags: Flags, recipe: Recipe, config: dict, mesh, main: bool) -> dict:
   process_index, process_count = data.process_rows(mesh)  # pipeline stages read the same rows
   data_kwargs = dict(
     seqlen=flags.seqlen, global_batch_size=flags.global_batch_size, seed=flags.seed,
-    with_positions=titan, with_segment_ids=titan, field=flags.data_field,
+    with_positions=titan, with_segment_ids=titan, field=flags.data_field, data_format=flags.data_format,
     process_index=process_index, process_count=process_count,
   )
   if flags.last_save == "hf":
@@ -339,6 +352,9 @@ def _train(step, flags: Flags, config: dict, ckpt, restored, source, tokenizer, 
   finally:
     train.close()
     ckpt.close()
+  dropped = train.stats.line() if train.stats is not None else None
+  if main and dropped:
+    print(dropped, flush=True)
   losses = [r["loss"] for r in trainer.records if "loss" in r]
   start_eval = [r["eval_loss"] for r in trainer.records if r["step"] == first_step and "eval_loss" in r]
   summary.update(
@@ -569,6 +585,13 @@ def _check_hf_form(model, recipe: Recipe) -> None:
       f"--last_save=hf (torchtitan's checkpoint.last_save_in_hf) writes the last step as an HF directory, and "
       f"{type(module).__name__} has no HF form here; save it as the model alone (--last_save=model) instead."
     )
+  if recipe.lora:
+    from torch_on_tpu.io import export
+
+    try:
+      export.lora_mergeable(model)
+    except TorchOnTpuError as e:
+      raise TorchOnTpuError(f"--last_save=hf (torchtitan's checkpoint.last_save_in_hf) merges the adapters into an HF directory: {e}") from None
 
 
 def _save_hf(model, recipe: Recipe, flags: Flags, config: dict) -> str:
@@ -683,7 +706,7 @@ def _model(flags: Flags, recipe: Recipe, mesh, abstract: bool, microbatches: int
     if recipe.weights and not abstract:
       checkpoint.import_pretrained(jm, recipe.weights)
     return jm
-  base = tot.ShardedModule(recipe.build(), abstract=abstract, **common)
+  base = tot.ShardedModule(recipe.build(), abstract=abstract, **common, **(layers if flags.pp > 1 else {}))  # stages need the scan
   if recipe.weights and not abstract:
     checkpoint.import_pretrained(base, recipe.weights)
   return lora.wrap(base, recipe.build(), seed=flags.seed, **recipe.lora, **layers)
@@ -747,6 +770,37 @@ def _loss(outputs, labels):
 
   logits = outputs.logits if hasattr(outputs, "logits") else outputs
   return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def answer_labels(labels):
+  """Chat data's labels for `answer_loss`: the labels, and per row the global batch's answer tokens
+  over its rows (N/B), so that a microbatch of b rows knows it stands for b·N/B of the N tokens."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  rows = labels.shape[0]
+  if isinstance(labels, jax.ShapeDtypeStruct):
+    return {"labels": labels, "answer_tokens": jax.ShapeDtypeStruct((rows,), jnp.float32)}
+  share = lambda y: jnp.broadcast_to(jnp.sum(y != -100) / rows, (rows,)).astype(jnp.float32)  # noqa: E731
+  sharding = getattr(labels, "sharding", None)
+  if isinstance(sharding, NamedSharding):  # the rows' share laid out as the rows are
+    spec = PartitionSpec(sharding.spec[0] if len(sharding.spec) else None)
+    return {"labels": labels, "answer_tokens": jax.jit(share, out_shardings=NamedSharding(sharding.mesh, spec))(labels)}
+  return {"labels": labels, "answer_tokens": share(jnp.asarray(labels))}
+
+
+def answer_loss(outputs, labels):
+  """Chat data's loss: the answer tokens' summed cross-entropy over the answer tokens its rows stand
+  for. That is the global batch's token mean (torchtitan's), exactly, for the whole batch and for
+  --grad_accum's microbatches alike (the step averages k microbatch losses, each then k·s_i/N); a
+  batch without answer tokens has loss 0 and no gradient, not NaN (the loader never makes one)."""
+  import torch
+
+  logits = outputs.logits if hasattr(outputs, "logits") else outputs
+  total = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels["labels"].flatten(), reduction="sum")
+  share = labels["answer_tokens"].sum()
+  return total / torch.where(share > 0, share, torch.ones_like(share))
 
 
 def _run_error_message(error, memory, report, config: dict) -> str | None:

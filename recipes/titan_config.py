@@ -17,6 +17,7 @@ flags may follow and win (`--cpu_devices=8`, `--dry_run`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import importlib
 import io
@@ -131,7 +132,13 @@ def parse(args: list[str]):
   said = io.StringIO()
   try:
     with contextlib.redirect_stderr(said):
-      config = ConfigManager().parse_args(list(args))
+      try:
+        config = ConfigManager().parse_args(list(args))
+      except ValueError as e:
+        if _FLOAT8_GPU_CHECK not in str(e):
+          raise
+        with _float8_runs_here():  # built as on a GPU with float8 matmuls; `_model` maps it or refuses it
+          config = ConfigManager().parse_args(list(args))
   except SystemExit:
     refused = _value_error(said.getvalue())
     if refused is None:  # tyro's own answer (an unknown option and the nearest ones, --help): as it printed it
@@ -139,10 +146,10 @@ def parse(args: list[str]):
       raise
     raise TorchOnTpuError(f"torchtitan refuses this config ({names}): {refused}") from None
   except ModuleNotFoundError as e:
-    raise _not_installed(e, f"config ({names})") from None
+    raise _not_installed(e, f"config ({names})", module or "<family>") from None
   except (ValueError, TypeError, ImportError, AttributeError) as e:
-    gpu_only = "only supported on" in str(e) and re.search(r"float8|MXFP8|NVFP4", str(e))  # torchao's check for a GPU
-    hint = "; float8 here is --float8=rowwise on its base config" if gpu_only else ""
+    gpu_only = "only supported on" in str(e) and re.search(r"MXFP8|NVFP4", str(e))  # torchao's check for a GPU
+    hint = "; the bridge's float8 is torchao's rowwise or tensorwise recipe (--float8)" if gpu_only else ""
     raise TorchOnTpuError(f"torchtitan could not build its config ({names}) here: {first_line(e)}{hint}.") from None
   finally:
     titan_log.setLevel(level)
@@ -167,7 +174,7 @@ def _registry(module: str):
       return importlib.import_module(place)
     except ModuleNotFoundError as e:
       if e.name is None or not (place == e.name or place.startswith(e.name + ".")):  # a package it imports is missing
-        raise _not_installed(e, f"{module} configs") from None
+        raise _not_installed(e, f"{module} configs", module) from None
   raise TorchOnTpuError(
     f"--module {module} is neither one of torchtitan's models ({', '.join(sorted(_supported_models))}) nor a module "
     f"importable here; name one of those, or put its folder on PYTHONPATH."
@@ -338,10 +345,34 @@ def _apply_overrides(config) -> None:
     raise TorchOnTpuError(f"torchtitan's override.imports could not be applied: {first_line(e)}.") from None
 
 
-def _not_installed(error: ModuleNotFoundError, what: str) -> TorchOnTpuError:
+# torchtitan's float8 converter refuses to build without an NVIDIA GPU of SM89 or later (or an MI300).
+_FLOAT8_GPU_CHECK = "Failed to swap to Float8Linear because float8 is only supported on NVIDIA SM89"
+
+
+@contextlib.contextmanager
+def _float8_runs_here():
+  """While torchtitan builds a float8 config, its converter's check of the machine says yes: the
+  bridge computes those float8 matmuls itself (XLA's float8 dots: on TPU, and on CPU for tests), so
+  the float8 linears it makes are what `--float8` gives (`_float8_flags`: mapped only if the same)."""
+  from torchtitan.components.quantization import float8 as titan_float8
+
+  check = titan_float8.has_cuda_capability
+  titan_float8.has_cuda_capability = lambda major, minor: True
+  try:
+    yield
+  finally:
+    titan_float8.has_cuda_capability = check
+
+
+def _not_installed(error: ModuleNotFoundError, what: str, family: str = "<family>") -> TorchOnTpuError:
+  if error.name == "torchvision":  # only torchtitan's multimodal data loader imports it
+    return TorchOnTpuError(
+      f"The multimodal data loader of torchtitan's {what} (images beside the text) imports torchvision, and the recipe "
+      f"trains language models on text or chat data only; train the family's text model with --model={family}:<flavor>."
+    )
   return TorchOnTpuError(
-    f"torchtitan's {what} imports {error.name!r} (its multimodal data loaders), which torch_on_tpu does not install; "
-    f"install the build for this torch, e.g. pip install {error.name} --index-url https://download.pytorch.org/whl/cpu."
+    f"Package {error.name!r}, which torchtitan's {what} import, is not installed here; install it for this torch "
+    f"(pip install {error.name}) or choose a config that does not need it."
   )
 
 
@@ -442,13 +473,16 @@ def _model(config) -> tuple[str, str, int, dict]:
       if not list(_differences(spec.model, other, "model_spec.model")):
         backend, reference, differences = {"attn_backend": name}, other, []
         break
-  float8 = _float8_flags(spec.model, reference, differences) if differences else {}
-  for path, ours, theirs in differences if not float8 else ():
+  lora = _lora_flags(spec, reference) if differences else {}
+  float8 = _float8_flags(spec.model, reference, differences) if differences and not lora else {}
+  # The difference named: the first that no float8 linear explains (float8 experts, say), else the first.
+  unexplained = [d for d in differences if type(d[1]).__qualname__ != "Float8Linear.Config"] or differences
+  for path, ours, theirs in unexplained if not (float8 or lora) else ():
     raise TorchOnTpuError(
       f"torchtitan's config changes {spec.name}:{spec.flavor}'s model at {path} ({_short(ours)} instead of "
       f"{_short(theirs)}); the recipe trains the registry's flavors as they are (float8: --float8=rowwise)."
     )
-  return spec.name, spec.flavor, mtp, {**backend, **float8}
+  return spec.name, spec.flavor, mtp, {**backend, **float8, **lora}
 
 
 # torchtitan's attention backends (`model_registry(..., attn_backend=)`), each run by the bridge's kernels.
@@ -463,12 +497,19 @@ def _attention_backend_differs(differences) -> bool:
 def _float8_flags(model, reference, differences) -> dict:
   """--float8/--float8_skip when every difference is a linear torchtitan's float8 converter made, and
   the same flags convert the registry's model to exactly this one; {} otherwise."""
-  from torch_on_tpu.lowering import float8
-
   made = [(path, ours) for path, ours, theirs in differences
           if type(ours).__qualname__ == "Float8Linear.Config" and type(theirs).__qualname__ == "Linear.Config"]
   if len(made) != len(differences):
     return {}
+  flags, again = _float8_again(made, reference)
+  return flags if flags and not list(_differences(model, again, "")) else {}
+
+
+def _float8_again(made, reference):
+  """(--float8/--float8_skip, the registry's model converted with them) for the float8 linears `made`
+  ((path, config) pairs); ({}, None) when no recipe of the bridge holds their torchao config."""
+  from torch_on_tpu.lowering import float8
+
   torchao = made[0][1]._torchao_config
   emulate = getattr(torchao, "emulate", False)
   recipe = next((r for r in float8.RECIPES if float8.torchao_config(r, emulate=emulate) == torchao), None)
@@ -476,9 +517,60 @@ def _float8_flags(model, reference, differences) -> dict:
   linears = [(fqn, c) for fqn, c in _linears(reference) if float8.converts(fqn, c.in_features, c.out_features, skip=())]
   flags = {"float8": recipe, "float8_skip": ",".join(_module_path(fqn) for fqn, _ in linears if fqn not in converted)}
   if recipe is None or any(torchao != m._torchao_config for _, m in made):
+    return {}, None
+  return flags, float8.convert(copy.deepcopy(reference), recipe, skip=tuple(n for n in flags["float8_skip"].split(",") if n), emulate=emulate)
+
+
+def _lora_flags(spec, reference) -> dict:
+  """--lora_rank/--lora_alpha/--lora_targets (and --float8/--float8_skip) when the model is what torchtitan's
+  LoRAConverter (after an optional float8 converter) makes of the registry's: the same converters with
+  these settings give exactly this model, and peft's adapters on those module names go on the same
+  linears; {} for a model with no LoRA linear; refused in one sentence for one these flags cannot make."""
+  import torch
+  from torchtitan.components.lora import LoRAConverter
+
+  configs = list(_configs(spec.model, "model_spec.model"))
+  adapted = [(path, c) for path, c in configs if type(c).__qualname__.endswith("LoRALinear.Config")]
+  if not adapted:
     return {}
-  again = float8.convert(reference, recipe, skip=tuple(n for n in flags["float8_skip"].split(",") if n), emulate=emulate)
-  return flags if not list(_differences(model, again, "")) else {}
+  where = f"torchtitan's config puts LoRA adapters on {spec.name}:{spec.flavor}'s model"
+  settings = {(c.rank, c.alpha) for _, c in adapted}
+  if len(settings) != 1:
+    raise TorchOnTpuError(f"{where} with {len(settings)} different ranks or alphas; --lora_rank and --lora_alpha set one for every adapter, so give them one.")
+  (rank, alpha), = settings
+  targets = sorted({re.sub(r"\[\d+\]$", "", path).rsplit(".", 1)[-1] for path, _ in adapted})
+  made = [(path, c) for path, c in configs if "Float8Linear.Config" in [k.__qualname__ for k in type(c).__mro__]]
+  float8, base = _float8_again(made, reference) if made else ({}, copy.deepcopy(reference))
+  again = LoRAConverter(LoRAConverter.Config(rank=rank, alpha=alpha, target_modules=targets)).convert(copy.deepcopy(base)) if base else None
+  differs = next(iter(_differences(spec.model, again, "model_spec.model")), None) if again is not None else ("its float8 linears",)
+  if differs:
+    raise TorchOnTpuError(
+      f"{where}, but converting the registry's model with LoRAConverter(rank={rank}, alpha={alpha}, target_modules={targets})"
+      f"{' after float8' if made else ''} does not give it (at {differs[0]}); the recipe's --lora_rank, --lora_alpha and "
+      f"--lora_targets make only that, so convert the registry's model with those converters alone."
+    )
+  with torch.device("meta"):
+    ours, plain = spec.model.build(), base.build()
+  lora_modules = {name for name, m in ours.named_modules() if type(m).__name__.startswith("LoRA")}
+  names = sorted({name.rsplit(".", 1)[-1] for name in lora_modules})
+  peft_picks = {name for name, m in plain.named_modules() if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in names}
+  if peft_picks != lora_modules:
+    raise TorchOnTpuError(
+      f"{where} on {len(lora_modules)} linears, and --lora_targets={','.join(names)} would put them on {len(peft_picks)} "
+      f"({sorted(peft_picks ^ lora_modules)[0]} differs); the recipe names adapted modules by their last name only, so target modules whose names say which."
+    )
+  return {"lora_rank": rank, "lora_alpha": float(alpha), "lora_targets": ",".join(names), **float8}
+
+
+def _configs(config, path: str):
+  """(dotted path, config) of every config dataclass in a torchtitan model config, the root first."""
+  if dataclasses.is_dataclass(config):
+    yield path, config
+    for field in dataclasses.fields(config):
+      yield from _configs(getattr(config, field.name), f"{path}.{field.name}")
+  elif isinstance(config, (list, tuple)):
+    for i, item in enumerate(config):
+      yield from _configs(item, f"{path}[{i}]")
 
 
 def _linears(config, path: str = ""):
@@ -650,8 +742,18 @@ def _files(config, take, notes: list[str]) -> dict:
       f"in its package): the tokenizer is the recipe's own, trained on the data."
     )
   loader = type(config.dataloader).__qualname__.split(".")[0]
+  if loader == "ChatDataLoader":
+    return {**flags, **_chat_data(take, notes)}
+  if loader == "MMDataLoader":
+    raise TorchOnTpuError(
+      "torchtitan's dataloader MMDataLoader feeds images beside the text (a multimodal model's training), and the recipe "
+      "trains language models on text or chat data only; train the family's text model with --model=<family>:<flavor>."
+    )
   if loader != "HuggingFaceTextDataLoader":
-    raise TorchOnTpuError(f"torchtitan's dataloader {loader} has no counterpart in the recipe, which trains on packed text; use a text dataset.")
+    raise TorchOnTpuError(
+      f"torchtitan's dataloader {loader} has no counterpart in the recipe, which trains on packed text or one chat dataset "
+      f"(ChatDataLoader); use one of those."
+    )
   path, name = take("dataloader.dataset_path"), take("dataloader.dataset")
   if path is not None:
     flags["data"] = path
@@ -661,6 +763,61 @@ def _files(config, take, notes: list[str]) -> dict:
       f"built-in corpus; --dataloader.dataset_path (or --data) names files to train on."
     )
   return flags
+
+
+def _chat_data(take, notes: list[str]) -> dict:
+  """torchtitan's ChatDataLoader → --data_format=chat: its local data (a "json" dataset's data_files, or a
+  path), and its sample_processor as the --data_field that makes the same messages (found by calling it on
+  a record whose every field reads as its own name)."""
+  path, kwargs, processor = take("dataloader.dataset_path"), dict(take("dataloader.load_dataset_kwargs")), take("dataloader.sample_processor")
+  if path != "json" and not os.path.exists(path):
+    raise TorchOnTpuError(
+      f"torchtitan's dataloader.dataset_path={path!r} is a download by name, which the recipe does not make; "
+      f"point it at local files (or 'json' with load_dataset_kwargs data_files)."
+    )
+  if kwargs.pop("split", "train") != "train":
+    raise TorchOnTpuError("torchtitan's dataloader.load_dataset_kwargs split other than 'train': the recipe trains on the files' records; drop it.")
+  files = kwargs.pop("data_files", None) if path == "json" else None
+  if kwargs:
+    raise TorchOnTpuError(f"torchtitan's dataloader.load_dataset_kwargs {sorted(kwargs)[0]!r} has no counterpart in the recipe's chat data; drop it.")
+  if isinstance(files, (list, tuple)) and len(files) == 1:
+    files = files[0]
+  if path == "json" and not isinstance(files, str):
+    raise TorchOnTpuError(
+      "torchtitan's dataloader.load_dataset_kwargs data_files: the recipe reads one file or glob of chat data; name one "
+      "(data_files='conversations.json')."
+    )
+  data = files if path == "json" else path
+  field = _chat_field(processor)
+  notes.append(f"torchtitan's ChatDataLoader: chat data from {data!r}, its sample_processor read as --data_field={field}.")
+  return {"data": data, "data_format": "chat", "data_field": field}
+
+
+class _FieldNames(dict):
+  """A record whose every field reads as a marker of its own name."""
+
+  def __missing__(self, key):
+    return f"\x00{key}\x00"
+
+
+def _chat_field(processor) -> str:
+  """The --data_field that gives `processor`'s messages: one field's list, or role:field pairs."""
+  marker = re.compile("\x00([^\x00]+)\x00")
+  try:
+    messages = processor(_FieldNames())
+  except Exception:  # noqa: BLE001 (one that computes on the values: said below)
+    messages = None
+  if isinstance(messages, str) and marker.fullmatch(messages):
+    return marker.fullmatch(messages).group(1)
+  pairs = [
+    (m.get("role"), marker.fullmatch(m.get("content", ""))) for m in messages or () if isinstance(m, dict) and isinstance(m.get("content"), str)
+  ]
+  if not pairs or len(pairs) != len(messages) or any(not isinstance(role, str) or match is None for role, match in pairs):
+    raise TorchOnTpuError(
+      f"torchtitan's dataloader.sample_processor {getattr(processor, '__qualname__', processor)!r} computes its messages from "
+      f"more than a record's fields; write the conversations into a 'messages' field of the data (--data_format=chat reads it)."
+    )
+  return ",".join(f"{role}:{match.group(1)}" for role, match in pairs)
 
 
 # torchtitan's checkpoint.exclude_from_loading keys → what a resume starts afresh (--resume_fresh).

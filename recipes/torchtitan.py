@@ -6,6 +6,7 @@
     python -m recipes.torchtitan --model=qwen3:8B --seqlen=4096 --dry_run   # plan + compile only
     python -m recipes.torchtitan --help                                     # every flag with its default
     python -m recipes.torchtitan --module llama3 --config llama3_debugmodel --training.steps=3   # torchtitan's own config
+    python -m recipes.torchtitan --model=llama3:debugmodel --lora_rank=8 --lora_targets=wo --float8=rowwise   # LoRA, float8 base
 
 `--model=<family>:<flavor>` names an entry of `torchtitan.models.<family>.model_registry`
 (llama3, qwen3, deepseek_v3, kimi_k2_7, qwen3_5, gpt_oss, muse_glimmer); the model
@@ -13,11 +14,14 @@ is torchtitan's own config for it, unmodified, with RoPE tables sized to `--seql
 as torchtitan's trainer sizes them. Flags, data, checkpoints, the memory plan, MFU
 and export are the Llama 3 recipe's (`python -m recipes.llama3` is this recipe's
 `--model=llama3:<flavor>` with its own flags). `--module/--config` run torchtitan's own configs
-and overrides (`recipes.titan_config`).
+and overrides (`recipes.titan_config`). `--lora_rank` puts peft's LoRA adapters on `--lora_targets`
+(module names) and trains only them, as torchtitan's `LoRAConverter` does; with `--float8` the
+frozen base linears compute in float8 and the adapters in `--dtype`, as its `LoRAFloat8Linear` does.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 
@@ -41,7 +45,7 @@ def _mtp_check(value: int, flags: TorchtitanFlags) -> None:
 
 
 @dataclasses.dataclass
-class TorchtitanFlags(recipe_flags.Flags):
+class TorchtitanFlags(recipe_flags.LoraFlags):
   model: str = recipe_flags.flag("qwen3:debugmodel", f"<family>:<flavor> of torchtitan's registries; families: {', '.join(LANGUAGE_FAMILIES)}")
   mtp_layers: int = recipe_flags.flag(
     0, "multi-token-prediction layers (torchtitan's num_mtp_layers; DeepSeek-V3): the model also predicts that many "
@@ -65,7 +69,9 @@ def recipe(flags: TorchtitanFlags) -> runner.Recipe:
 
   def build():
     with torch.device("meta"):
-      return config.build()
+      return recipe_flags.float8_converted(copy.deepcopy(config) if flags.float8 else config, flags).build()  # torchtitan converts its config
+
+  lora = recipe_flags.lora_settings(flags)
 
   mtp = {}
   if mtp_depths(config):  # its outputs are the main logits and one per depth: torchtitan's MTPLoss, which reads the positions
@@ -74,8 +80,8 @@ def recipe(flags: TorchtitanFlags) -> runner.Recipe:
       labels=lambda batch: {"labels": batch["labels"], "positions": batch["positions"]},
     )
   return runner.Recipe(
-    name=flags.model.replace(":", "-"), build=build, family="titan", weights=flags.weights,
-    convert_model=f"--model={flags.model}", **mtp,
+    name=flags.model.replace(":", "-") + ("-lora" if lora else ""), build=build, family="titan", weights=flags.weights,
+    lora=lora, convert_model=f"--model={flags.model}", **mtp,
   )
 
 

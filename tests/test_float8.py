@@ -180,8 +180,8 @@ def test_recipes_convert_as_torchtitan_does_and_keep_every_name(tmp_path):
   with pytest.raises(tot.TorchOnTpuError, match="--float8='e4m3' is not one of tensorwise, rowwise, rowwise_with_gw_hp"):
     llama3.run(llama3.Llama3Flags(float8="e4m3", steps=1))
   config.save_pretrained(tmp_path)
-  with pytest.raises(tot.TorchOnTpuError, match="--float8 with --lora_rank is not supported"):
-    hf.recipe(hf.HFFlags(config=str(tmp_path), float8="rowwise", lora_rank=4))
+  adapted = hf.recipe(hf.HFFlags(config=str(tmp_path), float8="rowwise", lora_rank=4))  # float8 base linears, peft's adapters on them
+  assert adapted.lora["rank"] == 4 and isinstance(adapted.build().model.layers[0].self_attn.o_proj, Float8Linear)
   with pytest.raises(tot.TorchOnTpuError, match="converts to float8 at its config"):
     float8.convert(llama3.recipe(llama3.Llama3Flags()).build(), "rowwise")
 

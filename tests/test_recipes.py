@@ -392,7 +392,7 @@ def test_command_line_mistakes_exit_2_in_one_sentence_before_anything_is_built()
   with pytest.raises(cli.FlagError, match="Unknown flag --lora_rnak; did you mean --lora_rank"):
     cli.parse_argv(["--lora_rnak=4"], hf.HFFlags)
   # another recipe's flag is named as that recipe's, not answered with this one's nearest name
-  with pytest.raises(cli.FlagError, match=r"Unknown flag --lora_rank; it is a flag of python -m recipes.hf, not of this recipe.$"):
+  with pytest.raises(cli.FlagError, match=r"Unknown flag --lora_rank; it is a flag of python -m recipes.hf and python -m recipes.torchtitan, not of this recipe.$"):
     cli.parse_argv(["--lora_rank=8"], llama3.Llama3Flags)
   with pytest.raises(cli.FlagError, match=r"--mtp_layers; it is a flag of python -m recipes.torchtitan, not"):
     cli.parse_argv(["--mtp_layers=1"], hf.HFFlags)

@@ -92,6 +92,16 @@ def test_a_seed_checkpoint_is_the_initial_weights_as_step_0(tmp_path, capsys):
   assert (tmp_path / "checkpoint" / "0" / "state").is_dir() and not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_sft_trains_on_the_answers_of_its_chat_data(tmp_path, capsys, monkeypatch):
+  """torchtitan's `sft_debugmodel` (ChatDataLoader over its repository's tests/assets/sft_test/data.json,
+  whose stand-in this repository ships at the same path): chat data, the loss on the answers only."""
+  monkeypatch.chdir(ROOT)  # the config names its data relative to the repository's root
+  said, losses, _ = run(capsys, tmp_path, steps=3, config=("llama3", "sft_debugmodel"))
+  assert "torchtitan's ChatDataLoader: chat data from 'tests/assets/sft_test/data.json'" in said
+  assert "--data_format=chat --data_field=user:question,assistant:answer" in said
+  assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1]
+
+
 # torchtitan's integration cases the suite runs (the whole list: tools/titan_integration.py): a
 # rerun in one dump folder with another config and layout, profiling with TensorBoard, a refusal.
 SLICE = ("2d_eager", "optimizer_bf16_states")

@@ -158,6 +158,11 @@ def hf_refusal(jm) -> str | None:
   return None
 
 
+def lora_mergeable(jm) -> None:
+  """Raises the sentence `export(mode="merged")` would give for `jm`'s adapters, before any training."""
+  _peft_model(jm)
+
+
 def _peft_model(jm):
   """`jm`'s peft model when it carries LoRA adapters (lora.wrap), else None."""
   model = jm.module

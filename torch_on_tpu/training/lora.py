@@ -62,16 +62,17 @@ def wrap(
   LoRA adapters of `rank` on `targets`, whose base params are `base`'s arrays.
 
   `alpha` defaults to `2 * rank`; `jittable_kwargs` (scan, remat, attention...)
-  go to the new ShardedModule. `base` must not be scanned: its arrays are
-  read by original name (and stacked here if `scan=True`). An abstract `base`
-  gives an abstract result.
+  go to the new ShardedModule. `base`'s arrays are read by original name and
+  shared where `base` stores them as the result does (both unscanned, or both
+  scanned: a pipeline's stages need the scan); otherwise stacked or sliced here.
+  An abstract `base` gives an abstract result.
   """
   import peft
 
   if not isinstance(rank, int) or rank < 1:
     raise TorchOnTpuError(f"LoRA rank must be a positive integer, got {rank!r}.")
-  if base.stored_layout() and any(stacked for _, stacked in base.stored_layout().values()):
-    raise TorchOnTpuError("lora.wrap needs a base ShardedModule built without scan=True; build the base unscanned.")
+  if targets == "all-linear" and not callable(getattr(module, "get_output_embeddings", None)):
+    targets = _linears_but_the_head(module)  # peft finds the output head of HF models only
   config = peft.LoraConfig(
     r=rank,
     lora_alpha=alpha if alpha is not None else 2 * rank,
@@ -84,8 +85,8 @@ def wrap(
       model = peft.get_peft_model(module, config)
   except ValueError as e:
     raise TorchOnTpuError(f"peft cannot put LoRA adapters on {arg('targets', targets)} ({e}); name modules the model has.") from None
-  specs = {**base.param_shardings, **base.buffer_shardings}
-  sharding = {name: tuple(specs[base.canonical_name(base_name(name))].spec) for name in _original_names(model) if not is_adapter(name)}
+  specs = base._resolved.specs  # by original name, whether or not `base` stacks its layers
+  sharding = {name: tuple(specs[base.canonical_name(base_name(name))]) for name in _original_names(model) if not is_adapter(name)}
   sharding.update({pattern: (None, None) for pattern in TRAINABLE})  # adapters are small: replicated
   jm = ShardedModule(
     model,
@@ -94,6 +95,7 @@ def wrap(
     data_axes=base.data_axes,
     attention=base.attention,
     abstract=True,
+    init_fn=_shapes_only,
     **jittable_kwargs,
   )
   if any(isinstance(v, jax.ShapeDtypeStruct) for v in base.params.values()):
@@ -106,9 +108,22 @@ def wrap(
       key, sub = jax.random.split(key)
       arrays[stored] = _adapter_init(sub, like, ".lora_A." in originals[0])
     else:
-      values = [base.array_for(base_name(o)) for o in originals]
-      arrays[stored] = _place(values, like, stacked)
+      arrays[stored] = _shared(base, [base_name(o) for o in originals], like, stacked)
   return jm
+
+
+def _linears_but_the_head(model) -> list[str]:
+  """peft's "all-linear" for a model that is not HF's: the last names of its linears but the output head (`lm_head`)."""
+  import torch
+
+  return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)} - {"lm_head"})
+
+
+def _shapes_only(model) -> None:
+  """The abstract build's init: every tensor written, as its values come from `base` and `_adapter_init`
+  (a family's own init may not reach peft's adapters: torchtitan's `init_states` does not)."""
+  for tensor in [*model.parameters(), *model.buffers()]:
+    tensor.zero_()
 
 
 def _original_names(model) -> list[str]:
@@ -122,6 +137,19 @@ def _adapter_init(key, like, is_a: bool) -> jax.Array:
   return jax.jit(
     lambda k: jax.random.uniform(k, like.shape, like.dtype, -bound, bound), out_shardings=like.sharding
   )(key)
+
+
+def _shared(base: ShardedModule, names: list[str], like, stacked: bool) -> jax.Array:
+  """`base`'s array for these original names: its own when `base` stores them alike (unscanned, or
+  scanned as one stack in this order, as under a pipeline), else gathered and placed like `like`."""
+  found = [base._layout.lookup(base.canonical_name(n)) if base._layout else (base.canonical_name(n), None) for n in names]
+  stores = {s for s, _ in found}
+  if len(stores) == 1 and [i for _, i in found] == (list(range(len(names))) if stacked else [None]):
+    (store,) = stores
+    array = base.params[store] if store in base.params else base.buffers[store]
+    if array.shape == like.shape and array.dtype == like.dtype and array.sharding == like.sharding:
+      return array
+  return _place([base.array_for(n) for n in names], like, stacked)
 
 
 def _place(values, like, stacked: bool) -> jax.Array:

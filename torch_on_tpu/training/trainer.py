@@ -225,7 +225,7 @@ class Trainer:
     values = {k: float(v) for k, v in metrics.items()}  # waits for that step
     seconds = self._clock.lap()
     self._check_finite(step, values)
-    shape = jax.tree.leaves(labels)[0].shape
+    shape = max(jax.tree.leaves(labels), key=jnp.ndim).shape  # the token labels [rows, seqlen], beside any per-row leaf
     values["step_time"] = seconds
     values["tokens_per_second"] = math.prod(shape) / seconds
     values["mfu"] = self._mfu(values["tokens_per_second"], shape[-1])

@@ -10,17 +10,21 @@
     train = data.batches(None, tok, seqlen=256, global_batch_size=16, state=saved)
 
 One job per module: `sources` (documents in blocks), `tokenizer` (text →
-ids), `stream` (a shard's token stream packed into rows), `loader` (the
+ids), `stream` (a shard's token stream packed into rows), `chat`
+(conversations packed whole, labels on the answers: `batches(...,
+data_format="chat")`), `loader` (the
 shards' rows of each global batch, prefetch, resumable state) and `placement`
 (host rows → global arrays). Their public names are re-exported here.
 """
 
+from torch_on_tpu.io.data import chat
 from torch_on_tpu.io.data.loader import STATE_VERSION, Batches, batches, default_num_shards, eval_batches, merge_states
 from torch_on_tpu.io.data.placement import process_rows, to_global
 from torch_on_tpu.io.data.sources import (
   BLOCK_BYTES,
   BLOCK_ROWS,
   HFDataset,
+  JsonFile,
   JsonLines,
   Parquet,
   Source,
@@ -40,6 +44,7 @@ __all__ = [
   "EmptySplit",
   "STATE_VERSION",
   "Batches",
+  "JsonFile",
   "HFDataset",
   "JsonLines",
   "Parquet",
@@ -49,6 +54,7 @@ __all__ = [
   "Tokenizer",
   "batches",
   "build_tokenizer",
+  "chat",
   "check_model_fit",
   "default_corpus",
   "default_num_shards",

@@ -9,6 +9,7 @@ it re-reads one block per shard and continues exactly, on any process count.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 import threading
@@ -21,6 +22,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from torch_on_tpu.errors import TorchOnTpuError, arg, args
+from torch_on_tpu.io.data import chat
 from torch_on_tpu.io.data.sources import source
 from torch_on_tpu.io.data.stream import Stream, pack
 from torch_on_tpu.io.data.tokenizer import Tokenizer
@@ -68,7 +70,8 @@ class Batches:
   position after the last batch *returned*, however far the thread has run.
   """
 
-  def __init__(self, items: Iterator, state: dict, shards: range, gather: bool, prefetch: int):
+  def __init__(self, items: Iterator, state: dict, shards: range, gather: bool, prefetch: int, stats=None):
+    self.stats = stats  # chat data's `chat.Stats` (kept and dropped samples); None for text
     self._state = state
     self._shards = shards  # the data shards this process reads
     self._gather = gather
@@ -180,7 +183,9 @@ def batches(
   prefetch: int = 2,
   process_index: int | None = None,
   process_count: int | None = None,
-  field: str = "text",
+  field: str | None = None,
+  data_format: str = "text",
+  sample_processor=None,
 ) -> Batches:
   """This process's endless stream of packed batches: its rows of the global batch.
 
@@ -194,9 +199,18 @@ def batches(
   document-masking convention) and `segment_ids` (document number within the
   row) when asked. `num_shards` defaults to `default_num_shards`;
   `source_spec` is a `Source` or anything `source()` takes; `state` is a
-  previous `Batches.state()` (from any process count).
+  previous `Batches.state()` (from any process count). `field` is the text's
+  (default "text"). `data_format="chat"` reads conversations instead (`chat`:
+  `field` default "messages", or `sample_processor(record) -> messages`):
+  rows of whole samples whose labels are -100 but on the answers.
   """
-  corpus = source(source_spec, field=field)
+  if data_format not in ("text", "chat"):
+    raise TorchOnTpuError(f"{arg('data_format', data_format)} is not one of text, chat; pick one of those.")
+  is_chat = data_format == "chat"
+  if is_chat:
+    corpus = chat.conversations(source_spec, field=field, sample_processor=sample_processor)
+  else:
+    corpus = source(source_spec, field=field or "text")
   process_index = jax.process_index() if process_index is None else process_index
   process_count = jax.process_count() if process_count is None else process_count
   if not 0 <= process_index < process_count:
@@ -225,6 +239,7 @@ def batches(
     seqlen=seqlen,
     global_batch_size=global_batch_size,
     num_shards=shards,
+    **({"format": "chat"} if is_chat else {}),
   )
   rows = global_batch_size // shards
   local = global_batch_size // process_count
@@ -247,8 +262,9 @@ def batches(
           f"a state from all processes' Batches.state() or data.merge_states."
         )
       positions[shard] = [int(x) for x in state["shards"][shard]]
+  stats = chat.Stats(seqlen) if is_chat else None
   packers = [
-    pack(
+    (functools.partial(chat.pack, stats=stats) if is_chat else pack)(
       Stream(
         corpus, tokenizer, split=split, val_fraction=val_fraction, seed=seed, shuffle=shuffle,
         shard_index=shard, shard_count=shards,
@@ -259,7 +275,7 @@ def batches(
   ]
   items = _rows(packers, start - mine.start * rows, stop - mine.start * rows)
   gather = process_count > 1 and jax.process_count() > 1
-  return Batches(items, {**config, "shards": positions}, mine, gather, prefetch)
+  return Batches(items, {**config, "shards": positions}, mine, gather, prefetch, stats)
 
 
 def eval_batches(

@@ -6,6 +6,9 @@ a shard never reads what another shard owns. Everything is local: files on
 disk, a HF `datasets` directory, or, with none given, the Python standard
 library's own `.py` files, which every machine that runs this package has.
 A document hash splits every source into train and a held-out validation set.
+With `field=None` the record-holding sources (JSON lines, JSON, Parquet,
+datasets) yield whole records (dicts) rather than text: chat data (`chat.py`)
+reads its conversations from them.
 """
 
 from __future__ import annotations
@@ -73,9 +76,9 @@ class TextFiles(Source):
 
 
 class JsonLines(Source):
-  """JSONL files, one JSON object per line; the document is the string in `field`."""
+  """JSONL files, one JSON object per line; the document is the string in `field` (None: the record)."""
 
-  def __init__(self, paths: Sequence, *, field: str = "text", block_bytes: int = BLOCK_BYTES):
+  def __init__(self, paths: Sequence, *, field: str | None = "text", block_bytes: int = BLOCK_BYTES):
     self.paths = [Path(p) for p in paths]
     self.field = field
     self.name = _describe(self.paths)
@@ -103,6 +106,9 @@ class JsonLines(Source):
         raise TorchOnTpuError(
           f"JSONL file '{path}' has a line that is not JSON ({e}); fix or remove it."
         ) from None
+      if self.field is None and isinstance(record, dict):
+        docs.append(record)
+        continue
       if not isinstance(record, dict) or self.field not in record:
         present = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise TorchOnTpuError(
@@ -114,9 +120,9 @@ class JsonLines(Source):
 
 
 class Parquet(Source):
-  """Parquet files; the document is the string column `field`, read a row range at a time."""
+  """Parquet files; the document is the string column `field` (None: the row), read a row range at a time."""
 
-  def __init__(self, paths: Sequence, *, field: str = "text", block_rows: int = BLOCK_ROWS):
+  def __init__(self, paths: Sequence, *, field: str | None = "text", block_rows: int = BLOCK_ROWS):
     import pyarrow.parquet as pq
 
     self.paths = [Path(p) for p in paths]
@@ -126,7 +132,7 @@ class Parquet(Source):
     for index, path in enumerate(self.paths):
       meta = pq.ParquetFile(path)
       columns = meta.schema_arrow.names
-      if field not in columns:
+      if field is not None and field not in columns:
         raise TorchOnTpuError(
           f"Parquet file '{path}' has no column '{field}' (it has {columns}); name one of those with {named('field')}."
         )
@@ -142,15 +148,17 @@ class Parquet(Source):
     import pyarrow.parquet as pq
 
     index, group, start, stop = self._blocks[block]
-    table = pq.ParquetFile(self.paths[index]).read_row_group(group, columns=[self.field])
+    table = pq.ParquetFile(self.paths[index]).read_row_group(group, columns=None if self.field is None else [self.field])
+    if self.field is None:
+      return table.slice(start, stop - start).to_pylist()
     values = table.column(0).slice(start, stop - start).to_pylist()
     return [_as_text(v, self.field, self.paths[index]) for v in values]
 
 
 class HFDataset(Source):
-  """A HF `datasets.Dataset` saved with `save_to_disk` (memory-mapped Arrow, read offline)."""
+  """A HF `datasets.Dataset` saved with `save_to_disk` (memory-mapped Arrow, read offline); `field=None`: whole rows."""
 
-  def __init__(self, path, *, field: str = "text", block_rows: int = BLOCK_ROWS):
+  def __init__(self, path, *, field: str | None = "text", block_rows: int = BLOCK_ROWS):
     import datasets
 
     self.path = Path(path)
@@ -162,11 +170,11 @@ class HFDataset(Source):
         f"'{path}' holds a DatasetDict with splits {list(ds)}; point at one split's directory "
         f"(e.g. '{Path(path) / next(iter(ds))}')."
       )
-    if field not in ds.column_names:
+    if field is not None and field not in ds.column_names:
       raise TorchOnTpuError(
         f"Dataset '{path}' has no column '{field}' (it has {ds.column_names}); name one of those with {named('field')}."
       )
-    self._ds = ds.select_columns([field])
+    self._ds = ds if field is None else ds.select_columns([field])
     self._blocks = [(a, min(a + block_rows, len(ds))) for a in range(0, len(ds), block_rows)]
     self.fingerprint = digest(["hf", field, block_rows, ds._fingerprint, len(ds)])
 
@@ -175,7 +183,56 @@ class HFDataset(Source):
 
   def read(self, block):
     start, stop = self._blocks[block]
+    if self.field is None:
+      return [self._ds[i] for i in range(start, stop)]
     return [_as_text(v, self.field, self.path) for v in self._ds[start:stop][self.field]]
+
+
+class JsonFile(Source):
+  """`.json` files each holding an array of records (or JSON lines), as `datasets.load_dataset("json")`
+  reads them; a file is parsed whole, once, and cut into blocks of `block_rows` records."""
+
+  def __init__(self, paths: Sequence, *, field: str | None = "text", block_rows: int = BLOCK_ROWS):
+    self.paths = [Path(p) for p in paths]
+    self.field = field
+    self.name = _describe(self.paths)
+    self._records = [self._load(p) for p in self.paths]
+    self._blocks = [(i, a, min(a + block_rows, len(r))) for i, r in enumerate(self._records) for a in range(0, len(r), block_rows)]
+    self.fingerprint = digest(["json", field, block_rows, [(p.name, p.stat().st_size) for p in self.paths]])
+    if self._blocks:
+      self.read(0)  # a wrong field name fails here
+
+  @staticmethod
+  def _load(path: Path) -> list:
+    text = path.read_text(encoding="utf-8")
+    try:
+      records = json.loads(text)
+    except json.JSONDecodeError:
+      try:
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+      except json.JSONDecodeError as e:
+        raise TorchOnTpuError(f"JSON file '{path}' is neither a JSON array nor JSON lines ({e}); fix it.") from None
+    if isinstance(records, dict) and len(records) == 1 and isinstance(next(iter(records.values())), list):
+      records = next(iter(records.values()))  # {"data": [...]}: the one list it holds
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+      raise TorchOnTpuError(f"JSON file '{path}' does not hold a list of records (JSON objects); write one.")
+    return records
+
+  def __len__(self):
+    return len(self._blocks)
+
+  def read(self, block):
+    index, start, stop = self._blocks[block]
+    records = self._records[index][start:stop]
+    if self.field is None:
+      return records
+    missing = next((r for r in records if self.field not in r), None)
+    if missing is not None:
+      raise TorchOnTpuError(
+        f"JSON file '{self.paths[index]}' has no field '{self.field}' (a record has fields {sorted(missing)}); "
+        f"name one of those with {named('field')}."
+      )
+    return [_as_text(r[self.field], self.field, self.paths[index]) for r in records]
 
 
 def default_corpus() -> TextFiles:
@@ -189,13 +246,14 @@ def default_corpus() -> TextFiles:
   return TextFiles(paths, name=f"python-stdlib-{version}")
 
 
-def source(spec=None, *, field: str = "text", lines: bool = False) -> Source:
+def source(spec=None, *, field: str | None = "text", lines: bool = False, records: bool = False) -> Source:
   """A `Source` from a spec: None (the default corpus), a path, a glob, or a list of them.
 
   A directory written by `datasets.save_to_disk` is a `HFDataset`; other
   directories stand for every file under them. `.jsonl`/`.ndjson` files are
   JSON lines and `.parquet` files Parquet (both read `field`); anything else is
-  text (`lines=True`: a document per line).
+  text (`lines=True`: a document per line). `records=True` asks for records
+  (chat data): `.json` files are then a `JsonFile`, text files are refused.
   """
   if spec is None:
     return default_corpus()
@@ -215,7 +273,7 @@ def source(spec=None, *, field: str = "text", lines: bool = False) -> Source:
       if any(os.path.exists(os.path.join(item, m)) for m in _HF_DATASET_MARKERS):
         if len(specs) > 1:
           raise TorchOnTpuError(f"Dataset directory '{item}' must be the only data path; pass it alone.")
-        return HFDataset(item, field=field)
+        return HFDataset(item, field=field)  # whole rows with field=None
       hits = sorted(p for p in Path(item).rglob("*") if p.is_file() and not p.name.startswith("."))
       if not hits:
         raise TorchOnTpuError(f"Data directory '{item}' has no files; point at a directory with data files.")
@@ -226,6 +284,12 @@ def source(spec=None, *, field: str = "text", lines: bool = False) -> Source:
   if len(kinds) > 1:
     raise TorchOnTpuError(f"Data paths mix file kinds {sorted(kinds)}; pass files of one kind.")
   kind = kinds.pop()
+  if records and kind == "text" and all(p.suffix.lower() == ".json" for p in paths):
+    return JsonFile(paths, field=field)
+  if records and kind == "text":
+    raise TorchOnTpuError(
+      f"Data file '{paths[0]}' is plain text, which holds no records; chat data is JSON, JSONL, Parquet or a datasets directory."
+    )
   if kind == "jsonl":
     return JsonLines(paths, field=field)
   if kind == "parquet":

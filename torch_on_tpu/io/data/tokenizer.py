@@ -26,12 +26,17 @@ _EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 
 
 class Tokenizer:
-  """A HF `tokenizers.Tokenizer` plus the EOS id that packing puts after each document."""
+  """A HF `tokenizers.Tokenizer` plus the EOS id that packing puts after each document.
 
-  def __init__(self, backend, eos_id: int, name: str):
+  `chat` is the transformers tokenizer of a directory whose config has a chat template
+  (chat data renders conversations with it); None elsewhere.
+  """
+
+  def __init__(self, backend, eos_id: int, name: str, chat=None):
     self.backend = backend
     self.eos_id = int(eos_id)
     self.name = name
+    self.chat = chat
 
   @property
   def vocab_size(self) -> int:
@@ -114,9 +119,10 @@ def _pretrained(path: Path, eos_token: str | None) -> Tokenizer:
       f"Tokenizer directory '{path}' has no fast tokenizer; save one with a tokenizer.json "
       f"(load it in transformers and call save_pretrained)."
     )
+  chat = hf if getattr(hf, "chat_template", None) else None
   if eos_token is None and hf.eos_token_id is not None:
-    return Tokenizer(backend, hf.eos_token_id, str(path))
-  return Tokenizer(backend, _eos_id(backend, eos_token, path), str(path))
+    return Tokenizer(backend, hf.eos_token_id, str(path), chat)
+  return Tokenizer(backend, _eos_id(backend, eos_token, path), str(path), chat)
 
 
 def _eos_id(backend, eos_token: str | None, path) -> int:

@@ -25,7 +25,9 @@ class TorchtitanFamily(Family):
   name = "torchtitan"
 
   def claims(self, module):
-    return is_torchtitan(module)
+    # The model, or a peft wrapper around one (LoRA: `training.lora.wrap`), whose attributes reach the model's.
+    inner = getattr(getattr(module, "base_model", None), "model", None)  # peft's PeftModel → LoraModel → model
+    return is_torchtitan(module) or (inner is not None and is_torchtitan(inner))
 
   def init_fn(self, module):
     if callable(getattr(module, "init_states", None)):
