@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 DTYPES = ("float32", "bfloat16", "bfloat16-all")
 # Flags that change what the saved state is (its layout, dtypes, model): a resume must keep them.
-STATE_FLAGS = ("model", "model_impl", "config", "dtype", "lora_rank", "lora_targets", "mtp_layers")
+STATE_FLAGS = ("model", "model_impl", "config", "dtype", "adam_states", "lora_rank", "lora_targets", "mtp_layers")
 ATTENTION = ("auto", "xla", "splash", "cudnn", "none")
 
 
@@ -161,6 +161,7 @@ class Flags:
   collective_matmul: bool = flag(False, "on TPU, let the compiler run sharded matmuls as collective matmuls (windowed einsums passing blocks round the ring) instead of whole all-gathers and reduce-scatters; off, FSDP moves its ideal bytes (torch_on_tpu.runtime.xla_flags.COLLECTIVE_MATMUL)")
   attention: str = flag("auto", "attention kernel: auto (splash on TPU, cuDNN on GPU, blocked XLA on CPU), xla, splash, cudnn, none (torchax's own SDPA lowering)", choices=ATTENTION)
   dtype: str = flag("float32", "float32; bfloat16 (bf16 compute, fp32 master weights and Adam); bfloat16-all", choices=DTYPES)
+  adam_states: str | None = flag(None, "the dtype AdamW's moments are stored in: float32, or bfloat16 (torchtitan's optimizer.implementation=fused_opt_states_bf16): half the optimizer state's memory; either way computed in fp32 from the stored values and rounded to nearest on store, as torch's fused AdamW does on fp32 weights with bf16 states (default: the weights' dtype; fp32 weights: optax's AdamW as is)", choices=("float32", "bfloat16"))
   float8: str | None = flag(None, "float8 matmuls (torchao's Float8Linear, torchtitan's filter): rowwise, tensorwise or rowwise_with_gw_hp; weights and checkpoints stay in --dtype (default: off)", choices=_float8_recipes)
   float8_skip: str = flag("lm_head", "with --float8: comma-separated names of linears kept in high precision (linears with a dim not a multiple of 16 always are)")
   grad_accum: int = flag(1, "microbatches per step (activations shrink by this factor)", minimum=1)

@@ -717,18 +717,26 @@ def _optimizer(flags: Flags, jm, lora: bool):
   weight decay (the first pattern its original name matches), each lr scaled by the one schedule as
   torchtitan's scheduler scales every group's: one Adam, then per-parameter decay and step size
   (optax's AdamW update, u + wd·p then −lr·u, with wd and lr by parameter)."""
+  import jax.numpy as jnp
   import optax
 
   from torch_on_tpu.errors import TorchOnTpuError, named
-  from torch_on_tpu.training import lr_schedule
+  from torch_on_tpu.training import lr_schedule, optimizers
 
   schedule = lambda lr: lr_schedule.warmup_stable_decay(  # noqa: E731
     lr, flags.steps, warmup_steps=flags.warmup_steps, decay_ratio=flags.decay_ratio, decay=flags.lr_decay, min_lr_factor=flags.min_lr_factor,
   )
+  # --adam_states (bf16 weights: bf16): the moments stored in that dtype and computed in fp32, the hyperparameters too
+  # (inject_hyperparams would cast them to bf16 weights' dtype: β2=0.999 becomes 1, 0.95 becomes 0.949); fp32
+  # weights without it: optax's AdamW as ever (older checkpoints' tree)
+  state_dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}.get(flags.adam_states) or (
+    jnp.bfloat16 if flags.dtype == "bfloat16-all" else None)
+  wide = dict(hyperparam_dtype=jnp.float32) if state_dtype else {}
   if not flags.param_groups:
-    return optax.inject_hyperparams(optax.adamw)(
-      learning_rate=schedule(flags.lr), b1=flags.beta1, b2=flags.beta2, eps=flags.eps, weight_decay=flags.weight_decay
-    )
+    settings = dict(learning_rate=schedule(flags.lr), b1=flags.beta1, b2=flags.beta2, eps=flags.eps, weight_decay=flags.weight_decay)
+    if not state_dtype:
+      return optax.inject_hyperparams(optax.adamw)(**settings)
+    return optax.inject_hyperparams(optimizers.adamw, static_args=("state_dtype",), **wide)(**settings, state_dtype=state_dtype)
   if lora:
     raise TorchOnTpuError(f"{named('param_groups')} with LoRA: the adapters alone train, with one AdamW; drop one of the two.")
   base = dict(lr=flags.lr, beta1=flags.beta1, beta2=flags.beta2, eps=flags.eps, weight_decay=flags.weight_decay)
@@ -757,11 +765,11 @@ def _optimizer(flags: Flags, jm, lora: bool):
   if unmatched:
     raise TorchOnTpuError(f"{named('param_groups')}: the pattern {unmatched[0]!r} matches no parameter of the model; fix or drop it.")
   setting = lambda key, name: ([*groups, base][chosen[key]])[name]  # noqa: E731
-  decay = optax.stateless(lambda u, p: {k: v + setting(k, "weight_decay") * p[k] for k, v in u.items()})
+  decay = optax.stateless(lambda u, p: {k: v + setting(k, "weight_decay") * p[k].astype(v.dtype) for k, v in u.items()})  # in the update's precision
   step_size = optax.stateless(lambda u, p: {k: v * (setting(k, "lr") / flags.lr) for k, v in u.items()})
   return optax.chain(
-    optax.scale_by_adam(b1=flags.beta1, b2=flags.beta2, eps=flags.eps), decay,
-    optax.inject_hyperparams(optax.scale_by_learning_rate)(learning_rate=schedule(flags.lr)), step_size,
+    optimizers.scale_by_adam(b1=flags.beta1, b2=flags.beta2, eps=flags.eps, state_dtype=state_dtype), decay,
+    optax.inject_hyperparams(optax.scale_by_learning_rate, **wide)(learning_rate=schedule(flags.lr)), step_size,
   )
 
 

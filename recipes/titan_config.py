@@ -86,6 +86,10 @@ _REMAT = {"FullAC": "full", "SelectiveAC": "auto", "MemoryBudgetAC": "auto"}  # 
 # Model parts whose variants compute the same thing and differ in how they communicate (DeepEP's
 # dispatch, async-TP's all-gather fused into the QKV GEMM): the bridge shards by its own maps anyway.
 _SAME_MATH_PARTS = ("TokenDispatcher", "FusedQKVLinear")
+# Module configs the same computation as the registry's other one: async-TP's row-parallel output
+# projection (`tp_gemm_backend="dist_gemm"`) is a stock rowwise linear whose TP reduce-scatter torch
+# fuses into its GEMM; the bridge's tp is XLA's collectives either way.
+_SAME_MATH_PAIRS = {("RowParallelLinear", "Linear"), ("AllGatherFusedFeedForward", "FeedForward")}
 _ADAMW_KWARGS = {"lr", "betas", "eps", "weight_decay", "fused", "foreach", "capturable", "differentiable", "maximize", "amsgrad"}
 
 
@@ -130,6 +134,7 @@ def parse(args: list[str]):
   program = sys.argv[0]
   sys.argv[0] = f"{python_command()} -m recipes.torchtitan {names}"  # what tyro's help and errors tell one to run
   said = io.StringIO()
+  args, symm_mem = _symm_mem_switch(args)
   try:
     with contextlib.redirect_stderr(said):
       try:
@@ -154,6 +159,8 @@ def parse(args: list[str]):
   finally:
     titan_log.setLevel(level)
     sys.argv[0] = program
+  if symm_mem:
+    config.parallelism.enable_fsdp_symm_mem = True  # as asked; read past below (READ_PAST: the same gradients)
   _apply_overrides(config)
   return config
 
@@ -345,6 +352,25 @@ def _apply_overrides(config) -> None:
     raise TorchOnTpuError(f"torchtitan's override.imports could not be applied: {first_line(e)}.") from None
 
 
+def _symm_mem_switch(args: list[str]) -> tuple[list[str], bool]:
+  """torchtitan's `--parallelism.enable-fsdp-symm-mem` taken out of `args` where no CUDA GPU is (its
+  config check refuses it there; FSDP's collectives over CUDA symmetric memory compute the same
+  gradients as XLA's), and whether it was on."""
+  import torch
+
+  if torch.cuda.is_available():
+    return list(args), False
+  kept, on = [], False
+  for word in args:
+    key, eq, value = word[2:].partition("=") if word.startswith("--") else ("", "", "")
+    key = key.replace("-", "_")
+    if key in ("parallelism.enable_fsdp_symm_mem", "parallelism.no_enable_fsdp_symm_mem"):
+      on = key.startswith("parallelism.enable") and (not eq or value.lower() in ("true", "1"))
+      continue
+    kept.append(word)
+  return kept, on
+
+
 # torchtitan's float8 converter refuses to build without an NVIDIA GPU of SM89 or later (or an MI300).
 _FLOAT8_GPU_CHECK = "Failed to swap to Float8Linear because float8 is only supported on NVIDIA SM89"
 
@@ -406,8 +432,13 @@ def to_flags(config, devices: int, used: set[str] | None = None) -> tuple[dict, 
     return values[path]
 
   flags, notes = {}, []
-  family, flavor, mtp, model_flags = _model(config)
+  family, flavor, mtp, model_flags, variants = _model(config)
   flags.update(model=f"{family}:{flavor}", mtp_layers=mtp, **model_flags)
+  if variants:
+    notes.append(
+      f"torchtitan's model builds {', '.join(variants)}: how torch's CUDA kernels communicate, the same computation "
+      f"as {family}:{flavor}'s own modules, whose collectives XLA places here."
+    )
   flags.update(_loss(config, mtp))
   flags.update(_parallelism(take, devices, notes))
   flags.update(seqlen=take("training.seq_len"), steps=take("training.steps"), clip_norm=take("training.max_norm"))
@@ -449,8 +480,8 @@ def _same(a, b) -> bool:
     return repr(a) == repr(b)
 
 
-def _model(config) -> tuple[str, str, int, dict]:
-  """(family, flavor, MTP layers, model flags) of the config's model spec, which must be the registry's
+def _model(config) -> tuple[str, str, int, dict, list[str]]:
+  """(family, flavor, MTP layers, model flags, the same-math variants it holds) of the config's model spec, which must be the registry's
   flavor as is, or as the registry builds it with another attention backend (`--attn_backend`), or with
   float8 linears that `--float8` and `--float8_skip` make as torchtitan's converter did."""
   from torch_on_tpu.models.torchtitan import LANGUAGE_FAMILIES
@@ -465,7 +496,8 @@ def _model(config) -> tuple[str, str, int, dict]:
   registry = importlib.import_module(f"torchtitan.models.{spec.name}")
   mtp_kwargs = {"num_mtp_layers": mtp} if mtp else {}
   reference = registry.model_registry(spec.flavor, **mtp_kwargs).model
-  differences = list(_differences(spec.model, reference, "model_spec.model"))
+  variants: list[str] = []
+  differences = list(_differences(spec.model, reference, "model_spec.model", variants))
   backend = {}
   if differences and _attention_backend_differs(differences):
     for name in ATTENTION_BACKENDS:
@@ -482,7 +514,7 @@ def _model(config) -> tuple[str, str, int, dict]:
       f"torchtitan's config changes {spec.name}:{spec.flavor}'s model at {path} ({_short(ours)} instead of "
       f"{_short(theirs)}); the recipe trains the registry's flavors as they are (float8: --float8=rowwise)."
     )
-  return spec.name, spec.flavor, mtp, {**backend, **float8, **lora}
+  return spec.name, spec.flavor, mtp, {**backend, **float8, **lora}, sorted(set(variants))
 
 
 # torchtitan's attention backends (`model_registry(..., attn_backend=)`), each run by the bridge's kernels.
@@ -590,28 +622,33 @@ def _module_path(fqn: str) -> str:
   return re.sub(r"\[(\d+)\]", r".\1", fqn)
 
 
-def _differences(a, b, path):
-  """(path, a's, b's) where two model configs differ; functions compared by name and arguments."""
+def _differences(a, b, path, variants: list | None = None):
+  """(path, a's, b's) where two model configs differ; functions compared by name and arguments. Parts
+  of the same math in another class (`_same_math_part`) are compared by their fields, their class
+  names added to `variants`."""
   if dataclasses.is_dataclass(a) and type(a) is type(b):
     for field in dataclasses.fields(a):
-      yield from _differences(getattr(a, field.name), getattr(b, field.name), f"{path}.{field.name}")
+      yield from _differences(getattr(a, field.name), getattr(b, field.name), f"{path}.{field.name}", variants)
   elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
     for i, (x, y) in enumerate(zip(a, b)):
-      yield from _differences(x, y, f"{path}[{i}]")
+      yield from _differences(x, y, f"{path}[{i}]", variants)
   elif isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
     for key in a:
-      yield from _differences(a[key], b[key], f"{path}[{key!r}]")
+      yield from _differences(a[key], b[key], f"{path}[{key!r}]", variants)
   elif _same_math_part(a, b):
+    if variants is not None:
+      variants.append(type(a).__qualname__.split(".")[0])
     common = {f.name for f in dataclasses.fields(a)} & {f.name for f in dataclasses.fields(b)}
     for name in sorted(common):
-      yield from _differences(getattr(a, name), getattr(b, name), f"{path}.{name}")
+      yield from _differences(getattr(a, name), getattr(b, name), f"{path}.{name}", variants)
   elif not _same(a, b) and _short(a, 10**6) != _short(b, 10**6):
     yield path, a, b
 
 
 def _same_math_part(a, b) -> bool:
   names = type(a).__qualname__.split(".")[0], type(b).__qualname__.split(".")[0]
-  return dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b) and any(all(n.endswith(s) for n in names) for s in _SAME_MATH_PARTS)
+  return dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b) and (
+    any(all(n.endswith(s) for n in names) for s in _SAME_MATH_PARTS) or names in _SAME_MATH_PAIRS)
 
 
 def _short(value, limit: int = 60) -> str:
@@ -688,13 +725,10 @@ def _optimizer(take) -> dict:
   """AdamW (or Adam without weight decay, the same update); several param groups as --param_groups,
   each group's settings for the parameters its pattern matches first, the last group's as --lr etc."""
   groups = take("optimizer.param_groups")
-  if take("optimizer.implementation") == "fused_opt_states_bf16":
-    raise TorchOnTpuError(
-      "torchtitan's optimizer.implementation=fused_opt_states_bf16 is its fused CUDA AdamW keeping the moments in bf16, "
-      "which the recipe does only with all state in bf16 (--dtype=bfloat16-all); drop it."
-    )
   settings = [_adamw(group) for group in groups]
   flags = dict(settings[-1])
+  if take("optimizer.implementation") == "fused_opt_states_bf16":  # its fused AdamW on bf16 moments (Adam/AdamW only, as _adamw's)
+    flags["adam_states"] = "bfloat16"
   if len({repr(s) for s in settings}) > 1:
     flags["param_groups"] = json.dumps([{"pattern": g.pattern, **s} for g, s in zip(groups, settings)])
   return flags

@@ -29,7 +29,6 @@ REFUSED = {
   "nvfp4|mxfp8": r"torchtitan could not build its config .*(NVFP4|MXFP8)",
   "671b_float8": r"changes deepseek_v3:671B's model at .*inner_experts \(.*Float8GroupedExper",
   "flex_flash": r"could not build its config .*Flash backend",
-  "dist_gemm": r"changes llama3:debugmodel's model at .*attention\.wo",
   "^sft_qwen3": r"dataloader.dataset_path='openai/gsm8k' is a download by name",
   "minimal_async_ep": r"parallelism degrees .* do not multiply to the 8 devices here; .*--cpu_devices=N",
   "_mm$": r"multimodal data loader of torchtitan's .* imports torchvision.* --model=muse_glimmer:<flavor>",
@@ -82,8 +81,10 @@ def test_llama3_8b_is_torchtitans_run_on_the_recipes_flags():
   assert any("hf_assets_path './assets/hf/Llama-3.1-8B' holds no tokenizer.json" in n for n in notes), notes
   with pytest.raises(TorchOnTpuError, match=r"torchtitan's lr_scheduler\.total_steps=100 has no counterpart.*drop it \(its default is None\)"):
     titan_config.to_flags(titan_config.parse(["--module", "llama3", "--config", "llama3_8b", "--lr_scheduler.total_steps=100"]), devices=8)
-  with pytest.raises(TorchOnTpuError, match=r"fused_opt_states_bf16 is its fused CUDA AdamW keeping the moments in bf16"):
-    titan_config.to_flags(titan_config.parse(["--module", "llama3", "--config", "llama3_8b", "--optimizer.implementation=fused_opt_states_bf16"]), devices=8)
+  bf16_states, _ = titan_config.to_flags(
+    titan_config.parse(["--module", "llama3", "--config", "llama3_8b", "--optimizer.implementation=fused_opt_states_bf16"]), devices=8)
+  assert (bf16_states["adam_states"], bf16_states["dtype"]) == ("bfloat16", "bfloat16")  # its fused AdamW's bf16 moments
+  assert "adam_states" not in flags
 
 
 @pytest.mark.parametrize("kw", [
@@ -234,6 +235,20 @@ def test_a_float8_converted_model_maps_onto_the_float8_flags_that_convert_it_the
   assert flags["float8"] in float8.RECIPES and len(skip) == 3 * 6 and all(".feed_forward.w" in n for n in skip), flags
   held = {type(m).__name__ for m in config.model_spec.model.build().modules()}  # built as torchtitan builds it
   assert "Float8Linear" in held
+
+
+def test_async_tp_and_symmetric_memory_fsdp_are_the_same_computation_here():
+  """torchtitan's async-TP config (its attention and feed-forward with the TP collectives fused into
+  their GEMMs) and FSDP over CUDA symmetric memory (which torchtitan's own check refuses without an
+  SM90 GPU) compute what the stock model and plain FSDP do: mapped, the switch said in a line."""
+  config = titan_config.parse(["--module", "llama3", "--config", "llama3_debugmodel_dist_gemm", "--parallelism.tensor_parallel_degree=2"])
+  flags, notes = titan_config.to_flags(config, devices=8)
+  assert (flags["model"], flags["tp"]) == ("llama3:debugmodel", 2)
+  assert any("AllGatherFusedFeedForward, AllGatherFusedQKVLinear, RowParallelLinear" in n and "the same computation" in n for n in notes), notes
+  config = titan_config.parse(["--module", "llama3", "--config", "llama3_debugmodel", "--parallelism.enable-fsdp-symm-mem"])
+  assert config.parallelism.enable_fsdp_symm_mem
+  _, notes = titan_config.to_flags(config, devices=2)
+  assert any("parallelism.enable_fsdp_symm_mem=True" in n and "the same gradients" in n for n in notes), notes
 
 
 def test_torchtitans_float8_configs_built_for_a_gpu_map_onto_the_float8_flags():

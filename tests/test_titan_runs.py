@@ -104,7 +104,7 @@ def test_sft_trains_on_the_answers_of_its_chat_data(tmp_path, capsys, monkeypatc
 
 # torchtitan's integration cases the suite runs (the whole list: tools/titan_integration.py): a
 # rerun in one dump folder with another config and layout, profiling with TensorBoard, a refusal.
-SLICE = ("2d_eager", "optimizer_bf16_states")
+SLICE = ("2d_eager", "muse_glimmer_mm_fsdp+tp+sp")
 
 
 def test_a_slice_of_torchtitans_integration_cases_trains_at_plain_fsdps_losses_or_is_refused(tmp_path):
@@ -114,8 +114,8 @@ def test_a_slice_of_torchtitans_integration_cases_trains_at_plain_fsdps_losses_o
   verdicts = {name: tool.run_case(cases[name], tmp_path, references) for name in SLICE}
   assert [o.verdict for o in verdicts["2d_eager"]] == ["trained", "trained"], verdicts["2d_eager"]
   assert all(o.losses for o in verdicts["2d_eager"])
-  (bf16,) = verdicts["optimizer_bf16_states"]
-  assert bf16.verdict == "refused" and "optimizer.implementation=fused_opt_states_bf16" in bf16.reason
+  (multimodal,) = verdicts["muse_glimmer_mm_fsdp+tp+sp"]
+  assert multimodal.verdict == "refused" and "trains language models on text or chat data only" in multimodal.reason
 
 
 def test_the_commands_a_run_prints_run_pasted_into_a_fresh_shell_at_the_repo_root(tmp_path):
