@@ -488,7 +488,16 @@ def _resume(ckpt, step, flags: Flags, config: dict, main: bool):
   target = step.abstract_state()
   dropped = {"optimizer": "opt_state", "step": "step"}
   partial = {k: v for k, v in target.items() if k not in {dropped[p] for p in fresh if p in dropped}}
-  restored = ckpt.restore(partial, step=flags.resume_step, partial=len(partial) < len(target))
+  try:
+    restored = ckpt.restore(partial, step=flags.resume_step, partial=len(partial) < len(target))
+  except TorchOnTpuError as e:
+    listed = str(e).partition(" (")[2]
+    if "does not match the state to restore" in str(e) and set(re.findall(r"(?<![\w/])(\w+)/", listed)) == {"opt_state"}:
+      raise TorchOnTpuError(  # the weights match: an optimizer of another layout (another AdamW setting, an older version)
+        f"{str(e).split(' (')[0]}: its optimizer state has another layout than this run's AdamW; keep its weights and "
+        f"data position and start the optimizer afresh with {arg('resume_fresh', 'optimizer')}."
+      ) from None
+    raise
   _check_same_state(restored.config, config, ckpt.directory / str(restored.step))  # after a fallback
   newer = [s for s in ckpt.all_steps() if s > restored.step]
   ckpt.set_aside(newer, "superseded")

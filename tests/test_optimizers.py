@@ -183,3 +183,19 @@ def test_lora_adapters_alone_get_bf16_moments_and_train():
   assert set(adam.mu) == set(step.trainable) and all("lora_" in k for k in adam.mu)  # the adapters alone
   assert {v.dtype for v in jax.tree.leaves((adam.mu, adam.nu))} == {jnp.dtype(jnp.bfloat16)}
   assert losses[-1] < losses[0]
+
+
+def test_a_checkpoint_whose_optimizer_has_another_layout_says_to_start_the_optimizer_afresh(tmp_path, monkeypatch):
+  """A checkpoint whose weights match but whose optimizer state has another layout (saved by an older
+  version's AdamW, say): one sentence naming --resume_fresh=optimizer, which then resumes it."""
+  flags = llama3.Llama3Flags(log_dir=str(tmp_path / "run"), seqlen=32, global_batch_size=8, steps=1, eval_every=0, save_every=1)
+  llama3.run(flags)
+  other = lambda flags, jm, lora: optax.inject_hyperparams(optimizers.adamw, static_args=("state_dtype",))(  # noqa: E731
+    learning_rate=1e-3, state_dtype=jnp.float32)
+  monkeypatch.setattr(runner, "_optimizer", other)
+  with pytest.raises(tot.TorchOnTpuError) as refused:
+    llama3.run(llama3.Llama3Flags(**{**vars(flags), "steps": 2}))
+  assert str(refused.value).endswith("its optimizer state has another layout than this run's AdamW; keep its weights and "
+                                     "data position and start the optimizer afresh with --resume_fresh=optimizer.")
+  resumed = llama3.run(llama3.Llama3Flags(**{**vars(flags), "steps": 2, "resume_fresh": "optimizer"}))
+  assert [r["step"] for r in resumed["records"] if "loss" in r] == [2]
