@@ -781,7 +781,8 @@ def _files(config, take, notes: list[str]) -> dict:
   if loader == "MMDataLoader":
     raise TorchOnTpuError(
       "torchtitan's dataloader MMDataLoader feeds images beside the text (a multimodal model's training), and the recipe "
-      "trains language models on text or chat data only; train the family's text model with --model=<family>:<flavor>."
+      "trains language models on text or chat data only; train the family's text model with "
+      f"--model={getattr(config.model_spec, 'name', '<family>')}:<flavor>."
     )
   if loader != "HuggingFaceTextDataLoader":
     raise TorchOnTpuError(

@@ -403,3 +403,15 @@ def test_param_groups_train_each_parameter_as_adamw_with_its_groups_lr_and_weigh
       want[n] = optax.apply_updates(want[n], update)
   for n in want:
     assert jax.numpy.allclose(params[n], want[n], rtol=1e-6, atol=1e-7), n
+
+
+def test_a_multimodal_data_loader_is_refused_naming_the_familys_text_model():
+  """Where torchvision imports, a config reaches torchtitan's MMDataLoader (images beside the text):
+  one sentence, naming the family's text model (a stand-in loader class of that name here, where the
+  registries' torchvision does not import beside the CPU torch)."""
+  config = titan_config.parse(["--module", "llama3", "--config", "llama3_debugmodel"])
+  loader = dataclasses.make_dataclass("Config", [])
+  loader.__qualname__ = "MMDataLoader.Config"
+  config.dataloader = loader()
+  with pytest.raises(TorchOnTpuError, match=r"MMDataLoader feeds images beside the text .* --model=llama3:<flavor>\.$"):
+    titan_config.to_flags(config, devices=8)
